@@ -1,0 +1,414 @@
+//! The exactly-once ClickHouse sink.
+//!
+//! Every checkpoint's output is one batch: the full current values of the windows it changed,
+//! each row tagged with the batch's epoch, written to a data table, then one row in the commit
+//! log. Readers query a view that only looks at epochs present in the commit log and, per window
+//! and source partition, takes the value of the highest epoch. Hence:
+//! - writing a batch twice equals writing it once (same epoch, same values; `argMax` picks one);
+//! - a batch is invisible until its single-row commit-log insert lands, so a reader never sees
+//!   half a batch, however the data insert was split into parts or interrupted;
+//! - no dedup tokens, transactions or `FINAL` are needed, so it holds on ClickHouse 18.16 and on
+//!   a current server alike.
+
+mod schema;
+
+use std::time::Duration;
+
+use clickhouse::Client;
+use serde::{Deserialize, Serialize};
+use tally_core::{Epoch, OutputRow, PartitionId};
+
+pub use schema::TableNames;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("clickhouse {url}: {context}: {source}")]
+    Server {
+        url: String,
+        context: String,
+        source: clickhouse::error::Error,
+    },
+    #[error("clickhouse schema: {0}")]
+    Schema(String),
+    #[error("clickhouse: {0}")]
+    Refused(String),
+}
+
+pub type Result<T, E = SinkError> = std::result::Result<T, E>;
+
+/// A password that never shows in logs or `Debug` output.
+#[derive(Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_empty() { "\"\"" } else { "\"***\"" })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SinkSettings {
+    pub url: String,
+    pub database: String,
+    /// Name of the reader view; the data and commit tables are named after it.
+    pub table: String,
+    pub user: String,
+    pub password: Secret,
+    pub request_timeout: Duration,
+}
+
+/// One checkpoint's output, identified by (job, source partitions, epoch).
+#[derive(Debug, Clone)]
+pub struct Batch<'a> {
+    pub job: &'a str,
+    pub epoch: Epoch,
+    /// (partition, first offset, next offset) of the epoch.
+    pub offsets: Vec<(PartitionId, i64, i64)>,
+    pub rows: &'a [OutputRow],
+    pub event_count: u64,
+    pub revenue_units: i128,
+    pub dead_letters: u64,
+}
+
+impl Batch<'_> {
+    /// Stable id of the batch, e.g. `revenue_agg/orders[0,1,2,3]/42`.
+    pub fn id(&self, source_topic: &str) -> String {
+        let parts: Vec<String> = self.offsets.iter().map(|(p, _, _)| p.to_string()).collect();
+        format!(
+            "{}/{}[{}]/{}",
+            self.job,
+            source_topic,
+            parts.join(","),
+            self.epoch
+        )
+    }
+}
+
+#[derive(Debug, Serialize, clickhouse::Row)]
+struct DataRow<'a> {
+    epoch: u64,
+    source_partition: i32,
+    window_start: u32,
+    window_end: u32,
+    customer_id: &'a str,
+    currency: &'a str,
+    orders: u64,
+    revenue: i64,
+}
+
+#[derive(Debug, Serialize, clickhouse::Row)]
+struct CommitRow {
+    batch_id: String,
+    job: String,
+    epoch: u64,
+    partitions: Vec<i32>,
+    from_offsets: Vec<i64>,
+    to_offsets: Vec<i64>,
+    row_count: u64,
+    event_count: u64,
+    revenue_sum: i128,
+    dead_letters: u64,
+    committed_at: u32,
+}
+
+/// What writing a batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    Written,
+    /// The commit log already had the batch: nothing was written.
+    AlreadyCommitted,
+}
+
+/// Where a fault-injection hook may stop the write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteStep {
+    /// Half the rows are in the data table as a complete insert; the rest and the commit are not.
+    HalfInserted,
+    /// All rows are in the data table; the commit-log row is not.
+    Inserted,
+}
+
+pub struct ClickHouseSink {
+    client: Client,
+    url: String,
+    names: TableNames,
+    version: String,
+}
+
+fn seconds(ms: i64) -> Result<u32> {
+    u32::try_from(ms.div_euclid(1000))
+        .map_err(|_| SinkError::Refused(format!("time {ms} ms does not fit DateTime")))
+}
+
+impl ClickHouseSink {
+    /// Connects and detects the server version.
+    pub async fn connect(settings: &SinkSettings) -> Result<ClickHouseSink> {
+        let client = Client::default()
+            .with_url(&settings.url)
+            .with_user(&settings.user)
+            .with_password(settings.password.expose())
+            // Without it an error in the middle of a SELECT is lost on old servers.
+            .with_setting("wait_end_of_query", "1")
+            .with_validation(false);
+        let names = TableNames::new(&settings.database, &settings.table)?;
+        let mut sink = ClickHouseSink {
+            client,
+            url: settings.url.clone(),
+            names,
+            version: String::new(),
+        };
+        sink.version = sink.fetch_version().await?;
+        Ok(sink)
+    }
+
+    fn err(
+        &self,
+        context: impl Into<String>,
+    ) -> impl FnOnce(clickhouse::error::Error) -> SinkError + '_ {
+        let context = context.into();
+        move |source| SinkError::Server {
+            url: self.url.clone(),
+            context,
+            source,
+        }
+    }
+
+    async fn fetch_version(&self) -> Result<String> {
+        self.client
+            .query("SELECT version()")
+            .fetch_one::<String>()
+            .await
+            .map_err(self.err("reading server version"))
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    pub fn names(&self) -> &TableNames {
+        &self.names
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Re-checks the connection (used while waiting for a server to come back).
+    pub async fn ping(&self) -> Result<String> {
+        self.fetch_version().await
+    }
+
+    /// Creates the database, tables and view when absent and validates what exists.
+    pub async fn ensure_schema(&self) -> Result<()> {
+        schema::ensure(&self.client, &self.names, &self.url).await
+    }
+
+    pub async fn is_committed(&self, epoch: Epoch) -> Result<bool> {
+        let sql = format!(
+            "SELECT count() FROM {} WHERE epoch = ?",
+            self.names.commits_q()
+        );
+        let n = self
+            .client
+            .query(&sql)
+            .bind(epoch.0)
+            .fetch_one::<u64>()
+            .await
+            .map_err(self.err("reading the commit log"))?;
+        Ok(n > 0)
+    }
+
+    pub async fn max_committed_epoch(&self) -> Result<Option<Epoch>> {
+        let sql = format!("SELECT max(epoch), count() FROM {}", self.names.commits_q());
+        let (max, n) = self
+            .client
+            .query(&sql)
+            .fetch_one::<(u64, u64)>()
+            .await
+            .map_err(self.err("reading the commit log"))?;
+        Ok((n > 0).then_some(Epoch(max)))
+    }
+
+    /// Writes a batch idempotently: skip if committed, else data rows then the commit-log row.
+    pub async fn write_batch(
+        &self,
+        batch: &Batch<'_>,
+        source_topic: &str,
+        fault: impl Fn(WriteStep),
+    ) -> Result<WriteOutcome> {
+        if self.is_committed(batch.epoch).await? {
+            return Ok(WriteOutcome::AlreadyCommitted);
+        }
+        let half = batch.rows.len() / 2;
+        if !batch.rows.is_empty() {
+            self.insert_rows(batch.epoch, &batch.rows[..half]).await?;
+            fault(WriteStep::HalfInserted);
+            self.insert_rows(batch.epoch, &batch.rows[half..]).await?;
+        }
+        fault(WriteStep::Inserted);
+        let commit = CommitRow {
+            batch_id: batch.id(source_topic),
+            job: batch.job.to_owned(),
+            epoch: batch.epoch.0,
+            partitions: batch.offsets.iter().map(|o| o.0).collect(),
+            from_offsets: batch.offsets.iter().map(|o| o.1).collect(),
+            to_offsets: batch.offsets.iter().map(|o| o.2).collect(),
+            row_count: batch.rows.len() as u64,
+            event_count: batch.event_count,
+            revenue_sum: batch.revenue_units,
+            dead_letters: batch.dead_letters,
+            committed_at: u32::try_from(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
+            )
+            .unwrap_or(u32::MAX),
+        };
+        let mut insert = self
+            .client
+            .insert::<CommitRow>(&self.names.commits)
+            .await
+            .map_err(self.err("starting commit-log insert"))?;
+        insert
+            .write(&commit)
+            .await
+            .map_err(self.err("writing commit-log row"))?;
+        insert
+            .end()
+            .await
+            .map_err(self.err(format!("committing batch {}", commit.batch_id)))?;
+        Ok(WriteOutcome::Written)
+    }
+
+    async fn insert_rows(&self, epoch: Epoch, rows: &[OutputRow]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut insert = self
+            .client
+            .insert::<DataRow<'_>>(&self.names.data)
+            .await
+            .map_err(self.err("starting data insert"))?
+            .with_setting("max_insert_block_size", (rows.len() + 1).to_string());
+        for row in rows {
+            let data = DataRow {
+                epoch: epoch.0,
+                source_partition: row.partition,
+                window_start: seconds(row.key.window_start_ms)?,
+                window_end: seconds(row.window_end_ms)?,
+                customer_id: &row.key.customer_id,
+                currency: &row.key.currency,
+                orders: row.value.orders,
+                revenue: row.value.revenue.units(),
+            };
+            insert
+                .write(&data)
+                .await
+                .map_err(self.err(format!("writing rows of epoch {epoch}")))?;
+        }
+        insert
+            .end()
+            .await
+            .map_err(self.err(format!("inserting {} rows of epoch {epoch}", rows.len())))
+    }
+}
+
+/// One reader-visible row: (window_start_ms, customer, currency) with (orders, revenue units).
+pub type ViewKey = (i64, String, String);
+/// (orders, revenue in 10^-4 units) of one view row.
+pub type ViewTotals = (u64, i64);
+
+#[derive(Debug, Deserialize, clickhouse::Row)]
+struct ViewRow {
+    window_start: u32,
+    customer_id: String,
+    currency: String,
+    orders: u64,
+    revenue: i64,
+}
+
+/// Offsets of one committed batch, from the commit log.
+#[derive(Debug, Clone, Deserialize, clickhouse::Row)]
+pub struct CommittedBatch {
+    pub epoch: u64,
+    pub partitions: Vec<i32>,
+    pub from_offsets: Vec<i64>,
+    pub to_offsets: Vec<i64>,
+}
+
+impl ClickHouseSink {
+    /// Every row of the reader view, exactly as a plain `SELECT` sees it.
+    pub async fn read_view(&self) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
+        let sql = format!(
+            "SELECT toUInt32(window_start) AS window_start, customer_id, currency, orders, revenue FROM {}",
+            self.names.view_q()
+        );
+        self.collect_rows(&sql, "reading the view").await
+    }
+
+    /// The view's rows as of committed epoch `epoch`: what readers saw right after it.
+    pub async fn read_view_at(
+        &self,
+        epoch: Epoch,
+    ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
+        let sql = format!(
+            "SELECT toUInt32(window_start) AS window_start, customer_id, currency, toUInt64(sum(p_orders)) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
+             FROM (SELECT source_partition, window_start, customer_id, currency, argMax(orders, epoch) AS p_orders, argMax(revenue, epoch) AS p_revenue \
+                   FROM {data} WHERE epoch <= {e} AND epoch IN (SELECT epoch FROM {commits} WHERE epoch <= {e}) \
+                   GROUP BY source_partition, window_start, customer_id, currency) \
+             GROUP BY window_start, customer_id, currency",
+            data = self.names.data,
+            commits = self.names.commits,
+            e = epoch.0
+        );
+        self.collect_rows(&sql, "reading the view at an epoch")
+            .await
+    }
+
+    async fn collect_rows(
+        &self,
+        sql: &str,
+        context: &str,
+    ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
+        let rows: Vec<ViewRow> = self
+            .client
+            .query(sql)
+            .fetch_all()
+            .await
+            .map_err(self.err(context))?;
+        let mut map = std::collections::BTreeMap::new();
+        for r in rows {
+            let key = (i64::from(r.window_start) * 1000, r.customer_id, r.currency);
+            if map.insert(key.clone(), (r.orders, r.revenue)).is_some() {
+                return Err(SinkError::Refused(format!(
+                    "{context}: key {key:?} appears twice"
+                )));
+            }
+        }
+        Ok(map)
+    }
+
+    /// The commit log, one entry per epoch, in epoch order.
+    pub async fn committed_batches(&self) -> Result<Vec<CommittedBatch>> {
+        let sql = format!(
+            "SELECT epoch, any(partitions) AS partitions, any(from_offsets) AS from_offsets, any(to_offsets) AS to_offsets FROM {} GROUP BY epoch ORDER BY epoch",
+            self.names.commits
+        );
+        self.client
+            .query(&sql)
+            .fetch_all()
+            .await
+            .map_err(self.err("reading the commit log"))
+    }
+}

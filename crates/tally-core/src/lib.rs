@@ -1,0 +1,23 @@
+//! Pure processing logic for tally: decoding, event-time windows, watermarks, deduplication and
+//! per-partition accounting. Nothing in this crate performs I/O; state is read through
+//! [`StateReader`] and every change is handed out as a [`Checkpoint`] at a barrier.
+
+pub mod amount;
+pub mod decode;
+pub mod mem;
+pub mod operator;
+pub mod time;
+pub mod types;
+pub mod window;
+
+pub use amount::{Amount, AmountError};
+pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
+pub use mem::MemStore;
+pub use operator::{
+    Checkpoint, OperatorConfig, PartitionCheckpoint, Record, RevenueOperator, StateReader,
+};
+pub use types::{
+    Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,
+    WindowKey,
+};
+pub use window::{Watermark, WindowSpec};

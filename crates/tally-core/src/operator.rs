@@ -1,0 +1,593 @@
+//! The revenue_agg operator: decode → watermark → dedup → lateness → window aggregate.
+//!
+//! The operator keeps only the current epoch's changes in memory and reads everything older
+//! through [`StateReader`]. At a [`CheckpointBarrier`] it hands out one [`Checkpoint`]: the state
+//! changes, the next offset of every partition, the accounting and the epoch's outputs, to be
+//! made durable in one atomic write. Every decision is a function of each partition's record
+//! sequence alone, so where barriers fall never changes the final results.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use crate::amount::Amount;
+use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
+use crate::types::{
+    Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,
+    WindowKey,
+};
+use crate::window::{Watermark, WindowSpec};
+
+/// Event-time rules of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OperatorConfig {
+    pub window: WindowSpec,
+    pub out_of_orderness_ms: i64,
+    pub allowed_lateness_ms: i64,
+    pub dedup_horizon_ms: i64,
+}
+
+/// One consumed Kafka record, borrowed from the consumer.
+#[derive(Debug, Clone, Copy)]
+pub struct Record<'a> {
+    pub partition: PartitionId,
+    pub offset: Offset,
+    pub timestamp_ms: Option<i64>,
+    pub key: Option<&'a [u8]>,
+    pub value: Option<&'a [u8]>,
+}
+
+/// What happened to a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Aggregated,
+    Duplicate,
+    DeadLettered(PoisonReason),
+    /// Below the partition's next offset: already processed before the last checkpoint.
+    AlreadyProcessed,
+}
+
+/// Durable, checkpointed state the operator reads but never writes directly.
+pub trait StateReader {
+    type Error: std::error::Error + Send + Sync + 'static;
+    fn window(
+        &self,
+        partition: PartitionId,
+        key: &WindowKey,
+    ) -> Result<Option<WindowAgg>, Self::Error>;
+    /// Event time recorded for an event id already aggregated in this partition, if any.
+    fn seen_event_time(
+        &self,
+        partition: PartitionId,
+        event_id: &str,
+    ) -> Result<Option<i64>, Self::Error>;
+}
+
+/// Progress of one partition as recorded in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PartitionCheckpoint {
+    /// First offset of the epoch: the next offset at the previous checkpoint.
+    pub epoch_start_offset: Offset,
+    /// Next offset to consume after this checkpoint.
+    pub next_offset: Offset,
+    pub watermark: Watermark,
+    /// Accounting of this epoch only.
+    pub epoch: Accounting,
+    /// Accounting since the job started.
+    pub totals: Accounting,
+}
+
+/// Everything one barrier produces: state changes, offsets, accounting and outputs.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub epoch: Epoch,
+    pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
+    /// Full current values of the windows changed in this epoch; also the sink batch.
+    pub rows: Vec<OutputRow>,
+    /// Event ids aggregated in this epoch with their event times.
+    pub seen: Vec<(PartitionId, String, i64)>,
+    pub dead_letters: Vec<DeadLetter>,
+    /// Windows starting before the cutoff can no longer change and leave the state.
+    pub close_windows_before: Vec<(PartitionId, i64)>,
+    /// Dedup entries with event time before the cutoff are past the horizon.
+    pub expire_seen_before: Vec<(PartitionId, i64)>,
+}
+
+impl Checkpoint {
+    pub fn accounting(&self) -> Accounting {
+        let mut sum = Accounting::default();
+        for p in self.partitions.values() {
+            sum.add(&p.epoch);
+        }
+        sum
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PartitionState {
+    epoch_start_offset: Offset,
+    next_offset: Offset,
+    watermark: Watermark,
+    epoch: Accounting,
+    totals: Accounting,
+}
+
+pub struct RevenueOperator {
+    config: OperatorConfig,
+    decoder: RecordDecoder,
+    epoch: Epoch,
+    partitions: BTreeMap<PartitionId, PartitionState>,
+    dirty_windows: HashMap<(PartitionId, WindowKey), WindowAgg>,
+    dirty_seen: HashMap<PartitionId, HashMap<String, i64>>,
+    dead_letters: Vec<DeadLetter>,
+}
+
+impl RevenueOperator {
+    /// Resumes after checkpoint `last_epoch` with its partition progress.
+    pub fn restore(
+        config: OperatorConfig,
+        decoder: RecordDecoder,
+        last_epoch: Epoch,
+        partitions: &BTreeMap<PartitionId, PartitionCheckpoint>,
+    ) -> RevenueOperator {
+        let partitions = partitions
+            .iter()
+            .map(|(&p, c)| {
+                (
+                    p,
+                    PartitionState {
+                        epoch_start_offset: c.next_offset,
+                        next_offset: c.next_offset,
+                        watermark: c.watermark,
+                        epoch: Accounting::default(),
+                        totals: c.totals,
+                    },
+                )
+            })
+            .collect();
+        RevenueOperator {
+            config,
+            decoder,
+            epoch: last_epoch.next(),
+            partitions,
+            dirty_windows: HashMap::new(),
+            dirty_seen: HashMap::new(),
+            dead_letters: Vec::new(),
+        }
+    }
+
+    /// Adds a partition that has no checkpoint yet, starting at `offset`.
+    pub fn add_partition(&mut self, partition: PartitionId, offset: Offset) {
+        self.partitions.entry(partition).or_insert(PartitionState {
+            epoch_start_offset: offset,
+            next_offset: offset,
+            watermark: Watermark::default(),
+            epoch: Accounting::default(),
+            totals: Accounting::default(),
+        });
+    }
+
+    /// The epoch the records being processed now belong to.
+    pub fn current_epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    pub fn next_offsets(&self) -> BTreeMap<PartitionId, Offset> {
+        self.partitions
+            .iter()
+            .map(|(&p, s)| (p, s.next_offset))
+            .collect()
+    }
+
+    /// Records processed since the last barrier (for size-triggered checkpoints).
+    pub fn pending_records(&self) -> u64 {
+        self.partitions.values().map(|s| s.epoch.consumed).sum()
+    }
+
+    pub fn process<S: StateReader>(
+        &mut self,
+        store: &S,
+        record: Record<'_>,
+    ) -> Result<Outcome, S::Error> {
+        let cfg = self.config;
+        let state = self
+            .partitions
+            .entry(record.partition)
+            .or_insert(PartitionState {
+                epoch_start_offset: record.offset,
+                next_offset: record.offset,
+                watermark: Watermark::default(),
+                epoch: Accounting::default(),
+                totals: Accounting::default(),
+            });
+        if record.offset < state.next_offset {
+            return Ok(Outcome::AlreadyProcessed);
+        }
+        state.next_offset = record.offset + 1;
+        state.epoch.consumed += 1;
+        state.totals.consumed += 1;
+
+        let event = match self.decoder.decode(record.value) {
+            Ok(event) => event,
+            Err(poison) => return Ok(self.dead_letter(record, poison)),
+        };
+        state.watermark.observe(event.event_time_ms);
+        let watermark = state
+            .watermark
+            .current(cfg.out_of_orderness_ms)
+            .unwrap_or(i64::MIN);
+
+        if let Some(seen_at) = self.seen_event_time(store, record.partition, &event.event_id)?
+            && seen_at.saturating_add(cfg.dedup_horizon_ms) > watermark
+        {
+            self.count(record.partition, |a| a.duplicates += 1);
+            return Ok(Outcome::Duplicate);
+        }
+
+        let window_end = cfg.window.end_of(event.event_time_ms);
+        if window_end.saturating_add(cfg.allowed_lateness_ms) <= watermark {
+            let message = format!(
+                "event time {} is in window ending {}, closed at watermark {} (allowed lateness {} ms)",
+                crate::time::format_ms(event.event_time_ms),
+                crate::time::format_ms(window_end),
+                crate::time::format_ms(watermark),
+                cfg.allowed_lateness_ms
+            );
+            return Ok(self.dead_letter(
+                record,
+                Poison {
+                    reason: PoisonReason::Late,
+                    message,
+                },
+            ));
+        }
+
+        self.aggregate(store, record, event)
+    }
+
+    fn aggregate<S: StateReader>(
+        &mut self,
+        store: &S,
+        record: Record<'_>,
+        event: OrderEvent,
+    ) -> Result<Outcome, S::Error> {
+        let key = WindowKey {
+            window_start_ms: self.config.window.start_of(event.event_time_ms),
+            customer_id: event.customer_id,
+            currency: event.currency,
+        };
+        let map_key = (record.partition, key);
+        let current = match self.dirty_windows.get(&map_key) {
+            Some(agg) => *agg,
+            None => store
+                .window(record.partition, &map_key.1)?
+                .unwrap_or_default(),
+        };
+        let updated = current
+            .revenue
+            .checked_add_decimal18(event.amount)
+            .zip(current.orders.checked_add(1))
+            .map(|(revenue, orders)| WindowAgg { orders, revenue });
+        let Some(updated) = updated else {
+            let message = format!(
+                "adding {} to window revenue {} would exceed Decimal(18,4)",
+                event.amount, current.revenue
+            );
+            return Ok(self.dead_letter(
+                record,
+                Poison {
+                    reason: PoisonReason::TooLarge,
+                    message,
+                },
+            ));
+        };
+        self.dirty_windows.insert(map_key, updated);
+        self.dirty_seen
+            .entry(record.partition)
+            .or_default()
+            .insert(event.event_id, event.event_time_ms);
+        let amount: Amount = event.amount;
+        self.count(record.partition, |a| {
+            a.aggregated += 1;
+            a.revenue_units += i128::from(amount.units());
+        });
+        Ok(Outcome::Aggregated)
+    }
+
+    fn seen_event_time<S: StateReader>(
+        &self,
+        store: &S,
+        partition: PartitionId,
+        event_id: &str,
+    ) -> Result<Option<i64>, S::Error> {
+        if let Some(t) = self
+            .dirty_seen
+            .get(&partition)
+            .and_then(|ids| ids.get(event_id))
+        {
+            return Ok(Some(*t));
+        }
+        store.seen_event_time(partition, event_id)
+    }
+
+    fn count(&mut self, partition: PartitionId, f: impl Fn(&mut Accounting)) {
+        if let Some(state) = self.partitions.get_mut(&partition) {
+            f(&mut state.epoch);
+            f(&mut state.totals);
+        }
+    }
+
+    fn dead_letter(&mut self, record: Record<'_>, poison: Poison) -> Outcome {
+        let reason = poison.reason;
+        self.count(record.partition, |a| {
+            if reason == PoisonReason::Late {
+                a.late += 1;
+            } else {
+                a.dead_lettered += 1;
+            }
+        });
+        self.dead_letters.push(DeadLetter {
+            partition: record.partition,
+            offset: record.offset,
+            timestamp_ms: record.timestamp_ms,
+            key: record.key.map(<[u8]>::to_vec),
+            value: record.value.map(<[u8]>::to_vec),
+            reason,
+            error: poison.message,
+        });
+        Outcome::DeadLettered(reason)
+    }
+
+    /// Ends the current epoch: drains its changes into a [`Checkpoint`] and starts the next one.
+    pub fn handle_checkpoint(&mut self, barrier: CheckpointBarrier) -> Checkpoint {
+        debug_assert_eq!(barrier.epoch, self.epoch);
+        let cfg = self.config;
+        let mut rows: Vec<OutputRow> = self
+            .dirty_windows
+            .drain()
+            .map(|((partition, key), value)| OutputRow {
+                partition,
+                window_end_ms: key.window_start_ms + cfg.window.size_ms,
+                key,
+                value,
+            })
+            .collect();
+        rows.sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+        let mut seen: Vec<(PartitionId, String, i64)> = self
+            .dirty_seen
+            .drain()
+            .flat_map(|(p, ids)| ids.into_iter().map(move |(id, t)| (p, id, t)))
+            .collect();
+        seen.sort();
+        let mut checkpoint = Checkpoint {
+            epoch: self.epoch,
+            rows,
+            seen,
+            dead_letters: std::mem::take(&mut self.dead_letters),
+            ..Checkpoint::default()
+        };
+        for (&p, state) in &mut self.partitions {
+            checkpoint.partitions.insert(
+                p,
+                PartitionCheckpoint {
+                    epoch_start_offset: state.epoch_start_offset,
+                    next_offset: state.next_offset,
+                    watermark: state.watermark,
+                    epoch: state.epoch,
+                    totals: state.totals,
+                },
+            );
+            if let Some(wm) = state.watermark.current(cfg.out_of_orderness_ms) {
+                // A window is closed once end + lateness <= watermark; same predicate as `late`.
+                let close = wm
+                    .saturating_sub(cfg.window.size_ms + cfg.allowed_lateness_ms)
+                    .saturating_add(1);
+                checkpoint.close_windows_before.push((p, close));
+                let expire = wm.saturating_sub(cfg.dedup_horizon_ms).saturating_add(1);
+                checkpoint.expire_seen_before.push((p, expire));
+            }
+            state.epoch_start_offset = state.next_offset;
+            state.epoch = Accounting::default();
+        }
+        self.epoch = self.epoch.next();
+        checkpoint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::FieldMapping;
+    use crate::mem::MemStore;
+
+    fn operator() -> RevenueOperator {
+        let config = OperatorConfig {
+            window: WindowSpec { size_ms: 60_000 },
+            out_of_orderness_ms: 5_000,
+            allowed_lateness_ms: 60_000,
+            dedup_horizon_ms: 3_600_000,
+        };
+        RevenueOperator::restore(
+            config,
+            RecordDecoder::new(FieldMapping::default(), 4096),
+            Epoch(0),
+            &BTreeMap::new(),
+        )
+    }
+
+    fn order(id: &str, amount: &str, t: i64) -> Vec<u8> {
+        format!(r#"{{"event_id":"{id}","customer_id":"c","currency":"EUR","amount":"{amount}","event_time":{t}}}"#).into_bytes()
+    }
+
+    fn feed(op: &mut RevenueOperator, store: &MemStore, offset: i64, value: &[u8]) -> Outcome {
+        let record = Record {
+            partition: 0,
+            offset,
+            timestamp_ms: None,
+            key: None,
+            value: Some(value),
+        };
+        match op.process(store, record) {
+            Ok(outcome) => outcome,
+            Err(never) => match never {},
+        }
+    }
+
+    #[test]
+    fn lateness_edge_is_exclusive_of_the_watermark() {
+        let store = MemStore::default();
+        let mut op = operator();
+        // Watermark = 185_000 - 5_000 = 180_000.
+        assert_eq!(
+            feed(&mut op, &store, 0, &order("a", "1", 185_000)),
+            Outcome::Aggregated
+        );
+        // Window [60_000, 120_000): end + lateness = 180_000 <= watermark: late.
+        assert_eq!(
+            feed(&mut op, &store, 1, &order("b", "1", 119_999)),
+            Outcome::DeadLettered(PoisonReason::Late)
+        );
+        // Window [120_000, 180_000): end + lateness = 240_000 > watermark: accepted.
+        assert_eq!(
+            feed(&mut op, &store, 2, &order("c", "1", 120_000)),
+            Outcome::Aggregated
+        );
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(1),
+            is_final: false,
+        });
+        let acc = cp.accounting();
+        assert_eq!((acc.consumed, acc.aggregated, acc.late), (3, 2, 1));
+        assert_eq!(cp.dead_letters.len(), 1);
+        assert_eq!(cp.dead_letters[0].offset, 1);
+        assert_eq!(cp.close_windows_before, vec![(0, 60_001)]);
+    }
+
+    #[test]
+    fn duplicates_are_counted_not_aggregated_across_checkpoints() {
+        let mut store = MemStore::default();
+        let mut op = operator();
+        assert_eq!(
+            feed(&mut op, &store, 0, &order("a", "1.5", 1_000)),
+            Outcome::Aggregated
+        );
+        assert_eq!(
+            feed(&mut op, &store, 1, &order("a", "1.5", 1_000)),
+            Outcome::Duplicate
+        );
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(1),
+            is_final: false,
+        });
+        store.apply(&cp);
+        assert_eq!(
+            feed(&mut op, &store, 2, &order("a", "9", 2_000)),
+            Outcome::Duplicate
+        );
+        let cp2 = op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(2),
+            is_final: false,
+        });
+        assert!(cp2.rows.is_empty());
+        assert_eq!(cp2.accounting().duplicates, 1);
+        assert_eq!(
+            cp.rows[0].value,
+            WindowAgg {
+                orders: 1,
+                revenue: Amount(15_000)
+            }
+        );
+    }
+
+    #[test]
+    fn dedup_entries_expire_by_event_time() {
+        let config = OperatorConfig {
+            window: WindowSpec { size_ms: 10 },
+            out_of_orderness_ms: 0,
+            allowed_lateness_ms: 0,
+            dedup_horizon_ms: 100,
+        };
+        let mut op = RevenueOperator::restore(
+            config,
+            RecordDecoder::new(FieldMapping::default(), 4096),
+            Epoch(0),
+            &BTreeMap::new(),
+        );
+        let store = MemStore::default();
+        assert_eq!(
+            feed(&mut op, &store, 0, &order("a", "1", 1_000)),
+            Outcome::Aggregated
+        );
+        assert_eq!(
+            feed(&mut op, &store, 1, &order("x", "1", 1_099)),
+            Outcome::Aggregated
+        );
+        // Horizon not yet passed (1_000 + 100 > 1_099): still a duplicate.
+        assert_eq!(
+            feed(&mut op, &store, 2, &order("a", "1", 1_099)),
+            Outcome::Duplicate
+        );
+        assert_eq!(
+            feed(&mut op, &store, 3, &order("y", "1", 1_100)),
+            Outcome::Aggregated
+        );
+        // Horizon passed: the id is new again and its event is judged on its own time.
+        assert_eq!(
+            feed(&mut op, &store, 4, &order("a", "1", 1_100)),
+            Outcome::Aggregated
+        );
+    }
+
+    #[test]
+    fn window_revenue_overflow_goes_to_dead_letters() {
+        let store = MemStore::default();
+        let mut op = operator();
+        let max = "99999999999999.9999";
+        // Decimal(18,4) holds exactly one maximal input amount; a second one cannot fit.
+        assert_eq!(
+            feed(&mut op, &store, 0, &order("a", max, 1_000)),
+            Outcome::Aggregated
+        );
+        assert_eq!(
+            feed(&mut op, &store, 1, &order("b", "0.0001", 1_000)),
+            Outcome::DeadLettered(PoisonReason::TooLarge)
+        );
+        assert_eq!(
+            feed(&mut op, &store, 2, &order("c", "-1", 1_000)),
+            Outcome::Aggregated
+        );
+        assert_eq!(
+            feed(&mut op, &store, 3, &order("b", "0.0001", 1_000)),
+            Outcome::Aggregated,
+            "the refused id was not recorded as seen"
+        );
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(1),
+            is_final: false,
+        });
+        assert_eq!(
+            cp.rows[0].value,
+            WindowAgg {
+                orders: 3,
+                revenue: Amount(999_999_999_999_990_000)
+            }
+        );
+        assert_eq!(cp.dead_letters[0].reason, PoisonReason::TooLarge);
+        assert!(cp.accounting().balances());
+    }
+
+    #[test]
+    fn records_below_the_checkpointed_offset_are_not_processed_twice() {
+        let store = MemStore::default();
+        let mut op = operator();
+        assert_eq!(
+            feed(&mut op, &store, 5, &order("a", "1", 1_000)),
+            Outcome::Aggregated
+        );
+        assert_eq!(
+            feed(&mut op, &store, 5, &order("b", "1", 1_000)),
+            Outcome::AlreadyProcessed
+        );
+        assert_eq!(op.next_offsets().get(&0), Some(&6));
+    }
+}

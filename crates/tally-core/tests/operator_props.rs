@@ -1,0 +1,255 @@
+//! Property tests over random streams with disorder, duplicates, poison and late events.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+use tally_core::decode::FieldMapping;
+use tally_core::{
+    Accounting, CheckpointBarrier, MemStore, OperatorConfig, PartitionId, Record, RecordDecoder,
+    RevenueOperator, WindowAgg, WindowKey, WindowSpec,
+};
+
+const CONFIG: OperatorConfig = OperatorConfig {
+    window: WindowSpec { size_ms: 10_000 },
+    out_of_orderness_ms: 2_000,
+    allowed_lateness_ms: 5_000,
+    dedup_horizon_ms: 20_000,
+};
+
+#[derive(Debug, Clone)]
+enum Item {
+    Order {
+        id: u8,
+        customer: u8,
+        currency: u8,
+        cents: i32,
+        dt: i64,
+    },
+    Poison(u8),
+}
+
+fn item() -> impl Strategy<Value = Item> {
+    prop_oneof![
+        8 => (0u8..40, 0u8..4, 0u8..2, -500i32..5_000, -9_000i64..3_000)
+            .prop_map(|(id, customer, currency, cents, dt)| Item::Order { id, customer, currency, cents, dt }),
+        1 => (0u8..8).prop_map(Item::Poison),
+    ]
+}
+
+fn stream() -> impl Strategy<Value = Vec<(PartitionId, Item)>> {
+    prop::collection::vec((0i32..3, item()), 1..160)
+}
+
+fn encode(partition: PartitionId, clock: &mut BTreeMap<PartitionId, i64>, item: &Item) -> Vec<u8> {
+    match item {
+        Item::Order { id, customer, currency, cents, dt } => {
+            let now = clock.entry(partition).or_insert(1_000_000);
+            *now += 700;
+            let t = *now + dt;
+            let ccy = ["EUR", "USD"][usize::from(*currency)];
+            let sign = if *cents < 0 { "-" } else { "" };
+            let abs = cents.unsigned_abs();
+            format!(
+                r#"{{"event_id":"e{id}","customer_id":"c{customer}","currency":"{ccy}","amount":"{sign}{}.{:02}","event_time":{t}}}"#,
+                abs / 100,
+                abs % 100
+            )
+            .into_bytes()
+        }
+        Item::Poison(kind) => match kind {
+            0 => b"\xc3\x28".to_vec(),
+            1 => b"{not json".to_vec(),
+            2 => br#"{"customer_id":"c","currency":"EUR","amount":1,"event_time":1}"#.to_vec(),
+            3 => br#"{"event_id":1,"customer_id":"c","currency":"EUR","amount":1,"event_time":1}"#.to_vec(),
+            4 => br#"{"event_id":"p","customer_id":"c","currency":"EUR","amount":"x","event_time":1}"#.to_vec(),
+            5 => br#"{"event_id":"p","customer_id":"c","currency":"eu","amount":1,"event_time":1}"#.to_vec(),
+            6 => br#"{"event_id":"p","customer_id":"c","currency":"EUR","amount":1,"event_time":"x"}"#.to_vec(),
+            _ => vec![b' '; 600],
+        },
+    }
+}
+
+/// Records with per-partition offsets, as a consumer would deliver them.
+fn records(items: &[(PartitionId, Item)]) -> Vec<(PartitionId, i64, Vec<u8>)> {
+    let mut clock = BTreeMap::new();
+    let mut next: BTreeMap<PartitionId, i64> = BTreeMap::new();
+    items
+        .iter()
+        .map(|(p, item)| {
+            let offset = next.entry(*p).or_insert(0);
+            let r = (*p, *offset, encode(*p, &mut clock, item));
+            *offset += 1;
+            r
+        })
+        .collect()
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Outputs {
+    /// What a reader of the sink sees: the latest value of each window per partition.
+    view: BTreeMap<(PartitionId, WindowKey), WindowAgg>,
+    /// Dead letters by (partition, offset) → reason; a repeat is an error.
+    dead_letters: BTreeMap<(PartitionId, i64), String>,
+    totals: BTreeMap<PartitionId, Accounting>,
+}
+
+struct Run {
+    store: MemStore,
+    outputs: Outputs,
+    snapshots: Vec<(MemStore, Outputs)>,
+}
+
+fn decoder() -> RecordDecoder {
+    RecordDecoder::new(FieldMapping::default(), 512)
+}
+
+fn process(
+    store: &mut MemStore,
+    outputs: &mut Outputs,
+    records: &[(PartitionId, i64, Vec<u8>)],
+    barriers: &BTreeSet<usize>,
+    snapshots: &mut Vec<(MemStore, Outputs)>,
+) {
+    let mut op = RevenueOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
+    let checkpoint = |op: &mut RevenueOperator, store: &mut MemStore, outputs: &mut Outputs| {
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: op.current_epoch(),
+            is_final: false,
+        });
+        // (b) the accounting equation holds per partition in every epoch and in the totals.
+        for (p, pc) in &cp.partitions {
+            assert!(
+                pc.epoch.balances(),
+                "epoch {} partition {p}: {:?}",
+                cp.epoch,
+                pc.epoch
+            );
+            assert!(
+                pc.totals.balances(),
+                "totals partition {p}: {:?}",
+                pc.totals
+            );
+            assert_eq!(
+                pc.epoch.consumed as i64,
+                pc.next_offset - pc.epoch_start_offset
+            );
+        }
+        assert_eq!(
+            cp.dead_letters.len() as u64,
+            cp.accounting().dead_lettered + cp.accounting().late
+        );
+        store.apply(&cp);
+        for row in &cp.rows {
+            outputs
+                .view
+                .insert((row.partition, row.key.clone()), row.value);
+        }
+        for dl in &cp.dead_letters {
+            let previous = outputs
+                .dead_letters
+                .insert((dl.partition, dl.offset), dl.reason.to_string());
+            assert_eq!(previous, None, "dead letter repeated: {dl:?}");
+        }
+        for (p, pc) in &cp.partitions {
+            outputs.totals.insert(*p, pc.totals);
+        }
+    };
+    for (i, (p, offset, value)) in records.iter().enumerate() {
+        let record = Record {
+            partition: *p,
+            offset: *offset,
+            timestamp_ms: Some(0),
+            key: None,
+            value: Some(value),
+        };
+        let Ok(_) = op.process(&*store, record);
+        if barriers.contains(&i) {
+            checkpoint(&mut op, store, outputs);
+            snapshots.push((store.clone(), clone_outputs(outputs)));
+        }
+    }
+    checkpoint(&mut op, store, outputs);
+}
+
+fn clone_outputs(o: &Outputs) -> Outputs {
+    Outputs {
+        view: o.view.clone(),
+        dead_letters: o.dead_letters.clone(),
+        totals: o.totals.clone(),
+    }
+}
+
+fn run(records: &[(PartitionId, i64, Vec<u8>)], barriers: &BTreeSet<usize>) -> Run {
+    let mut store = MemStore::default();
+    let mut outputs = Outputs::default();
+    let mut snapshots = vec![(MemStore::default(), Outputs::default())];
+    process(&mut store, &mut outputs, records, barriers, &mut snapshots);
+    Run {
+        store,
+        outputs,
+        snapshots,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// (a) Restoring from any checkpoint and replaying the rest of the input gives the same
+    /// final aggregates, dead letters and counts as a run without a restart.
+    #[test]
+    fn restore_from_any_checkpoint_is_equivalent(
+        items in stream(),
+        barriers in prop::collection::btree_set(0usize..160, 0..12),
+        replay_barriers in prop::collection::btree_set(0usize..160, 0..12),
+        pick in any::<prop::sample::Index>(),
+    ) {
+        let records = records(&items);
+        let reference = run(&records, &barriers);
+        let (mut store, mut outputs) = {
+            let (s, o) = &reference.snapshots[pick.index(reference.snapshots.len())];
+            (s.clone(), clone_outputs(o))
+        };
+        // The consumer seeks every partition to its checkpointed offset.
+        let rest: Vec<_> = records
+            .iter()
+            .filter(|(p, offset, _)| store.partitions.get(p).is_none_or(|c| *offset >= c.next_offset))
+            .cloned()
+            .collect();
+        process(&mut store, &mut outputs, &rest, &replay_barriers, &mut Vec::new());
+        prop_assert_eq!(&outputs, &reference.outputs);
+        prop_assert_eq!(store.windows, reference.store.windows);
+        // Every record is accounted for once.
+        let consumed: u64 = outputs.totals.values().map(|a| a.consumed).sum();
+        prop_assert_eq!(consumed, records.len() as u64);
+    }
+
+    /// Splitting the input into epochs differently never changes the results.
+    #[test]
+    fn barrier_placement_does_not_change_results(
+        items in stream(),
+        a in prop::collection::btree_set(0usize..160, 0..20),
+        b in prop::collection::btree_set(0usize..160, 0..20),
+    ) {
+        let records = records(&items);
+        prop_assert_eq!(run(&records, &a).outputs, run(&records, &b).outputs);
+    }
+
+    /// Revenue per window equals the sum of accepted amounts: the view and the accounting agree.
+    #[test]
+    fn view_matches_accounting(items in stream()) {
+        let records = records(&items);
+        let r = run(&records, &BTreeSet::new());
+        let view_orders: u64 = r.outputs.view.values().map(|v| v.orders).sum();
+        let view_revenue: i128 = r.outputs.view.values().map(|v| i128::from(v.revenue.units())).sum();
+        let aggregated: u64 = r.outputs.totals.values().map(|a| a.aggregated).sum();
+        let revenue: i128 = r.outputs.totals.values().map(|a| a.revenue_units).sum();
+        prop_assert_eq!(view_orders, aggregated);
+        prop_assert_eq!(view_revenue, revenue);
+        // Only open windows remain in state: closed ones were emitted and dropped.
+        for (p, key) in r.store.windows.keys() {
+            let wm = r.store.partitions[p].watermark.current(CONFIG.out_of_orderness_ms).unwrap();
+            prop_assert!(key.window_start_ms + CONFIG.window.size_ms + CONFIG.allowed_lateness_ms > wm);
+        }
+    }
+}

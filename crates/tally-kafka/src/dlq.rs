@@ -1,0 +1,191 @@
+//! The dead-letter producer. One Kafka transaction per epoch carries the epoch's dead letters and
+//! the source offsets for the consumer group, tagged with the epoch in the offset metadata, so
+//! after a crash the group's committed metadata says whether that transaction committed.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::consumer::ConsumerGroupMetadata;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{Offset as KOffset, TopicPartitionList};
+use tally_core::{DeadLetter, Epoch, Offset, PartitionId};
+
+use crate::{KafkaSettings, Result, kafka, set_default};
+
+pub const HEADER_REASON: &str = "tally.reason";
+pub const HEADER_ERROR: &str = "tally.error";
+pub const HEADER_SOURCE_TOPIC: &str = "tally.source.topic";
+pub const HEADER_SOURCE_PARTITION: &str = "tally.source.partition";
+pub const HEADER_SOURCE_OFFSET: &str = "tally.source.offset";
+pub const HEADER_SOURCE_TIMESTAMP: &str = "tally.source.timestamp";
+
+const METADATA_PREFIX: &str = "tally:epoch=";
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The epoch a committed offset was written by, from its metadata.
+pub fn epoch_from_metadata(metadata: &str) -> Option<Epoch> {
+    metadata
+        .strip_prefix(METADATA_PREFIX)?
+        .parse()
+        .ok()
+        .map(Epoch)
+}
+
+pub struct DeadLetterProducer {
+    producer: ThreadedProducer<DefaultProducerContext>,
+    topic: String,
+    source_topic: String,
+}
+
+impl DeadLetterProducer {
+    /// Creates the transactional producer and fences any earlier instance with the same
+    /// transactional id; an open transaction of a crashed process is aborted here.
+    pub fn connect(
+        settings: &KafkaSettings,
+        transactional_id: &str,
+        topic: &str,
+        source_topic: &str,
+    ) -> Result<DeadLetterProducer> {
+        let mut config = settings.client_config();
+        config
+            .set("transactional.id", transactional_id)
+            .set("enable.idempotence", "true");
+        set_default(&mut config, "transaction.timeout.ms", "120000");
+        // Dead letters carry whole source records plus headers.
+        set_default(&mut config, "message.max.bytes", "16777216");
+        set_default(&mut config, "linger.ms", "5");
+        let producer: ThreadedProducer<DefaultProducerContext> = config
+            .create()
+            .map_err(kafka("creating dead-letter producer"))?;
+        producer.init_transactions(TIMEOUT).map_err(kafka(format!(
+            "initialising transactions for {transactional_id}"
+        )))?;
+        Ok(DeadLetterProducer {
+            producer,
+            topic: topic.to_owned(),
+            source_topic: source_topic.to_owned(),
+        })
+    }
+
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// Produces the epoch's dead letters and commits `offsets` for the group, atomically.
+    /// On error the transaction is aborted; the caller retries with a fresh producer.
+    pub fn commit_epoch(
+        &self,
+        epoch: Epoch,
+        dead_letters: &[DeadLetter],
+        offsets: &BTreeMap<PartitionId, Offset>,
+        group: &ConsumerGroupMetadata,
+    ) -> Result<()> {
+        let result = self.try_commit_epoch(epoch, dead_letters, offsets, group);
+        if result.is_err() {
+            // Best effort: a fresh producer's init_transactions aborts it too.
+            let _ = self.producer.abort_transaction(Duration::from_secs(10));
+        }
+        result
+    }
+
+    fn try_commit_epoch(
+        &self,
+        epoch: Epoch,
+        dead_letters: &[DeadLetter],
+        offsets: &BTreeMap<PartitionId, Offset>,
+        group: &ConsumerGroupMetadata,
+    ) -> Result<()> {
+        self.producer
+            .begin_transaction()
+            .map_err(kafka("beginning transaction"))?;
+        for dl in dead_letters {
+            self.send(dl)?;
+        }
+        let mut tpl = TopicPartitionList::new();
+        let metadata = format!("{METADATA_PREFIX}{epoch}");
+        for (&p, &o) in offsets {
+            let mut element = tpl.add_partition(&self.source_topic, p);
+            element
+                .set_offset(KOffset::Offset(o))
+                .map_err(kafka("building offsets"))?;
+            element.set_metadata(metadata.as_str());
+        }
+        self.producer
+            .send_offsets_to_transaction(&tpl, group, TIMEOUT)
+            .map_err(kafka(format!(
+                "sending offsets of epoch {epoch} to the transaction"
+            )))?;
+        self.producer
+            .commit_transaction(TIMEOUT)
+            .map_err(kafka(format!(
+                "committing dead-letter transaction of epoch {epoch}"
+            )))
+    }
+
+    fn send(&self, dl: &DeadLetter) -> Result<()> {
+        let partition = dl.partition.to_string();
+        let offset = dl.offset.to_string();
+        let timestamp = dl.timestamp_ms.map(|t| t.to_string()).unwrap_or_default();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: HEADER_REASON,
+                value: Some(dl.reason.as_str()),
+            })
+            .insert(Header {
+                key: HEADER_ERROR,
+                value: Some(dl.error.as_str()),
+            })
+            .insert(Header {
+                key: HEADER_SOURCE_TOPIC,
+                value: Some(self.source_topic.as_str()),
+            })
+            .insert(Header {
+                key: HEADER_SOURCE_PARTITION,
+                value: Some(partition.as_str()),
+            })
+            .insert(Header {
+                key: HEADER_SOURCE_OFFSET,
+                value: Some(offset.as_str()),
+            })
+            .insert(Header {
+                key: HEADER_SOURCE_TIMESTAMP,
+                value: Some(timestamp.as_str()),
+            });
+        let mut record: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(&self.topic).headers(headers);
+        if let Some(key) = &dl.key {
+            record = record.key(key.as_slice());
+        }
+        if let Some(value) = &dl.value {
+            record = record.payload(value.as_slice());
+        }
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned)) => {
+                    record = returned;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err((e, _)) => {
+                    return Err(kafka(format!(
+                        "producing dead letter {}/{}",
+                        dl.partition, dl.offset
+                    ))(e));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_metadata_round_trips() {
+        assert_eq!(epoch_from_metadata("tally:epoch=42"), Some(Epoch(42)));
+        assert_eq!(epoch_from_metadata(""), None);
+        assert_eq!(epoch_from_metadata("tally:epoch=x"), None);
+    }
+}

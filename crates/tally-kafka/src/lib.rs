@@ -1,0 +1,94 @@
+//! Kafka at tally's edges: the source consumer (positions come from tally's checkpoints, never
+//! from the group), the transactional dead-letter producer that also commits the group's offsets,
+//! and topic administration.
+
+mod dlq;
+mod reader;
+mod source;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+pub use dlq::{
+    DeadLetterProducer, HEADER_ERROR, HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION,
+    HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC, epoch_from_metadata,
+};
+pub use reader::{read_committed_range, topic_extent};
+pub use source::{Source, SourceRecord, StartFrom};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaSinkError {
+    #[error("kafka: {context}: {source}")]
+    Kafka { context: String, source: KafkaError },
+    #[error("kafka: {0}")]
+    Other(String),
+}
+
+pub type Result<T, E = KafkaSinkError> = std::result::Result<T, E>;
+
+pub(crate) fn kafka(context: impl Into<String>) -> impl FnOnce(KafkaError) -> KafkaSinkError {
+    let context = context.into();
+    move |source| KafkaSinkError::Kafka { context, source }
+}
+
+/// Sets `key` unless the user's pass-through settings already did.
+pub(crate) fn set_default(config: &mut ClientConfig, key: &str, value: &str) {
+    if config.get(key).is_none() {
+        config.set(key, value);
+    }
+}
+
+/// Connection settings shared by every Kafka client of a job.
+#[derive(Debug, Clone, Default)]
+pub struct KafkaSettings {
+    pub brokers: String,
+    /// librdkafka properties passed through as they are (TLS, SASL, tuning).
+    pub client: BTreeMap<String, String>,
+}
+
+impl KafkaSettings {
+    pub fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.brokers);
+        for (k, v) in &self.client {
+            config.set(k, v);
+        }
+        config
+    }
+}
+
+/// Creates `topic` unless it exists. Existing topics are left as they are.
+pub async fn ensure_topic(
+    settings: &KafkaSettings,
+    topic: &str,
+    partitions: i32,
+    replication: i32,
+    configs: &[(&str, &str)],
+) -> Result<bool> {
+    let admin: AdminClient<DefaultClientContext> = settings
+        .client_config()
+        .create()
+        .map_err(kafka("creating admin client"))?;
+    let mut new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(replication));
+    for (k, v) in configs {
+        new_topic = new_topic.set(k, v);
+    }
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = admin
+        .create_topics([&new_topic], &opts)
+        .await
+        .map_err(kafka(format!("creating topic {topic}")))?;
+    match results.into_iter().next() {
+        Some(Ok(_)) => Ok(true),
+        Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
+        Some(Err((name, code))) => Err(KafkaSinkError::Kafka {
+            context: format!("creating topic {name}"),
+            source: KafkaError::AdminOp(code),
+        }),
+    }
+}

@@ -1,0 +1,134 @@
+//! Bounded read_committed reads, for verification and reconciliation.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::BorrowedMessage;
+use rdkafka::{Message, Offset as KOffset, TopicPartitionList};
+use tally_core::{Offset, PartitionId};
+
+use crate::{KafkaSettings, KafkaSinkError, Result, kafka};
+
+/// Reads each partition of `topic` from `start` up to `end` (exclusive; `None` = the current end),
+/// with read_committed, calling `f` per record in partition order. Gives up after `idle` without progress.
+pub fn read_committed_range(
+    settings: &KafkaSettings,
+    topic: &str,
+    ranges: &BTreeMap<PartitionId, (Offset, Option<Offset>)>,
+    idle: Duration,
+    mut f: impl FnMut(&BorrowedMessage<'_>),
+) -> Result<()> {
+    let mut config = settings.client_config();
+    let group = format!(
+        "tally-reader-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    );
+    config
+        .set("group.id", &group)
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("auto.offset.reset", "earliest");
+    let consumer: BaseConsumer = config.create().map_err(kafka("creating reader"))?;
+    let mut tpl = TopicPartitionList::new();
+    let mut done = BTreeSet::new();
+    for (&p, &(start, end)) in ranges {
+        if end.is_some_and(|e| e <= start) {
+            done.insert(p);
+            continue;
+        }
+        tpl.add_partition_offset(topic, p, KOffset::Offset(start))
+            .map_err(kafka("building assignment"))?;
+    }
+    if done.len() == ranges.len() {
+        return Ok(());
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(kafka(format!("assigning {topic}")))?;
+    let mut last_progress = Instant::now();
+    while done.len() < ranges.len() {
+        if last_progress.elapsed() > idle {
+            let pending: Vec<_> = ranges.keys().filter(|p| !done.contains(*p)).collect();
+            return Err(KafkaSinkError::Other(format!(
+                "reading {topic}: no progress for {idle:?} on partitions {pending:?}"
+            )));
+        }
+        match consumer.poll(Duration::from_millis(200)) {
+            None => {}
+            Some(Ok(m)) => {
+                last_progress = Instant::now();
+                let p = m.partition();
+                let Some(&(_, end)) = ranges.get(&p) else {
+                    continue;
+                };
+                if done.contains(&p) {
+                    continue;
+                }
+                if end.is_some_and(|e| m.offset() >= e) {
+                    done.insert(p);
+                    continue;
+                }
+                f(&m);
+                if end.is_some_and(|e| m.offset() + 1 >= e) {
+                    done.insert(p);
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                let Some(&(_, end)) = ranges.get(&p) else {
+                    continue;
+                };
+                let reached = match end {
+                    None => true,
+                    Some(e) => consumer
+                        .position()
+                        .ok()
+                        .and_then(|pos| {
+                            pos.find_partition(topic, p)
+                                .and_then(|el| el.offset().to_raw())
+                        })
+                        .is_some_and(|o| o >= e),
+                };
+                if reached {
+                    done.insert(p);
+                }
+            }
+            Some(Err(e)) => {
+                return Err(KafkaSinkError::Kafka {
+                    context: format!("reading {topic}"),
+                    source: e,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Partition ids and (low, high) watermarks of a topic.
+pub fn topic_extent(
+    settings: &KafkaSettings,
+    topic: &str,
+) -> Result<BTreeMap<PartitionId, (Offset, Offset)>> {
+    let mut config = settings.client_config();
+    config.set("group.id", "tally-extent");
+    let consumer: BaseConsumer = config.create().map_err(kafka("creating reader"))?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(30))
+        .map_err(kafka(format!("metadata of {topic}")))?;
+    let t = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .ok_or_else(|| KafkaSinkError::Other(format!("topic {topic} not found")))?;
+    let mut out = BTreeMap::new();
+    for p in t.partitions() {
+        let wm = consumer
+            .fetch_watermarks(topic, p.id(), Duration::from_secs(30))
+            .map_err(kafka(format!("watermarks of {topic}/{}", p.id())))?;
+        out.insert(p.id(), wm);
+    }
+    Ok(out)
+}

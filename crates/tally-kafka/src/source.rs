@@ -1,0 +1,176 @@
+//! The source consumer. It never subscribes: it is assigned every partition of the topic at
+//! the offsets of tally's last checkpoint, and reads only committed transactional data.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::groups::GroupList;
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::{Offset as KOffset, TopicPartitionList};
+use tally_core::{Offset, PartitionId, Record};
+
+use crate::{KafkaSettings, KafkaSinkError, Result, kafka, set_default};
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Where a partition without a checkpoint starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartFrom {
+    Earliest,
+    Latest,
+}
+
+pub struct Source {
+    consumer: BaseConsumer,
+    topic: String,
+}
+
+/// A consumed record, borrowed from the consumer until the next poll.
+pub struct SourceRecord<'a> {
+    message: BorrowedMessage<'a>,
+}
+
+impl SourceRecord<'_> {
+    pub fn as_record(&self) -> Record<'_> {
+        Record {
+            partition: self.message.partition(),
+            offset: self.message.offset(),
+            timestamp_ms: self.message.timestamp().to_millis(),
+            key: self.message.key(),
+            value: self.message.payload(),
+        }
+    }
+}
+
+impl Source {
+    pub fn connect(settings: &KafkaSettings, topic: &str, group_id: &str) -> Result<Source> {
+        let mut config = settings.client_config();
+        config
+            .set("group.id", group_id)
+            .set("isolation.level", "read_committed")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            // An offset the broker no longer has means data was deleted before tally read it:
+            // fail loudly rather than silently skip to another position.
+            .set("auto.offset.reset", "error");
+        // Bounds the prefetch buffer: the memory held while a sink is down.
+        set_default(&mut config, "queued.max.messages.kbytes", "32768");
+        let consumer: BaseConsumer = config.create().map_err(kafka("creating consumer"))?;
+        Ok(Source {
+            consumer,
+            topic: topic.to_owned(),
+        })
+    }
+
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    pub fn consumer(&self) -> &BaseConsumer {
+        &self.consumer
+    }
+
+    pub fn partitions(&self) -> Result<Vec<PartitionId>> {
+        let metadata = self
+            .consumer
+            .fetch_metadata(Some(&self.topic), TIMEOUT)
+            .map_err(kafka(format!("fetching metadata of {}", self.topic)))?;
+        let topic = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == self.topic)
+            .ok_or_else(|| KafkaSinkError::Other(format!("topic {} not found", self.topic)))?;
+        if let Some(err) = topic.error() {
+            return Err(KafkaSinkError::Other(format!(
+                "topic {}: {:?}",
+                self.topic,
+                rdkafka::error::RDKafkaErrorCode::from(err)
+            )));
+        }
+        let mut ids: Vec<_> = topic.partitions().iter().map(|p| p.id()).collect();
+        ids.sort_unstable();
+        if ids.is_empty() {
+            return Err(KafkaSinkError::Other(format!(
+                "topic {} has no partitions",
+                self.topic
+            )));
+        }
+        Ok(ids)
+    }
+
+    /// (low, high) watermarks of a partition.
+    pub fn watermarks(&self, partition: PartitionId) -> Result<(Offset, Offset)> {
+        self.consumer
+            .fetch_watermarks(&self.topic, partition, TIMEOUT)
+            .map_err(kafka(format!(
+                "fetching watermarks of {}/{partition}",
+                self.topic
+            )))
+    }
+
+    /// A concrete start offset for a partition with no checkpoint, so the first checkpoint
+    /// records where it really began.
+    pub fn resolve_start(&self, partition: PartitionId, from: StartFrom) -> Result<Offset> {
+        let (low, high) = self.watermarks(partition)?;
+        Ok(match from {
+            StartFrom::Earliest => low,
+            StartFrom::Latest => high,
+        })
+    }
+
+    pub fn assign(&self, offsets: &BTreeMap<PartitionId, Offset>) -> Result<()> {
+        let mut tpl = TopicPartitionList::new();
+        for (&p, &o) in offsets {
+            tpl.add_partition_offset(&self.topic, p, KOffset::Offset(o))
+                .map_err(kafka("building assignment"))?;
+        }
+        self.consumer
+            .assign(&tpl)
+            .map_err(kafka(format!("assigning partitions of {}", self.topic)))
+    }
+
+    /// The next record, `None` when nothing arrived within `timeout`.
+    pub fn poll(&self, timeout: Duration) -> Result<Option<SourceRecord<'_>>> {
+        match self.consumer.poll(timeout) {
+            None => Ok(None),
+            Some(Ok(message)) => Ok(Some(SourceRecord { message })),
+            Some(Err(e)) => Err(KafkaSinkError::Kafka {
+                context: format!("consuming {}", self.topic),
+                source: e,
+            }),
+        }
+    }
+
+    /// The group's committed offsets and their metadata, per partition.
+    pub fn committed(
+        &self,
+        partitions: &[PartitionId],
+    ) -> Result<BTreeMap<PartitionId, (Option<Offset>, String)>> {
+        let mut tpl = TopicPartitionList::new();
+        for &p in partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        let committed = self
+            .consumer
+            .committed_offsets(tpl, TIMEOUT)
+            .map_err(kafka("fetching committed offsets"))?;
+        Ok(committed
+            .elements()
+            .iter()
+            .map(|e| {
+                let offset = match e.offset() {
+                    KOffset::Offset(o) => Some(o),
+                    _ => None,
+                };
+                (e.partition(), (offset, e.metadata().to_owned()))
+            })
+            .collect())
+    }
+
+    pub fn group_list(&self, group: &str) -> Result<GroupList> {
+        self.consumer
+            .fetch_group_list(Some(group), TIMEOUT)
+            .map_err(kafka("listing groups"))
+    }
+}

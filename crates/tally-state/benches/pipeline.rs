@@ -1,0 +1,106 @@
+//! Throughput of the per-record hot path: decode alone, and decode + dedup + window update against
+//! the in-memory model and the RocksDB store, then the checkpoint write.
+#![allow(clippy::expect_used)] // a benchmark that cannot set up should stop at once
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use tally_core::{
+    CheckpointBarrier, Epoch, FieldMapping, MemStore, OperatorConfig, Record, RecordDecoder,
+    RevenueOperator, StateReader, WindowSpec,
+};
+use tally_state::StateStore;
+
+const N: usize = 20_000;
+
+fn records() -> Vec<Vec<u8>> {
+    (0..N)
+        .map(|i| {
+            format!(
+                r#"{{"event_id":"ord-{i}","customer_id":"cust-{:04}","currency":"EUR","amount":"{}.{:02}","event_time":{},"source":"bench"}}"#,
+                i % 1000,
+                i % 500,
+                i % 100,
+                1_790_000_000_000i64 + i as i64 * 10
+            )
+            .into_bytes()
+        })
+        .collect()
+}
+
+fn rules() -> OperatorConfig {
+    OperatorConfig {
+        window: WindowSpec { size_ms: 60_000 },
+        out_of_orderness_ms: 5_000,
+        allowed_lateness_ms: 60_000,
+        dedup_horizon_ms: 3_600_000,
+    }
+}
+
+fn decoder() -> RecordDecoder {
+    RecordDecoder::new(FieldMapping::default(), 1 << 20)
+}
+
+fn run<S: StateReader>(store: &S, values: &[Vec<u8>]) -> RevenueOperator {
+    let mut op = RevenueOperator::restore(rules(), decoder(), Epoch(0), &BTreeMap::new());
+    for (i, v) in values.iter().enumerate() {
+        let r = Record {
+            partition: (i % 4) as i32,
+            offset: (i / 4) as i64,
+            timestamp_ms: None,
+            key: None,
+            value: Some(v),
+        };
+        let _ = black_box(op.process(store, r).is_ok());
+    }
+    op
+}
+
+fn bench(c: &mut Criterion) {
+    let values = records();
+    let mut group = c.benchmark_group("hot_path");
+    group.throughput(Throughput::Elements(N as u64));
+    let d = decoder();
+    group.bench_function("decode", |b| {
+        b.iter(|| values.iter().filter(|v| d.decode(Some(v)).is_ok()).count())
+    });
+    group.bench_function("process_mem_store", |b| {
+        b.iter(|| run(&MemStore::default(), &values))
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut store = StateStore::open(dir.path(), "bench").expect("store");
+    // Warm state: one epoch already checkpointed, so lookups hit RocksDB.
+    let mut op = run(&store, &values);
+    store
+        .pre_commit(&op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(1),
+            is_final: false,
+        }))
+        .expect("pre-commit");
+    group.bench_function("process_rocksdb_store", |b| b.iter(|| run(&store, &values)));
+    group.bench_function("process_and_pre_commit_rocksdb", |b| {
+        b.iter_batched(
+            || tempfile::tempdir().expect("tempdir"),
+            |dir| {
+                let mut store = StateStore::open(dir.path(), "bench").expect("store");
+                let mut op = run(&store, &values);
+                store
+                    .pre_commit(&op.handle_checkpoint(CheckpointBarrier {
+                        epoch: Epoch(1),
+                        is_final: false,
+                    }))
+                    .expect("pre-commit");
+            },
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(10);
+    targets = bench
+}
+criterion_main!(benches);

@@ -1,0 +1,445 @@
+//! The durable state store: RocksDB holding window aggregates, the dedup set, per-partition
+//! progress and the pending outputs of a pre-committed epoch.
+//!
+//! RocksDB only ever holds checkpointed state: the operator keeps an epoch's changes in memory and
+//! [`StateStore::pre_commit`] writes all of them, the next offsets and the epoch's outputs in one
+//! synced `WriteBatch`. Restoring is opening the database.
+
+mod keys;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use rocksdb::{
+    BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options,
+    WriteBatch, WriteOptions,
+};
+use serde::{Deserialize, Serialize};
+use tally_core::{
+    Checkpoint, Epoch, PartitionCheckpoint, PartitionId, StateReader, WindowAgg, WindowKey,
+};
+
+/// Version of the on-disk layout. Bump on any change to keys or encodings.
+pub const FORMAT_VERSION: u32 = 1;
+
+const CF_META: &str = "meta";
+const CF_WINDOWS: &str = "windows";
+const CF_SEEN_ID: &str = "seen_by_id";
+const CF_SEEN_TIME: &str = "seen_by_time";
+const CF_PENDING: &str = "pending";
+const KEY_FORMAT: &[u8] = b"format_version";
+const KEY_CHECKPOINT: &[u8] = b"checkpoint";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("state store {path}: {source}")]
+    Rocks {
+        path: PathBuf,
+        source: rocksdb::Error,
+    },
+    #[error(
+        "state store {path}: on-disk format version {found} is not supported (this build reads version {FORMAT_VERSION}); use the tally release that wrote it, or move the directory away to start from scratch"
+    )]
+    UnknownFormat { path: PathBuf, found: u32 },
+    #[error(
+        "state store {path} belongs to job {found:?}, not {expected:?}; point state_dir at this job's own directory"
+    )]
+    JobMismatch {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+    #[error("state store {path}: corrupt {what}: {detail}")]
+    Corrupt {
+        path: PathBuf,
+        what: &'static str,
+        detail: String,
+    },
+    #[error("state store {path}: cannot encode {what}: {detail}")]
+    Encode {
+        path: PathBuf,
+        what: &'static str,
+        detail: String,
+    },
+    #[error("state store {path}: no pending outputs for pre-committed epoch {epoch}")]
+    MissingPending { path: PathBuf, epoch: Epoch },
+}
+
+/// Where the last checkpoint is in the commit protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EpochStatus {
+    /// State, offsets and outputs are durable here; the sinks may or may not have them.
+    PreCommitted,
+    /// Every sink has the epoch's outputs.
+    Committed,
+}
+
+/// The last checkpoint: epoch, its status and the progress of every partition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    pub job: String,
+    pub epoch: Epoch,
+    pub status: EpochStatus,
+    pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
+}
+
+pub struct StateStore {
+    db: DB,
+    path: PathBuf,
+    job: String,
+    meta: Option<CheckpointMeta>,
+}
+
+fn bincode_config() -> bincode::config::Configuration {
+    bincode::config::standard()
+}
+
+impl StateStore {
+    /// Opens (or creates) the store for `job`, refusing another job's or another format's data.
+    pub fn open(path: &Path, job: &str) -> Result<StateStore, StateError> {
+        let path = path.to_path_buf();
+        let rocks = |source| StateError::Rocks {
+            path: path.clone(),
+            source,
+        };
+        let cache = Cache::new_lru_cache(64 << 20);
+        let mut table = BlockBasedOptions::default();
+        table.set_block_cache(&cache);
+        table.set_bloom_filter(10.0, false);
+        table.set_cache_index_and_filter_blocks(true);
+        let mut cf_opts = Options::default();
+        cf_opts.set_block_based_table_factory(&table);
+        cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
+        cf_opts.set_write_buffer_size(16 << 20);
+        let mut db_opts = Options::default();
+        db_opts.create_if_missing(true);
+        db_opts.create_missing_column_families(true);
+        db_opts.set_max_background_jobs(2);
+        db_opts.set_keep_log_file_num(4);
+        let cfs = [CF_META, CF_WINDOWS, CF_SEEN_ID, CF_SEEN_TIME, CF_PENDING]
+            .into_iter()
+            .map(|name| ColumnFamilyDescriptor::new(name, cf_opts.clone()));
+        let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(rocks)?;
+        let mut store = StateStore {
+            db,
+            path,
+            job: job.to_owned(),
+            meta: None,
+        };
+        store.check_format()?;
+        store.meta = store.read_meta()?;
+        if let Some(meta) = &store.meta
+            && meta.job != job
+        {
+            return Err(StateError::JobMismatch {
+                path: store.path.clone(),
+                found: meta.job.clone(),
+                expected: job.to_owned(),
+            });
+        }
+        Ok(store)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The last checkpoint, or `None` for a new store.
+    pub fn meta(&self) -> Option<&CheckpointMeta> {
+        self.meta.as_ref()
+    }
+
+    fn rocks(&self, source: rocksdb::Error) -> StateError {
+        StateError::Rocks {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn cf(&self, name: &'static str) -> Result<&rocksdb::ColumnFamily, StateError> {
+        self.db.cf_handle(name).ok_or_else(|| StateError::Corrupt {
+            path: self.path.clone(),
+            what: "column family",
+            detail: format!("{name} is missing"),
+        })
+    }
+
+    fn check_format(&self) -> Result<(), StateError> {
+        let cf = self.cf(CF_META)?;
+        match self.db.get_cf(cf, KEY_FORMAT).map_err(|e| self.rocks(e))? {
+            None => {
+                let mut opts = WriteOptions::default();
+                opts.set_sync(true);
+                self.db
+                    .put_cf_opt(cf, KEY_FORMAT, FORMAT_VERSION.to_be_bytes(), &opts)
+                    .map_err(|e| self.rocks(e))
+            }
+            Some(bytes) => {
+                let found = <[u8; 4]>::try_from(bytes.as_slice())
+                    .map(u32::from_be_bytes)
+                    .map_err(|_| StateError::Corrupt {
+                        path: self.path.clone(),
+                        what: "format version",
+                        detail: format!("{} bytes", bytes.len()),
+                    })?;
+                if found == FORMAT_VERSION {
+                    Ok(())
+                } else {
+                    Err(StateError::UnknownFormat {
+                        path: self.path.clone(),
+                        found,
+                    })
+                }
+            }
+        }
+    }
+
+    fn read_meta(&self) -> Result<Option<CheckpointMeta>, StateError> {
+        let bytes = self
+            .db
+            .get_cf(self.cf(CF_META)?, KEY_CHECKPOINT)
+            .map_err(|e| self.rocks(e))?;
+        bytes
+            .map(|b| self.decode::<CheckpointMeta>(&b, "checkpoint metadata"))
+            .transpose()
+    }
+
+    fn decode<T: serde::de::DeserializeOwned>(
+        &self,
+        bytes: &[u8],
+        what: &'static str,
+    ) -> Result<T, StateError> {
+        bincode::serde::decode_from_slice(bytes, bincode_config())
+            .map(|(v, _)| v)
+            .map_err(|e| StateError::Corrupt {
+                path: self.path.clone(),
+                what,
+                detail: e.to_string(),
+            })
+    }
+
+    fn encode<T: Serialize>(&self, value: &T, what: &'static str) -> Result<Vec<u8>, StateError> {
+        bincode::serde::encode_to_vec(value, bincode_config()).map_err(|e| StateError::Encode {
+            path: self.path.clone(),
+            what,
+            detail: e.to_string(),
+        })
+    }
+
+    /// Makes a checkpoint durable: state changes, offsets, accounting and the epoch's pending
+    /// outputs in one synced write batch. After this returns, a crash resumes from here.
+    pub fn pre_commit(&mut self, checkpoint: &Checkpoint) -> Result<(), StateError> {
+        let (meta_cf, windows_cf, id_cf, time_cf, pending_cf) = (
+            self.cf(CF_META)?,
+            self.cf(CF_WINDOWS)?,
+            self.cf(CF_SEEN_ID)?,
+            self.cf(CF_SEEN_TIME)?,
+            self.cf(CF_PENDING)?,
+        );
+        let mut batch = WriteBatch::default();
+        // Expiry first: a later put in the same batch for a re-seen id must win over its delete.
+        for &(p, cutoff) in &checkpoint.expire_seen_before {
+            let start = keys::seen_time_prefix(p, i64::MIN);
+            let end = keys::seen_time_prefix(p, cutoff);
+            let iter = self
+                .db
+                .iterator_cf(time_cf, IteratorMode::From(&start, Direction::Forward));
+            for item in iter {
+                let (key, _) = item.map_err(|e| self.rocks(e))?;
+                if key.as_ref() >= end.as_slice() {
+                    break;
+                }
+                batch.delete_cf(time_cf, &key);
+                let (_, t, id) = keys::decode_seen_time(&key)
+                    .ok_or_else(|| self.corrupt_key("dedup time index"))?;
+                let by_id = keys::seen_id(p, id);
+                if self.seen_at(id_cf, &by_id)? == Some(t) {
+                    batch.delete_cf(id_cf, &by_id);
+                }
+            }
+        }
+        let mut cutoffs: BTreeMap<PartitionId, i64> = BTreeMap::new();
+        for &(p, cutoff) in &checkpoint.expire_seen_before {
+            let c = cutoffs.entry(p).or_insert(cutoff);
+            *c = (*c).max(cutoff);
+        }
+        for (p, id, t) in &checkpoint.seen {
+            let by_id = keys::seen_id(*p, id.as_bytes());
+            if let Some(old) = self.seen_at(id_cf, &by_id)?
+                && old != *t
+            {
+                batch.delete_cf(time_cf, keys::seen_time(*p, old, id.as_bytes()));
+            }
+            // Already past the horizon at this checkpoint: it expires with the others.
+            if cutoffs.get(p).is_some_and(|cutoff| t < cutoff) {
+                batch.delete_cf(id_cf, &by_id);
+                continue;
+            }
+            batch.put_cf(id_cf, &by_id, t.to_be_bytes());
+            batch.put_cf(time_cf, keys::seen_time(*p, *t, id.as_bytes()), []);
+        }
+        for row in &checkpoint.rows {
+            let value = self.encode(&row.value, "window aggregate")?;
+            batch.put_cf(windows_cf, keys::window(row.partition, &row.key), value);
+        }
+        // After the upserts: a window that closed in this epoch was emitted above and leaves now.
+        for &(p, cutoff) in &checkpoint.close_windows_before {
+            batch.delete_range_cf(
+                windows_cf,
+                keys::window_prefix(p, i64::MIN),
+                keys::window_prefix(p, cutoff),
+            );
+        }
+        let meta = CheckpointMeta {
+            job: self.job.clone(),
+            epoch: checkpoint.epoch,
+            status: EpochStatus::PreCommitted,
+            partitions: checkpoint.partitions.clone(),
+        };
+        batch.put_cf(
+            pending_cf,
+            checkpoint.epoch.0.to_be_bytes(),
+            self.encode(checkpoint, "pending outputs")?,
+        );
+        batch.put_cf(
+            meta_cf,
+            KEY_CHECKPOINT,
+            self.encode(&meta, "checkpoint metadata")?,
+        );
+        self.write(batch)?;
+        self.meta = Some(meta);
+        Ok(())
+    }
+
+    /// Records that every sink has `epoch`'s outputs and drops them from the store.
+    pub fn mark_committed(&mut self, epoch: Epoch) -> Result<(), StateError> {
+        let Some(mut meta) = self.meta.clone() else {
+            return Err(StateError::MissingPending {
+                path: self.path.clone(),
+                epoch,
+            });
+        };
+        meta.status = EpochStatus::Committed;
+        let mut batch = WriteBatch::default();
+        batch.delete_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes());
+        batch.put_cf(
+            self.cf(CF_META)?,
+            KEY_CHECKPOINT,
+            self.encode(&meta, "checkpoint metadata")?,
+        );
+        self.write(batch)?;
+        self.meta = Some(meta);
+        Ok(())
+    }
+
+    /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`].
+    pub fn pending(&self, epoch: Epoch) -> Result<Checkpoint, StateError> {
+        match self
+            .db
+            .get_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes())
+            .map_err(|e| self.rocks(e))?
+        {
+            Some(bytes) => self.decode(&bytes, "pending outputs"),
+            None => Err(StateError::MissingPending {
+                path: self.path.clone(),
+                epoch,
+            }),
+        }
+    }
+
+    fn write(&self, batch: WriteBatch) -> Result<(), StateError> {
+        let mut opts = WriteOptions::default();
+        opts.set_sync(true);
+        self.db.write_opt(batch, &opts).map_err(|e| self.rocks(e))
+    }
+
+    fn seen_at(&self, cf: &rocksdb::ColumnFamily, key: &[u8]) -> Result<Option<i64>, StateError> {
+        match self.db.get_pinned_cf(cf, key).map_err(|e| self.rocks(e))? {
+            None => Ok(None),
+            Some(v) => <[u8; 8]>::try_from(v.as_ref())
+                .map(|b| Some(i64::from_be_bytes(b)))
+                .map_err(|_| self.corrupt_key("dedup entry")),
+        }
+    }
+
+    fn corrupt_key(&self, what: &'static str) -> StateError {
+        StateError::Corrupt {
+            path: self.path.clone(),
+            what,
+            detail: "undecodable key or value".into(),
+        }
+    }
+
+    /// Every stored window, in key order (tests, `doctor`).
+    pub fn windows(&self) -> Result<Vec<(PartitionId, WindowKey, WindowAgg)>, StateError> {
+        let cf = self.cf(CF_WINDOWS)?;
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            let (p, k) = keys::decode_window(&key).ok_or_else(|| self.corrupt_key("window key"))?;
+            out.push((p, k, self.decode(&value, "window aggregate")?));
+        }
+        Ok(out)
+    }
+
+    /// Every live dedup entry as (partition, event id, event time), checking both indexes agree.
+    pub fn seen_entries(&self) -> Result<Vec<(PartitionId, String, i64)>, StateError> {
+        let time_cf = self.cf(CF_SEEN_TIME)?;
+        let id_cf = self.cf(CF_SEEN_ID)?;
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(time_cf, IteratorMode::Start) {
+            let (key, _) = item.map_err(|e| self.rocks(e))?;
+            let (p, t, id) =
+                keys::decode_seen_time(&key).ok_or_else(|| self.corrupt_key("dedup time index"))?;
+            if self.seen_at(id_cf, &keys::seen_id(p, id))? != Some(t) {
+                return Err(StateError::Corrupt {
+                    path: self.path.clone(),
+                    what: "dedup indexes",
+                    detail: format!("time index entry without id entry in partition {p}"),
+                });
+            }
+            out.push((p, String::from_utf8_lossy(id).into_owned(), t));
+        }
+        let ids = self.db.iterator_cf(id_cf, IteratorMode::Start).count();
+        if ids != out.len() {
+            return Err(StateError::Corrupt {
+                path: self.path.clone(),
+                what: "dedup indexes",
+                detail: format!("{ids} ids but {} time entries", out.len()),
+            });
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+impl StateReader for StateStore {
+    type Error = StateError;
+
+    fn window(
+        &self,
+        partition: PartitionId,
+        key: &WindowKey,
+    ) -> Result<Option<WindowAgg>, StateError> {
+        let cf = self.cf(CF_WINDOWS)?;
+        match self
+            .db
+            .get_pinned_cf(cf, keys::window(partition, key))
+            .map_err(|e| self.rocks(e))?
+        {
+            Some(bytes) => self.decode(&bytes, "window aggregate").map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn seen_event_time(
+        &self,
+        partition: PartitionId,
+        event_id: &str,
+    ) -> Result<Option<i64>, StateError> {
+        self.seen_at(
+            self.cf(CF_SEEN_ID)?,
+            &keys::seen_id(partition, event_id.as_bytes()),
+        )
+    }
+}

@@ -1,0 +1,242 @@
+//! The RocksDB store against the in-memory model, plus format and recovery edges.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use tally_core::amount::Amount;
+use tally_core::{
+    Checkpoint, Epoch, MemStore, OutputRow, PartitionCheckpoint, StateReader, WindowAgg, WindowKey,
+};
+use tally_state::{EpochStatus, StateError, StateStore};
+
+fn key(start: i64, customer: u8) -> WindowKey {
+    WindowKey {
+        window_start_ms: start * 1000,
+        customer_id: format!("c{customer}"),
+        currency: "EUR".into(),
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Row {
+        p: i32,
+        start: i64,
+        customer: u8,
+        orders: u64,
+    },
+    Seen {
+        p: i32,
+        id: u8,
+        t: i64,
+    },
+    Close {
+        p: i32,
+        cutoff: i64,
+    },
+    Expire {
+        p: i32,
+        cutoff: i64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0i32..2, 0i64..20, 0u8..5, 1u64..100).prop_map(|(p, start, customer, orders)| Op::Row {
+            p,
+            start,
+            customer,
+            orders
+        }),
+        (0i32..2, 0u8..30, 0i64..50).prop_map(|(p, id, t)| Op::Seen { p, id, t }),
+        (0i32..2, 0i64..20).prop_map(|(p, cutoff)| Op::Close {
+            p,
+            cutoff: cutoff * 1000
+        }),
+        (0i32..2, 0i64..50).prop_map(|(p, cutoff)| Op::Expire { p, cutoff }),
+    ]
+}
+
+fn checkpoint(epoch: u64, ops: &[Op]) -> Checkpoint {
+    let mut cp = Checkpoint {
+        epoch: Epoch(epoch),
+        ..Checkpoint::default()
+    };
+    let mut rows = BTreeMap::new();
+    let mut seen = BTreeMap::new();
+    for op in ops {
+        match op {
+            Op::Row {
+                p,
+                start,
+                customer,
+                orders,
+            } => {
+                let k = key(*start, *customer);
+                let value = WindowAgg {
+                    orders: *orders,
+                    revenue: Amount(*orders as i64 * 7),
+                };
+                rows.insert(
+                    (*p, k.clone()),
+                    OutputRow {
+                        partition: *p,
+                        window_end_ms: k.window_start_ms + 1000,
+                        key: k,
+                        value,
+                    },
+                );
+            }
+            // The operator emits one entry per id per epoch.
+            Op::Seen { p, id, t } => {
+                seen.insert((*p, format!("e{id}")), *t);
+            }
+            Op::Close { p, cutoff } => cp.close_windows_before.push((*p, *cutoff)),
+            Op::Expire { p, cutoff } => cp.expire_seen_before.push((*p, *cutoff)),
+        }
+    }
+    cp.rows = rows.into_values().collect();
+    cp.seen = seen.into_iter().map(|((p, id), t)| (p, id, t)).collect();
+    cp.partitions.insert(
+        0,
+        PartitionCheckpoint {
+            next_offset: epoch as i64 * 10,
+            ..PartitionCheckpoint::default()
+        },
+    );
+    cp
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// (c) After any sequence of checkpoints the store reads exactly like the model, including
+    /// after a reopen.
+    #[test]
+    fn rocksdb_store_matches_the_model(epochs in prop::collection::vec(prop::collection::vec(op(), 0..25), 1..8)) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = StateStore::open(dir.path(), "job").unwrap();
+        let mut model = MemStore::default();
+        for (i, ops) in epochs.iter().enumerate() {
+            let cp = checkpoint(i as u64 + 1, ops);
+            store.pre_commit(&cp).unwrap();
+            model.apply(&cp);
+            if i % 2 == 0 {
+                store.mark_committed(cp.epoch).unwrap();
+            }
+        }
+        drop(store);
+        let store = StateStore::open(dir.path(), "job").unwrap();
+        let windows: BTreeMap<_, _> = store.windows().unwrap().into_iter().map(|(p, k, v)| ((p, k), v)).collect();
+        prop_assert_eq!(&windows, &model.windows);
+        let mut seen: Vec<_> = model.seen.iter().map(|((p, id), t)| (*p, id.clone(), *t)).collect();
+        seen.sort();
+        prop_assert_eq!(store.seen_entries().unwrap(), seen);
+        for p in 0..2 {
+            for id in 0..30u8 {
+                let id = format!("e{id}");
+                prop_assert_eq!(store.seen_event_time(p, &id).unwrap(), model.seen_event_time(p, &id).unwrap());
+            }
+            for start in 0..20 {
+                for c in 0..5 {
+                    let k = key(start, c);
+                    prop_assert_eq!(store.window(p, &k).unwrap(), model.window(p, &k).unwrap());
+                }
+            }
+        }
+        let meta = store.meta().unwrap();
+        prop_assert_eq!(meta.epoch, Epoch(epochs.len() as u64));
+        prop_assert_eq!(&meta.partitions, &model.partitions);
+    }
+}
+
+#[test]
+fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = StateStore::open(dir.path(), "job").unwrap();
+    let cp = checkpoint(
+        1,
+        &[Op::Row {
+            p: 0,
+            start: 1,
+            customer: 1,
+            orders: 3,
+        }],
+    );
+    store.pre_commit(&cp).unwrap();
+    drop(store);
+    let mut store = StateStore::open(dir.path(), "job").unwrap();
+    assert_eq!(store.meta().unwrap().status, EpochStatus::PreCommitted);
+    assert_eq!(store.pending(Epoch(1)).unwrap(), cp);
+    store.mark_committed(Epoch(1)).unwrap();
+    drop(store);
+    let store = StateStore::open(dir.path(), "job").unwrap();
+    assert_eq!(store.meta().unwrap().status, EpochStatus::Committed);
+    assert!(matches!(
+        store.pending(Epoch(1)),
+        Err(StateError::MissingPending { .. })
+    ));
+}
+
+#[test]
+fn another_jobs_state_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = StateStore::open(dir.path(), "job-a").unwrap();
+    store.pre_commit(&checkpoint(1, &[])).unwrap();
+    drop(store);
+    let err = StateStore::open(dir.path(), "job-b").err().unwrap();
+    assert!(matches!(err, StateError::JobMismatch { .. }), "{err}");
+}
+
+#[test]
+fn an_unknown_format_version_is_refused_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(StateStore::open(dir.path(), "job").unwrap());
+    {
+        let cfs = ["meta", "windows", "seen_by_id", "seen_by_time", "pending"];
+        let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), dir.path(), cfs).unwrap();
+        db.put_cf(
+            db.cf_handle("meta").unwrap(),
+            b"format_version",
+            99u32.to_be_bytes(),
+        )
+        .unwrap();
+    }
+    let err = StateStore::open(dir.path(), "job").err().unwrap();
+    assert!(
+        matches!(err, StateError::UnknownFormat { found: 99, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("version 99"), "{err}");
+}
+
+#[test]
+fn reseen_id_moves_its_time_index_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = StateStore::open(dir.path(), "job").unwrap();
+    store
+        .pre_commit(&checkpoint(1, &[Op::Seen { p: 0, id: 1, t: 5 }]))
+        .unwrap();
+    // Expire the old entry and re-see the id in the same checkpoint: the new entry must survive.
+    store
+        .pre_commit(&checkpoint(
+            2,
+            &[
+                Op::Expire { p: 0, cutoff: 10 },
+                Op::Seen { p: 0, id: 1, t: 20 },
+            ],
+        ))
+        .unwrap();
+    assert_eq!(
+        store.seen_entries().unwrap(),
+        vec![(0, "e1".to_string(), 20)]
+    );
+    store
+        .pre_commit(&checkpoint(3, &[Op::Seen { p: 0, id: 1, t: 30 }]))
+        .unwrap();
+    assert_eq!(
+        store.seen_entries().unwrap(),
+        vec![(0, "e1".to_string(), 30)]
+    );
+}

@@ -1,0 +1,599 @@
+//! Job configuration: one TOML file per job, every key overridable from the environment.
+//!
+//! Environment overrides: `TALLY_<SECTION>__<KEY>=value`, upper-case, `__` between levels, e.g.
+//! `TALLY_KAFKA__BROKERS`, `TALLY_WINDOW__SIZE`, `TALLY_CLICKHOUSE__PASSWORD`. Keys of the
+//! librdkafka pass-through table use `_` for `.`: `TALLY_KAFKA__CLIENT__SECURITY_PROTOCOL=ssl`
+//! sets `security.protocol`. Variables without `__` (such as `TALLY_FAULT`) are not config.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer};
+use tally_clickhouse::Secret;
+use tally_core::{FieldMapping, OperatorConfig, WindowSpec};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("{file}: invalid TOML: {message}")]
+    Syntax { file: String, message: String },
+    #[error("{file}: {key}: {message}")]
+    Key {
+        file: String,
+        key: String,
+        message: String,
+    },
+}
+
+/// A duration written as `500ms`, `5s`, `10m`, `1h` or `1d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Millis(pub i64);
+
+impl Millis {
+    pub fn parse(text: &str) -> Result<Millis, String> {
+        let text = text.trim();
+        if text.starts_with('-') {
+            return Err(format!("{text:?} is negative; durations must be positive"));
+        }
+        let split = text
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len());
+        let (digits, unit) = text.split_at(split);
+        let n: i64 = digits.parse().map_err(|_| {
+            format!("{text:?} is not a duration like \"500ms\", \"5s\", \"10m\" or \"1h\"")
+        })?;
+        let scale = match unit.trim() {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return Err(format!("{text:?} has no unit; use ms, s, m, h or d")),
+        };
+        n.checked_mul(scale)
+            .map(Millis)
+            .ok_or_else(|| format!("{text:?} is too long"))
+    }
+
+    pub fn as_duration(self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.0.max(0).unsigned_abs())
+    }
+}
+
+impl<'de> Deserialize<'de> for Millis {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Millis, D::Error> {
+        let text = String::deserialize(d)?;
+        Millis::parse(&text).map_err(de::Error::custom)
+    }
+}
+
+impl fmt::Display for Millis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}ms", self.0)
+    }
+}
+
+/// Accepts an integer or a string of digits (environment overrides are strings).
+fn de_u64<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum U64OrString {
+        N(u64),
+        S(String),
+    }
+    match U64OrString::deserialize(d)? {
+        U64OrString::N(n) => Ok(n),
+        U64OrString::S(s) => s
+            .trim()
+            .parse()
+            .map_err(|_| de::Error::custom(format!("{s:?} is not a non-negative integer"))),
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StartFrom {
+    Earliest,
+    Latest,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub job: JobConfig,
+    pub kafka: KafkaConfig,
+    #[serde(default)]
+    pub fields: FieldsConfig,
+    #[serde(default)]
+    pub window: WindowConfig,
+    pub clickhouse: ClickHouseConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    pub name: String,
+    pub state_dir: PathBuf,
+    #[serde(default = "default_checkpoint_interval")]
+    pub checkpoint_interval: Millis,
+    #[serde(default = "default_start_from")]
+    pub start_from: StartFrom,
+    #[serde(default = "default_max_record_bytes", deserialize_with = "de_u64")]
+    pub max_record_bytes: u64,
+}
+
+fn default_checkpoint_interval() -> Millis {
+    Millis(5_000)
+}
+fn default_start_from() -> StartFrom {
+    StartFrom::Earliest
+}
+fn default_max_record_bytes() -> u64 {
+    1 << 20
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    pub brokers: String,
+    pub source_topic: String,
+    pub consumer_group: String,
+    /// Default: `<source_topic>.dlq`.
+    #[serde(default)]
+    pub dlq_topic: Option<String>,
+    /// Default: `tally-<job name>`. One per job: it fences a second worker of the same job.
+    #[serde(default)]
+    pub transactional_id: Option<String>,
+    /// librdkafka properties passed through to every client (TLS, SASL, tuning).
+    #[serde(default)]
+    pub client: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FieldsConfig {
+    pub event_id: String,
+    pub customer_id: String,
+    pub currency: String,
+    pub amount: String,
+    pub event_time: String,
+}
+
+impl Default for FieldsConfig {
+    fn default() -> Self {
+        let m = FieldMapping::default();
+        FieldsConfig {
+            event_id: m.event_id,
+            customer_id: m.customer_id,
+            currency: m.currency,
+            amount: m.amount,
+            event_time: m.event_time,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowConfig {
+    #[serde(default = "default_size")]
+    pub size: Millis,
+    #[serde(default = "default_ooo")]
+    pub out_of_orderness: Millis,
+    #[serde(default = "default_lateness")]
+    pub allowed_lateness: Millis,
+    #[serde(default = "default_horizon")]
+    pub dedup_horizon: Millis,
+}
+
+fn default_size() -> Millis {
+    Millis(60_000)
+}
+fn default_ooo() -> Millis {
+    Millis(5_000)
+}
+fn default_lateness() -> Millis {
+    Millis(60_000)
+}
+fn default_horizon() -> Millis {
+    Millis(3_600_000)
+}
+
+impl Default for WindowConfig {
+    fn default() -> Self {
+        WindowConfig {
+            size: default_size(),
+            out_of_orderness: default_ooo(),
+            allowed_lateness: default_lateness(),
+            dedup_horizon: default_horizon(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClickHouseConfig {
+    pub url: String,
+    #[serde(default = "default_database")]
+    pub database: String,
+    #[serde(default = "default_table")]
+    pub table: String,
+    #[serde(default = "default_user")]
+    pub user: String,
+    #[serde(default)]
+    pub password: Secret,
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout: Millis,
+}
+
+fn default_database() -> String {
+    "tally".into()
+}
+fn default_table() -> String {
+    "revenue_agg".into()
+}
+fn default_user() -> String {
+    "default".into()
+}
+fn default_request_timeout() -> Millis {
+    Millis(30_000)
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Prometheus endpoint; empty disables it.
+    #[serde(default = "default_metrics_address")]
+    pub address: String,
+}
+
+fn default_metrics_address() -> String {
+    "127.0.0.1:9464".into()
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            address: default_metrics_address(),
+        }
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let vars: Vec<(String, String)> = std::env::vars().collect();
+        Config::load_with_env(path, &vars)
+    }
+
+    pub fn load_with_env(path: &Path, env: &[(String, String)]) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Config::parse(&file, &text, env)
+    }
+
+    pub fn parse(file: &str, text: &str, env: &[(String, String)]) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            file: file.to_owned(),
+            message: e.to_string(),
+        })?;
+        let mut from_env = BTreeMap::new();
+        for (name, value) in env {
+            let Some(rest) = name.strip_prefix("TALLY_") else {
+                continue;
+            };
+            if !rest.contains("__") {
+                continue;
+            }
+            let mut path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            if path.len() == 3 && path[0] == "kafka" && path[1] == "client" {
+                path[2] = path[2].replace('_', ".");
+            }
+            set_path(&mut table, &path, value).map_err(|message| ConfigError::Key {
+                file: file.to_owned(),
+                key: format!("{} (from {name})", path.join(".")),
+                message,
+            })?;
+            from_env.insert(path.join("."), name.clone());
+        }
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let key = e.path().to_string();
+                let key = match from_env.get(&key) {
+                    Some(var) => format!("{key} (from {var})"),
+                    None => key,
+                };
+                ConfigError::Key {
+                    file: file.to_owned(),
+                    key,
+                    message: e.into_inner().to_string(),
+                }
+            })?;
+        config
+            .validate()
+            .map_err(|(key, message)| ConfigError::Key {
+                file: file.to_owned(),
+                key: key.to_owned(),
+                message,
+            })?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        let w = &self.window;
+        if w.size.0 <= 0 {
+            return Err(("window.size", "must be greater than zero".into()));
+        }
+        if w.dedup_horizon.0 < w.size.0 + w.allowed_lateness.0 {
+            return Err((
+                "window.dedup_horizon",
+                format!(
+                    "{} is shorter than window.size + window.allowed_lateness ({}); a duplicate could then be aggregated twice",
+                    w.dedup_horizon,
+                    Millis(w.size.0 + w.allowed_lateness.0)
+                ),
+            ));
+        }
+        if self.job.checkpoint_interval.0 <= 0 {
+            return Err((
+                "job.checkpoint_interval",
+                "must be greater than zero".into(),
+            ));
+        }
+        if self.job.name.is_empty()
+            || !self
+                .job
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return Err((
+                "job.name",
+                format!(
+                    "{:?} must be non-empty and use only letters, digits, '_' and '-'",
+                    self.job.name
+                ),
+            ));
+        }
+        if self.job.max_record_bytes == 0 {
+            return Err(("job.max_record_bytes", "must be greater than zero".into()));
+        }
+        for (key, value) in [
+            ("kafka.brokers", &self.kafka.brokers),
+            ("kafka.source_topic", &self.kafka.source_topic),
+            ("kafka.consumer_group", &self.kafka.consumer_group),
+            ("clickhouse.url", &self.clickhouse.url),
+        ] {
+            if value.trim().is_empty() {
+                return Err((key, "must not be empty".into()));
+            }
+        }
+        if self.dlq_topic() == self.kafka.source_topic {
+            return Err((
+                "kafka.dlq_topic",
+                "must differ from kafka.source_topic".into(),
+            ));
+        }
+        if let Err(e) =
+            tally_clickhouse::TableNames::new(&self.clickhouse.database, &self.clickhouse.table)
+        {
+            return Err(("clickhouse.table", e.to_string()));
+        }
+        if !self.metrics.address.is_empty() && self.metrics.address.parse::<SocketAddr>().is_err() {
+            return Err((
+                "metrics.address",
+                format!(
+                    "{:?} is not an address like 127.0.0.1:9464",
+                    self.metrics.address
+                ),
+            ));
+        }
+        for (key, field) in [
+            ("fields.event_id", &self.fields.event_id),
+            ("fields.customer_id", &self.fields.customer_id),
+            ("fields.currency", &self.fields.currency),
+            ("fields.amount", &self.fields.amount),
+            ("fields.event_time", &self.fields.event_time),
+        ] {
+            if field.is_empty() {
+                return Err((key, "must not be empty".into()));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn dlq_topic(&self) -> String {
+        self.kafka
+            .dlq_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.dlq", self.kafka.source_topic))
+    }
+
+    pub fn transactional_id(&self) -> String {
+        self.kafka
+            .transactional_id
+            .clone()
+            .unwrap_or_else(|| format!("tally-{}", self.job.name))
+    }
+
+    pub fn operator(&self) -> OperatorConfig {
+        OperatorConfig {
+            window: WindowSpec {
+                size_ms: self.window.size.0,
+            },
+            out_of_orderness_ms: self.window.out_of_orderness.0,
+            allowed_lateness_ms: self.window.allowed_lateness.0,
+            dedup_horizon_ms: self.window.dedup_horizon.0,
+        }
+    }
+
+    pub fn field_mapping(&self) -> FieldMapping {
+        let f = &self.fields;
+        FieldMapping {
+            event_id: f.event_id.clone(),
+            customer_id: f.customer_id.clone(),
+            currency: f.currency.clone(),
+            amount: f.amount.clone(),
+            event_time: f.event_time.clone(),
+        }
+    }
+
+    pub fn kafka_settings(&self) -> tally_kafka::KafkaSettings {
+        tally_kafka::KafkaSettings {
+            brokers: self.kafka.brokers.clone(),
+            client: self.kafka.client.clone(),
+        }
+    }
+
+    pub fn sink_settings(&self) -> tally_clickhouse::SinkSettings {
+        tally_clickhouse::SinkSettings {
+            url: self.clickhouse.url.clone(),
+            database: self.clickhouse.database.clone(),
+            table: self.clickhouse.table.clone(),
+            user: self.clickhouse.user.clone(),
+            password: self.clickhouse.password.clone(),
+            request_timeout: self.clickhouse.request_timeout.as_duration(),
+        }
+    }
+
+    /// Identity stored in the state directory: the job and the topic it reads.
+    pub fn state_identity(&self) -> String {
+        format!("{}@{}", self.job.name, self.kafka.source_topic)
+    }
+}
+
+fn set_path(table: &mut toml::Table, path: &[String], value: &str) -> Result<(), String> {
+    let Some((last, parents)) = path.split_last() else {
+        return Err("empty key".into());
+    };
+    let mut current = table;
+    for key in parents {
+        let entry = current
+            .entry(key.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        current = entry
+            .as_table_mut()
+            .ok_or_else(|| format!("{key} is not a table"))?;
+    }
+    current.insert(last.clone(), toml::Value::String(value.to_owned()));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[job]
+name = "revenue_agg"
+state_dir = "/tmp/x"
+[kafka]
+brokers = "127.0.0.1:9092"
+source_topic = "orders"
+consumer_group = "g"
+[clickhouse]
+url = "http://127.0.0.1:8123"
+password = "hunter2"
+"#;
+
+    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Config::parse("job.toml", text, &env)
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = parse(BASE, &[]).unwrap();
+        assert_eq!(c.window.size, Millis(60_000));
+        assert_eq!(c.window.dedup_horizon, Millis(3_600_000));
+        assert_eq!(c.dlq_topic(), "orders.dlq");
+        assert_eq!(c.transactional_id(), "tally-revenue_agg");
+        assert_eq!(c.job.checkpoint_interval, Millis(5_000));
+    }
+
+    #[test]
+    fn a_misspelled_key_is_named_with_the_file() {
+        let err = parse(&format!("{BASE}\n[window]\nsise = \"60s\"\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("job.toml: window"), "{err}");
+        assert!(err.contains("unknown field `sise`"), "{err}");
+    }
+
+    #[test]
+    fn a_negative_window_is_refused_by_key() {
+        let err = parse(&format!("{BASE}\n[window]\nsize = \"-60s\"\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("window.size"), "{err}");
+        assert!(err.contains("negative"), "{err}");
+    }
+
+    #[test]
+    fn the_dedup_horizon_must_cover_window_and_lateness() {
+        let err = parse(&format!("{BASE}\n[window]\nsize = \"60s\"\nallowed_lateness = \"60s\"\ndedup_horizon = \"90s\"\n"), &[]).unwrap_err().to_string();
+        assert!(err.contains("window.dedup_horizon"), "{err}");
+    }
+
+    #[test]
+    fn environment_overrides_any_key() {
+        let c = parse(
+            BASE,
+            &[
+                ("TALLY_KAFKA__BROKERS", "kafka:29092"),
+                ("TALLY_WINDOW__SIZE", "30s"),
+                ("TALLY_KAFKA__CLIENT__SECURITY_PROTOCOL", "ssl"),
+                ("TALLY_JOB__MAX_RECORD_BYTES", "2048"),
+                ("TALLY_FAULT", "ignored"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.kafka.brokers, "kafka:29092");
+        assert_eq!(c.window.size, Millis(30_000));
+        assert_eq!(
+            c.kafka.client.get("security.protocol").map(String::as_str),
+            Some("ssl")
+        );
+        assert_eq!(c.job.max_record_bytes, 2048);
+        let err = parse(BASE, &[("TALLY_WINDOW__SIZE", "soon")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("window.size (from TALLY_WINDOW__SIZE)"),
+            "{err}"
+        );
+        let err = parse(BASE, &[("TALLY_WINDOW__SIZZE", "1s")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sizze"), "{err}");
+    }
+
+    #[test]
+    fn the_password_never_shows_in_debug() {
+        let c = parse(BASE, &[]).unwrap();
+        let debug = format!("{c:?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("***"));
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(Millis::parse("500ms"), Ok(Millis(500)));
+        assert_eq!(Millis::parse("1h"), Ok(Millis(3_600_000)));
+        assert!(Millis::parse("5").is_err());
+        assert!(Millis::parse("5 parsecs").is_err());
+    }
+}

@@ -1,0 +1,93 @@
+//! Internal events: each logs and counts in one place. Metric names follow
+//! `tally_<name>_<unit>_total`.
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use tally_core::{Accounting, Checkpoint, Epoch, PoisonReason};
+
+/// An epoch whose outputs every sink now has.
+pub struct CheckpointCommitted<'a> {
+    pub checkpoint: &'a Checkpoint,
+    pub duration: Duration,
+    pub recovered: bool,
+}
+
+impl CheckpointCommitted<'_> {
+    pub fn emit(&self) {
+        let cp = self.checkpoint;
+        let acc: Accounting = cp.accounting();
+        tracing::info!(
+            epoch = %cp.epoch,
+            consumed = acc.consumed,
+            aggregated = acc.aggregated,
+            duplicates = acc.duplicates,
+            late = acc.late,
+            dead_lettered = acc.dead_lettered,
+            rows = cp.rows.len(),
+            millis = self.duration.as_millis() as u64,
+            recovered = self.recovered,
+            "checkpoint committed"
+        );
+        counter!("tally_records_consumed_total").increment(acc.consumed);
+        counter!("tally_records_aggregated_total").increment(acc.aggregated);
+        counter!("tally_records_duplicate_total").increment(acc.duplicates);
+        counter!("tally_records_late_total").increment(acc.late);
+        for reason in PoisonReason::ALL {
+            let n = cp
+                .dead_letters
+                .iter()
+                .filter(|d| d.reason == reason)
+                .count() as u64;
+            if n > 0 {
+                counter!("tally_records_dead_lettered_total", "reason" => reason.as_str())
+                    .increment(n);
+            }
+        }
+        counter!("tally_sink_rows_written_total").increment(cp.rows.len() as u64);
+        counter!("tally_checkpoints_committed_total").increment(1);
+        histogram!("tally_checkpoint_duration_seconds").record(self.duration.as_secs_f64());
+        gauge!("tally_epoch").set(cp.epoch.0 as f64);
+        for (p, pc) in &cp.partitions {
+            if let Some(max) = pc.watermark.max_event_time_ms {
+                gauge!("tally_partition_max_event_time_seconds", "partition" => p.to_string())
+                    .set(max as f64 / 1000.0);
+            }
+            gauge!("tally_partition_next_offset", "partition" => p.to_string())
+                .set(pc.next_offset as f64);
+        }
+    }
+}
+
+/// A sink could not take an epoch's outputs; tally retries and does not consume meanwhile.
+pub struct SinkRetry<'a> {
+    pub sink: &'static str,
+    pub epoch: Epoch,
+    pub attempt: u32,
+    pub backoff: Duration,
+    pub error: &'a str,
+}
+
+impl SinkRetry<'_> {
+    pub fn emit(&self) {
+        tracing::warn!(sink = self.sink, epoch = %self.epoch, attempt = self.attempt, backoff_ms = self.backoff.as_millis() as u64, error = self.error, "sink write failed; retrying");
+        counter!("tally_sink_retries_total", "sink" => self.sink).increment(1);
+    }
+}
+
+/// A pre-committed epoch found at start and completed before new input.
+pub struct EpochRecovered {
+    pub epoch: Epoch,
+    pub clickhouse_already_committed: bool,
+}
+
+impl EpochRecovered {
+    pub fn emit(&self) {
+        tracing::warn!(
+            epoch = %self.epoch,
+            clickhouse_already_committed = self.clickhouse_already_committed,
+            "completed the commit of a pre-committed epoch left by a previous run"
+        );
+        counter!("tally_epochs_recovered_total").increment(1);
+    }
+}

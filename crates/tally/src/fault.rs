@@ -1,0 +1,91 @@
+//! Fault injection for crash tests, off unless `TALLY_FAULT` is set.
+//!
+//! `TALLY_FAULT=<point>` SIGKILLs the process when it reaches that step of the checkpoint
+//! protocol; `TALLY_FAULT_EPOCH=<n>` (default: any) limits it to one epoch. A SIGKILL, not an exit:
+//! nothing is flushed or cleaned up, exactly like `kill -9`.
+
+use tally_core::Epoch;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    AfterPreCommit,
+    AfterDeadLetterCommit,
+    MidClickHouseInsert,
+    AfterClickHouseInsert,
+    DuringRestore,
+}
+
+impl FaultPoint {
+    pub const ALL: [FaultPoint; 5] = [
+        FaultPoint::AfterPreCommit,
+        FaultPoint::AfterDeadLetterCommit,
+        FaultPoint::MidClickHouseInsert,
+        FaultPoint::AfterClickHouseInsert,
+        FaultPoint::DuringRestore,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultPoint::AfterPreCommit => "after_precommit",
+            FaultPoint::AfterDeadLetterCommit => "after_dlq_commit",
+            FaultPoint::MidClickHouseInsert => "mid_clickhouse_insert",
+            FaultPoint::AfterClickHouseInsert => "after_clickhouse_insert",
+            FaultPoint::DuringRestore => "during_restore",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FaultPlan {
+    point: Option<FaultPoint>,
+    epoch: Option<Epoch>,
+}
+
+impl FaultPlan {
+    pub fn from_env() -> Result<FaultPlan, String> {
+        let Ok(name) = std::env::var("TALLY_FAULT") else {
+            return Ok(FaultPlan::default());
+        };
+        let point = FaultPoint::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                format!(
+                    "TALLY_FAULT={name:?} is not one of {:?}",
+                    FaultPoint::ALL.map(FaultPoint::name)
+                )
+            })?;
+        let epoch = match std::env::var("TALLY_FAULT_EPOCH") {
+            Ok(e) => {
+                Some(Epoch(e.parse().map_err(|_| {
+                    format!("TALLY_FAULT_EPOCH={e:?} is not a number")
+                })?))
+            }
+            Err(_) => None,
+        };
+        Ok(FaultPlan {
+            point: Some(point),
+            epoch,
+        })
+    }
+
+    pub fn is_armed(&self) -> bool {
+        self.point.is_some()
+    }
+
+    /// Kills the process if the plan targets this point (and epoch).
+    pub fn hit(&self, point: FaultPoint, epoch: Epoch) {
+        if self.point == Some(point) && self.epoch.is_none_or(|e| e == epoch) {
+            tracing::warn!(point = point.name(), %epoch, "fault injection: SIGKILL");
+            kill_self();
+        }
+    }
+}
+
+#[allow(unsafe_code)]
+fn kill_self() {
+    // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}

@@ -1,0 +1,8 @@
+//! The tally job runtime and its tools, as a library so integration tests can drive them.
+
+pub mod config;
+pub mod events;
+pub mod fault;
+pub mod loadgen;
+pub mod prove;
+pub mod worker;

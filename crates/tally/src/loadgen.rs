@@ -1,0 +1,432 @@
+//! A deterministic order stream with known ground truth, for load tests, demos and chaos runs.
+//!
+//! Every record's fate is decided by construction, independently of tally's code: valid events
+//! are never late (their disorder stays inside the out-of-orderness bound), duplicates re-publish
+//! a recent valid event of the same partition within the dedup horizon, late events sit further
+//! behind the partition's maximum than window + lateness + out-of-orderness, and poison records
+//! are malformed in one specific way each. The manifest is the expected view and dead letters.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use rand::distr::{Distribution, weighted::WeightedIndex};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use tally_core::{OperatorConfig, PoisonReason};
+
+/// Knobs of the stream.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LoadSpec {
+    pub seed: u64,
+    pub partitions: i32,
+    pub customers: u32,
+    pub currencies: Vec<String>,
+    /// Zipf exponent of customer popularity (0 = uniform).
+    pub skew: f64,
+    pub duplicate_fraction: f64,
+    pub poison_fraction: f64,
+    pub late_fraction: f64,
+    /// Event-time start (ms since epoch) and spacing between consecutive events of a partition.
+    pub start_ms: i64,
+    pub step_ms: i64,
+    /// Records larger than this are generated for the `too_large` reason.
+    pub max_record_bytes: u64,
+}
+
+/// What one generated record is, by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    Valid,
+    Duplicate,
+    Late,
+    Poison(PoisonReason),
+}
+
+#[derive(Debug, Clone)]
+pub struct GeneratedRecord {
+    pub partition: i32,
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub kind: Kind,
+    /// For valid events: (window_start_ms, customer, currency, amount units).
+    pub contributes: Option<(i64, String, String, i64)>,
+}
+
+struct PartitionClock {
+    now: i64,
+    max_seen: i64,
+    recent: VecDeque<(i64, Vec<u8>, Vec<u8>)>,
+}
+
+pub struct Generator {
+    spec: LoadSpec,
+    rules: OperatorConfig,
+    rng: ChaCha8Rng,
+    customers: WeightedIndex<f64>,
+    clocks: Vec<PartitionClock>,
+    next_id: u64,
+    poison_turn: usize,
+}
+
+const POISON_REASONS: [PoisonReason; 8] = [
+    PoisonReason::InvalidUtf8,
+    PoisonReason::InvalidJson,
+    PoisonReason::MissingField,
+    PoisonReason::WrongType,
+    PoisonReason::InvalidAmount,
+    PoisonReason::InvalidCurrency,
+    PoisonReason::InvalidTime,
+    PoisonReason::TooLarge,
+];
+
+impl Generator {
+    pub fn new(spec: LoadSpec, rules: OperatorConfig) -> Result<Generator, String> {
+        if spec.partitions <= 0 || spec.customers == 0 || spec.currencies.is_empty() {
+            return Err("partitions, customers and currencies must be positive".into());
+        }
+        let weights: Vec<f64> = (1..=spec.customers)
+            .map(|k| 1.0 / f64::from(k).powf(spec.skew))
+            .collect();
+        let customers = WeightedIndex::new(weights).map_err(|e| e.to_string())?;
+        let clocks = (0..spec.partitions)
+            .map(|_| PartitionClock {
+                now: spec.start_ms,
+                max_seen: i64::MIN,
+                recent: VecDeque::new(),
+            })
+            .collect();
+        Ok(Generator {
+            rng: ChaCha8Rng::seed_from_u64(spec.seed),
+            spec,
+            rules,
+            customers,
+            clocks,
+            next_id: 0,
+            poison_turn: 0,
+        })
+    }
+
+    fn order_json(id: &str, customer: &str, currency: &str, amount_units: i64, t: i64) -> Vec<u8> {
+        let sign = if amount_units < 0 { "-" } else { "" };
+        let abs = amount_units.unsigned_abs();
+        format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"{currency}","amount":"{sign}{}.{:04}","event_time":{t},"source":"loadgen"}}"#, abs / 10_000, abs % 10_000).into_bytes()
+    }
+
+    pub fn next_record(&mut self) -> GeneratedRecord {
+        let customer_idx = self.customers.sample(&mut self.rng);
+        let customer = format!("cust-{customer_idx:05}");
+        let partition = (customer_idx as i32) % self.spec.partitions;
+        let p = partition as usize;
+        let r: f64 = self.rng.random();
+        let dup_cut = self.spec.duplicate_fraction;
+        let poison_cut = dup_cut + self.spec.poison_fraction;
+        let late_cut = poison_cut + self.spec.late_fraction;
+        let rules = self.rules;
+        let clock = &mut self.clocks[p];
+        clock.now += self.spec.step_ms;
+        if r < dup_cut
+            && let Some((t, key, value)) = clock
+                .recent
+                .get(self.rng.random_range(0..clock.recent.len().max(1)))
+                .cloned()
+            && t + rules.dedup_horizon_ms > clock.now
+        {
+            return GeneratedRecord {
+                partition,
+                key,
+                value,
+                kind: Kind::Duplicate,
+                contributes: None,
+            };
+        }
+        if r >= dup_cut && r < poison_cut {
+            let reason = POISON_REASONS[self.poison_turn % POISON_REASONS.len()];
+            self.poison_turn += 1;
+            let value = self.poison(reason, &customer);
+            return GeneratedRecord {
+                partition,
+                key: customer.into_bytes(),
+                value,
+                kind: Kind::Poison(reason),
+                contributes: None,
+            };
+        }
+        let clock = &mut self.clocks[p];
+        self.next_id += 1;
+        let id = format!("ord-{}-{}", self.spec.seed, self.next_id);
+        let currency =
+            self.spec.currencies[self.rng.random_range(0..self.spec.currencies.len())].clone();
+        let amount_units: i64 = self.rng.random_range(-5_000..2_000_000);
+        if r >= poison_cut && r < late_cut && clock.max_seen != i64::MIN {
+            // Behind the watermark by more than window + lateness: late by construction.
+            let t = clock.max_seen
+                - rules.out_of_orderness_ms
+                - rules.window.size_ms
+                - rules.allowed_lateness_ms
+                - 1_000;
+            let value = Self::order_json(&id, &customer, &currency, amount_units, t);
+            return GeneratedRecord {
+                partition,
+                key: customer.into_bytes(),
+                value,
+                kind: Kind::Late,
+                contributes: None,
+            };
+        }
+        let jitter = if rules.out_of_orderness_ms > 1 {
+            self.rng.random_range(0..rules.out_of_orderness_ms)
+        } else {
+            0
+        };
+        let t = clock.now - jitter;
+        clock.max_seen = clock.max_seen.max(t);
+        let value = Self::order_json(&id, &customer, &currency, amount_units, t);
+        let key = customer.clone().into_bytes();
+        clock.recent.push_back((t, key.clone(), value.clone()));
+        if clock.recent.len() > 256 {
+            clock.recent.pop_front();
+        }
+        GeneratedRecord {
+            partition,
+            key,
+            value,
+            kind: Kind::Valid,
+            contributes: Some((rules.window.start_of(t), customer, currency, amount_units)),
+        }
+    }
+
+    fn poison(&mut self, reason: PoisonReason, customer: &str) -> Vec<u8> {
+        let id = format!("poison-{}-{}", self.spec.seed, self.poison_turn);
+        let t = self.clocks.first().map_or(0, |c| c.now);
+        match reason {
+            PoisonReason::InvalidUtf8 => b"{\"event_id\":\"\xff\xfe\"}".to_vec(),
+            PoisonReason::InvalidJson => format!(r#"{{"event_id":"{id}","customer_id":"{customer}""#).into_bytes(),
+            PoisonReason::MissingField => format!(r#"{{"event_id":"{id}","currency":"EUR","amount":"1","event_time":{t}}}"#).into_bytes(),
+            PoisonReason::WrongType => format!(r#"{{"event_id":"{id}","customer_id":42,"currency":"EUR","amount":"1","event_time":{t}}}"#).into_bytes(),
+            PoisonReason::InvalidAmount => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"12.34567","event_time":{t}}}"#).into_bytes(),
+            PoisonReason::InvalidCurrency => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"euro","amount":"1","event_time":{t}}}"#).into_bytes(),
+            PoisonReason::InvalidTime => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"1","event_time":"tomorrow"}}"#).into_bytes(),
+            PoisonReason::TooLarge | PoisonReason::Late => {
+                let pad = "x".repeat(usize::try_from(self.spec.max_record_bytes).unwrap_or(4096) + 1);
+                format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"1","event_time":{t},"pad":"{pad}"}}"#).into_bytes()
+            }
+        }
+    }
+}
+
+/// Expected results of a generated stream.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Manifest {
+    pub spec: Option<LoadSpec>,
+    pub source_topic: String,
+    pub produced: u64,
+    pub valid: u64,
+    pub duplicates: u64,
+    pub late: u64,
+    pub poison: u64,
+    /// (window_start_ms, customer, currency) → (orders, revenue units)
+    pub rows: BTreeMap<(i64, String, String), (u64, i64)>,
+    /// (partition, offset) → reason
+    pub dead_letters: BTreeMap<(i32, i64), PoisonReason>,
+}
+
+impl Manifest {
+    /// Records a produced record at its offset.
+    pub fn record(&mut self, record: &GeneratedRecord, offset: i64) {
+        self.produced += 1;
+        match record.kind {
+            Kind::Valid => {
+                self.valid += 1;
+                if let Some((w, c, ccy, units)) = &record.contributes {
+                    let e = self
+                        .rows
+                        .entry((*w, c.clone(), ccy.clone()))
+                        .or_insert((0, 0));
+                    e.0 += 1;
+                    e.1 += units;
+                }
+            }
+            Kind::Duplicate => self.duplicates += 1,
+            Kind::Late => {
+                self.late += 1;
+                self.dead_letters
+                    .insert((record.partition, offset), PoisonReason::Late);
+            }
+            Kind::Poison(reason) => {
+                self.poison += 1;
+                self.dead_letters.insert((record.partition, offset), reason);
+            }
+        }
+    }
+
+    pub fn revenue_units(&self) -> i128 {
+        self.rows.values().map(|(_, r)| i128::from(*r)).sum()
+    }
+
+    pub fn orders(&self) -> u64 {
+        self.rows.values().map(|(o, _)| *o).sum()
+    }
+
+    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let file = ManifestFile {
+            spec: self.spec.clone(),
+            source_topic: self.source_topic.clone(),
+            produced: self.produced,
+            valid: self.valid,
+            duplicates: self.duplicates,
+            late: self.late,
+            poison: self.poison,
+            rows: self
+                .rows
+                .iter()
+                .map(|((w, c, ccy), (o, r))| (*w, c.clone(), ccy.clone(), *o, *r))
+                .collect(),
+            dead_letters: self
+                .dead_letters
+                .iter()
+                .map(|((p, o), r)| (*p, *o, *r))
+                .collect(),
+        };
+        let text = serde_json::to_vec(&file).map_err(std::io::Error::other)?;
+        std::fs::write(path, text)
+    }
+
+    pub fn load(path: &std::path::Path) -> std::io::Result<Manifest> {
+        let bytes = std::fs::read(path)?;
+        let file: ManifestFile = serde_json::from_slice(&bytes).map_err(std::io::Error::other)?;
+        Ok(Manifest {
+            spec: file.spec,
+            source_topic: file.source_topic,
+            produced: file.produced,
+            valid: file.valid,
+            duplicates: file.duplicates,
+            late: file.late,
+            poison: file.poison,
+            rows: file
+                .rows
+                .into_iter()
+                .map(|(w, c, ccy, o, r)| ((w, c, ccy), (o, r)))
+                .collect(),
+            dead_letters: file
+                .dead_letters
+                .into_iter()
+                .map(|(p, o, r)| ((p, o), r))
+                .collect(),
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct ManifestFile {
+    spec: Option<LoadSpec>,
+    source_topic: String,
+    produced: u64,
+    valid: u64,
+    duplicates: u64,
+    late: u64,
+    poison: u64,
+    rows: Vec<(i64, String, String, u64, i64)>,
+    dead_letters: Vec<(i32, i64, PoisonReason)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use tally_core::{
+        CheckpointBarrier, FieldMapping, MemStore, Record, RecordDecoder, RevenueOperator,
+        WindowSpec,
+    };
+
+    fn rules() -> OperatorConfig {
+        OperatorConfig {
+            window: WindowSpec { size_ms: 60_000 },
+            out_of_orderness_ms: 5_000,
+            allowed_lateness_ms: 60_000,
+            dedup_horizon_ms: 3_600_000,
+        }
+    }
+
+    fn spec(seed: u64) -> LoadSpec {
+        LoadSpec {
+            seed,
+            partitions: 3,
+            customers: 50,
+            currencies: vec!["EUR".into(), "USD".into()],
+            skew: 1.1,
+            duplicate_fraction: 0.05,
+            poison_fraction: 0.02,
+            late_fraction: 0.02,
+            start_ms: 1_790_000_000_000,
+            step_ms: 50,
+            max_record_bytes: 2048,
+        }
+    }
+
+    /// The construction and tally's operator agree on every record's fate.
+    #[test]
+    fn ground_truth_matches_the_operator() {
+        for seed in [1, 2, 3] {
+            let mut generator = Generator::new(spec(seed), rules()).unwrap();
+            let mut manifest = Manifest::default();
+            let mut op = RevenueOperator::restore(
+                rules(),
+                RecordDecoder::new(FieldMapping::default(), 2048),
+                tally_core::Epoch(0),
+                &BTreeMap::new(),
+            );
+            let mut store = MemStore::default();
+            let mut offsets = [0i64; 3];
+            let mut view = BTreeMap::new();
+            let mut dead = BTreeSet::new();
+            for i in 0..20_000 {
+                let r = generator.next_record();
+                let offset = offsets[r.partition as usize];
+                offsets[r.partition as usize] += 1;
+                manifest.record(&r, offset);
+                let record = Record {
+                    partition: r.partition,
+                    offset,
+                    timestamp_ms: None,
+                    key: Some(&r.key),
+                    value: Some(&r.value),
+                };
+                let Ok(_) = op.process(&store, record);
+                if i % 997 == 0 || i == 19_999 {
+                    let cp = op.handle_checkpoint(CheckpointBarrier {
+                        epoch: op.current_epoch(),
+                        is_final: false,
+                    });
+                    store.apply(&cp);
+                    for row in &cp.rows {
+                        view.insert((row.partition, row.key.clone()), row.value);
+                    }
+                    for d in &cp.dead_letters {
+                        dead.insert((d.partition, d.offset, d.reason));
+                    }
+                }
+            }
+            let mut summed: BTreeMap<(i64, String, String), (u64, i64)> = BTreeMap::new();
+            for ((_, k), v) in view {
+                let e = summed
+                    .entry((k.window_start_ms, k.customer_id, k.currency))
+                    .or_default();
+                e.0 += v.orders;
+                e.1 += v.revenue.units();
+            }
+            assert_eq!(summed, manifest.rows, "seed {seed}");
+            let expected: BTreeSet<_> = manifest
+                .dead_letters
+                .iter()
+                .map(|((p, o), r)| (*p, *o, *r))
+                .collect();
+            assert_eq!(dead, expected, "seed {seed}");
+            assert!(
+                manifest.duplicates > 500 && manifest.late > 200 && manifest.poison > 200,
+                "{manifest:?}"
+            );
+            let reasons: BTreeSet<_> = manifest.dead_letters.values().collect();
+            assert_eq!(reasons.len(), 9, "every reason appears");
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! The `tally` command: run a job, check its config, and prove its results.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+
+use tally::config::{Config, Millis};
+use tally::loadgen::LoadSpec;
+use tally::prove;
+use tally::worker;
+
+/// Exactly-once stream processing from Kafka into ClickHouse.
+///
+/// tally reads JSON orders from a Kafka topic, keeps per-window aggregates in RocksDB,
+/// checkpoints them together with the Kafka offsets, and writes each checkpoint to ClickHouse
+/// as one id-keyed batch, so a crash at any instant neither loses nor double counts.
+/// Records it cannot aggregate go to a dead-letter topic with the reason.
+///
+/// Start with `tally check-config --config config/revenue_agg.toml`, then `tally run` with
+/// the same file. Every key can be overridden by an environment variable such as
+/// TALLY_KAFKA__BROKERS or TALLY_CLICKHOUSE__URL (see the README).
+#[derive(Parser)]
+#[command(name = "tally", version, about, long_about)]
+struct Cli {
+    /// Log format on stderr. Filter with RUST_LOG (default: info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Human, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a job until SIGTERM or SIGINT (then it takes a final checkpoint and exits).
+    Run {
+        /// The job's TOML file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Validate a job's config and print the effective settings (passwords masked).
+    CheckConfig {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Produce a deterministic order stream to the job's source topic and write its ground truth.
+    Loadgen(LoadgenArgs),
+    /// Compare the view and the dead-letter topic with a loadgen manifest, exactly. Exit 1 on any difference.
+    Verify {
+        #[arg(long, short)]
+        config: PathBuf,
+        #[arg(long, short)]
+        manifest: PathBuf,
+    },
+    /// Recompute counts and sums from the source topic and compare them with the sink per window
+    /// and key. Exit 1 when any sink/source ratio differs from 1.
+    Reconcile(ReconcileArgs),
+}
+
+#[derive(clap::Args)]
+struct LoadgenArgs {
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Number of records (ignored with --rate and --duration).
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Target records per second; with --duration, produces rate × duration records.
+    #[arg(long)]
+    rate: Option<u64>,
+    /// How long to produce at --rate, e.g. 60s.
+    #[arg(long)]
+    duration: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Partitions of the source topic when loadgen creates it.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    #[arg(long, default_value_t = 1000)]
+    customers: u32,
+    /// Zipf exponent of customer popularity (0 = uniform).
+    #[arg(long, default_value_t = 1.1)]
+    skew: f64,
+    #[arg(long, default_value = "EUR,USD,GBP", value_delimiter = ',')]
+    currencies: Vec<String>,
+    /// Fraction of records that re-publish an earlier event (same key and id).
+    #[arg(long, default_value_t = 0.02)]
+    duplicates: f64,
+    /// Fraction of poison records (every reason in turn).
+    #[arg(long, default_value_t = 0.005)]
+    poison: f64,
+    /// Fraction of events later than the allowed lateness.
+    #[arg(long, default_value_t = 0.005)]
+    late: f64,
+    /// Event-time spacing between consecutive records of one partition, in ms.
+    #[arg(long, default_value_t = 10)]
+    step_ms: i64,
+    /// First event time (ms since the epoch); default: now minus the span of the stream.
+    #[arg(long)]
+    start_ms: Option<i64>,
+    /// Where to write the ground-truth manifest.
+    #[arg(long, short, default_value = "manifest.json")]
+    manifest: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct ReconcileArgs {
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Only windows starting at or after this time (RFC 3339).
+    #[arg(long)]
+    from: Option<String>,
+    /// Only windows starting before this time (RFC 3339).
+    #[arg(long)]
+    to: Option<String>,
+    /// Only this customer.
+    #[arg(long)]
+    customer: Option<String>,
+    /// Keep running, reconciling every DURATION (e.g. 5m), and export the result as metrics.
+    #[arg(long)]
+    every: Option<String>,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rdkafka=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    if let Err(e) = real_main(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::CheckConfig { config } => {
+            let cfg = Config::load(&config)?;
+            println!("{cfg:#?}");
+            println!("{}: ok", config.display());
+            Ok(())
+        }
+        Command::Loadgen(args) => {
+            let cfg = Config::load(&args.config)?;
+            let events = match (args.rate, &args.duration) {
+                (Some(rate), Some(d)) => {
+                    rate * (Millis::parse(d)
+                        .map_err(anyhow::Error::msg)
+                        .context("--duration")?
+                        .0 as u64
+                        / 1000)
+                        .max(1)
+                }
+                _ => args.events,
+            };
+            let per_partition = events / args.partitions.max(1) as u64 + 1;
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or(0);
+            let spec = LoadSpec {
+                seed: args.seed,
+                partitions: args.partitions,
+                customers: args.customers,
+                currencies: args.currencies,
+                skew: args.skew,
+                duplicate_fraction: args.duplicates,
+                poison_fraction: args.poison,
+                late_fraction: args.late,
+                start_ms: args
+                    .start_ms
+                    .unwrap_or(now - per_partition as i64 * args.step_ms),
+                step_ms: args.step_ms,
+                max_record_bytes: cfg.job.max_record_bytes,
+            };
+            let rt = runtime()?;
+            rt.block_on(prove::loadgen(
+                &cfg,
+                prove::LoadOptions {
+                    events,
+                    rate: args.rate,
+                    partitions: args.partitions,
+                    spec,
+                    manifest: args.manifest,
+                },
+            ))?;
+            Ok(())
+        }
+        Command::Verify { config, manifest } => {
+            let cfg = Config::load(&config)?;
+            let ok = runtime()?.block_on(prove::verify(&cfg, &manifest))?;
+            if !ok {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Reconcile(args) => {
+            let cfg = Config::load(&args.config)?;
+            let parse_time = |t: &Option<String>, flag: &str| -> Result<Option<i64>> {
+                t.as_ref()
+                    .map(|t| {
+                        tally_core::time::parse_rfc3339_ms(t)
+                            .with_context(|| format!("{flag} {t:?} is not RFC 3339"))
+                    })
+                    .transpose()
+            };
+            let filter = prove::ReconcileFilter {
+                from_ms: parse_time(&args.from, "--from")?,
+                to_ms: parse_time(&args.to, "--to")?,
+                customer: args.customer,
+            };
+            let rt = runtime()?;
+            match args.every {
+                None => {
+                    let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
+                    if r.mismatched > 0 {
+                        std::process::exit(1);
+                    }
+                    Ok(())
+                }
+                Some(every) => {
+                    let every = Millis::parse(&every)
+                        .map_err(anyhow::Error::msg)
+                        .context("--every")?
+                        .as_duration();
+                    rt.block_on(async {
+                        install_metrics(&cfg.metrics.address)?;
+                        loop {
+                            match prove::reconcile(&cfg, &filter, true).await {
+                                Ok(r) => {
+                                    metrics::gauge!("tally_reconcile_keys_mismatched")
+                                        .set(r.mismatched as f64);
+                                    metrics::gauge!("tally_reconcile_orders_ratio").set(
+                                        if r.source_orders == 0 {
+                                            1.0
+                                        } else {
+                                            r.sink_orders as f64 / r.source_orders as f64
+                                        },
+                                    );
+                                    metrics::gauge!("tally_reconcile_revenue_ratio").set(
+                                        if r.source_revenue == 0 {
+                                            1.0
+                                        } else {
+                                            r.sink_revenue as f64 / r.source_revenue as f64
+                                        },
+                                    );
+                                    metrics::gauge!("tally_reconcile_epoch")
+                                        .set(r.epoch.map_or(0.0, |e| e.0 as f64));
+                                    metrics::counter!("tally_reconcile_runs_total").increment(1);
+                                }
+                                Err(e) => {
+                                    tracing::error!(error = %format!("{e:#}"), "reconcile failed");
+                                    metrics::counter!("tally_reconcile_errors_total").increment(1);
+                                }
+                            }
+                            tokio::time::sleep(every).await;
+                        }
+                    })
+                }
+            }
+        }
+        Command::Run { config } => {
+            let cfg = Config::load(&config)?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            let shutdown = Arc::new(AtomicBool::new(false));
+            rt.block_on(async {
+                install_metrics(&cfg.metrics.address)?;
+                spawn_signal_handler(shutdown.clone());
+                let handle = tokio::runtime::Handle::current();
+                let flag = shutdown.clone();
+                tokio::task::spawn_blocking(move || worker::Worker::start(cfg, handle, flag)?.run())
+                    .await
+                    .context("worker thread")?
+            })
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn install_metrics(address: &str) -> Result<()> {
+    if address.is_empty() {
+        return Ok(());
+    }
+    let addr: std::net::SocketAddr = address
+        .parse()
+        .with_context(|| format!("metrics.address {address:?}"))?;
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .with_context(|| format!("starting the metrics endpoint on {addr}"))?;
+    tracing::info!(%addr, "metrics at http://{addr}/metrics");
+    Ok(())
+}
+
+fn spawn_signal_handler(shutdown: Arc<AtomicBool>) {
+    tokio::spawn(async move {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutdown requested; taking a final checkpoint");
+        shutdown.store(true, Ordering::SeqCst);
+    });
+}

@@ -1,0 +1,543 @@
+//! `tally loadgen`, `tally verify` and `tally reconcile`: the tools that make the
+//! "Written → Queryable → Reported" hops checkable by anyone, against any deployment.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rdkafka::Message;
+use rdkafka::message::Headers;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
+use tally_core::amount::format_units_i128;
+use tally_core::{
+    CheckpointBarrier, Epoch, MemStore, PoisonReason, Record, RecordDecoder, RevenueOperator,
+};
+use tally_kafka::{HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION};
+
+use crate::config::Config;
+use crate::loadgen::{Generator, LoadSpec, Manifest};
+
+pub struct LoadOptions {
+    pub events: u64,
+    pub rate: Option<u64>,
+    pub partitions: i32,
+    pub spec: LoadSpec,
+    pub manifest: std::path::PathBuf,
+}
+
+/// Produces the stream and writes the manifest. Returns the manifest.
+pub async fn loadgen(config: &Config, opts: LoadOptions) -> Result<Manifest> {
+    let settings = config.kafka_settings();
+    let topic = &config.kafka.source_topic;
+    if tally_kafka::ensure_topic(&settings, topic, opts.partitions, 1, &[]).await? {
+        eprintln!("created topic {topic} with {} partitions", opts.partitions);
+    }
+    let extent = tally_kafka::topic_extent(&settings, topic)?;
+    let partitions = i32::try_from(extent.len()).context("partition count")?;
+    let mut spec = opts.spec;
+    spec.partitions = partitions;
+    let mut generator =
+        Generator::new(spec.clone(), config.operator()).map_err(anyhow::Error::msg)?;
+    let mut client = settings.client_config();
+    client
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "20")
+        .set("batch.num.messages", "10000")
+        .set("compression.type", "lz4");
+    let producer: FutureProducer = client.create().context("creating producer")?;
+    let mut manifest = Manifest {
+        spec: Some(spec),
+        source_topic: topic.clone(),
+        ..Manifest::default()
+    };
+    let started = Instant::now();
+    let chunk = 5_000u64;
+    let mut sent = 0u64;
+    while sent < opts.events {
+        let n = chunk.min(opts.events - sent);
+        let records: Vec<_> = (0..n).map(|_| generator.next_record()).collect();
+        let mut deliveries = Vec::with_capacity(records.len());
+        for r in &records {
+            let mut record = FutureRecord::to(topic)
+                .partition(r.partition)
+                .key(r.key.as_slice())
+                .payload(r.value.as_slice());
+            loop {
+                match producer.send_result(record) {
+                    Ok(f) => {
+                        deliveries.push(f);
+                        break;
+                    }
+                    Err((
+                        rdkafka::error::KafkaError::MessageProduction(
+                            rdkafka::types::RDKafkaErrorCode::QueueFull,
+                        ),
+                        back,
+                    )) => {
+                        record = back;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err((e, _)) => return Err(e).context("producing"),
+                }
+            }
+        }
+        for (r, f) in records.iter().zip(deliveries) {
+            let delivery = f
+                .await
+                .context("delivery cancelled")?
+                .map_err(|(e, _)| e)
+                .context("delivery failed")?;
+            manifest.record(r, delivery.offset);
+        }
+        sent += n;
+        if let Some(rate) = opts.rate.filter(|r| *r > 0) {
+            let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+    producer
+        .flush(Duration::from_secs(30))
+        .context("flushing")?;
+    manifest
+        .save(&opts.manifest)
+        .with_context(|| format!("writing {}", opts.manifest.display()))?;
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "produced {} records in {secs:.1}s ({:.0}/s): {} valid, {} duplicates, {} late, {} poison; expected {} rows, {} orders, revenue {}; manifest {}",
+        manifest.produced,
+        manifest.produced as f64 / secs.max(1e-9),
+        manifest.valid,
+        manifest.duplicates,
+        manifest.late,
+        manifest.poison,
+        manifest.rows.len(),
+        manifest.orders(),
+        format_units_i128(manifest.revenue_units()),
+        opts.manifest.display()
+    );
+    Ok(manifest)
+}
+
+/// Differences between what a sink should hold and what it holds.
+#[derive(Debug, Default)]
+pub struct RowDiff {
+    pub missing: Vec<ViewKey>,
+    pub extra: Vec<ViewKey>,
+    pub different: Vec<(ViewKey, ViewTotals, ViewTotals)>,
+}
+
+impl RowDiff {
+    pub fn compare(
+        expected: &BTreeMap<ViewKey, ViewTotals>,
+        found: &BTreeMap<ViewKey, ViewTotals>,
+    ) -> RowDiff {
+        let mut diff = RowDiff::default();
+        for (k, e) in expected {
+            match found.get(k) {
+                None => diff.missing.push(k.clone()),
+                Some(f) if f != e => diff.different.push((k.clone(), *e, *f)),
+                Some(_) => {}
+            }
+        }
+        diff.extra = found
+            .keys()
+            .filter(|k| !expected.contains_key(*k))
+            .cloned()
+            .collect();
+        diff
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.missing.is_empty() && self.extra.is_empty() && self.different.is_empty()
+    }
+
+    fn print_first(&self, limit: usize) {
+        let key = |k: &ViewKey| format!("{} {} {}", tally_core::time::format_ms(k.0), k.1, k.2);
+        for k in self.missing.iter().take(limit) {
+            println!("  missing   {}", key(k));
+        }
+        for k in self.extra.iter().take(limit) {
+            println!("  extra     {}", key(k));
+        }
+        for (k, e, f) in self.different.iter().take(limit) {
+            println!(
+                "  different {}: expected orders={} revenue={}, found orders={} revenue={}",
+                key(k),
+                e.0,
+                format_units_i128(i128::from(e.1)),
+                f.0,
+                format_units_i128(i128::from(f.1))
+            );
+        }
+    }
+}
+
+/// Dead letters as (source partition, source offset) → reasons found (more than one = repeated).
+pub fn read_dead_letters(config: &Config) -> Result<BTreeMap<(i32, i64), Vec<String>>> {
+    let settings = config.kafka_settings();
+    let topic = config.dlq_topic();
+    let extent = tally_kafka::topic_extent(&settings, &topic)?;
+    let ranges = extent
+        .iter()
+        .map(|(p, (low, _))| (*p, (*low, None)))
+        .collect();
+    let mut out: BTreeMap<(i32, i64), Vec<String>> = BTreeMap::new();
+    let mut malformed = 0u64;
+    tally_kafka::read_committed_range(&settings, &topic, &ranges, Duration::from_secs(60), |m| {
+        let get = |name: &str| {
+            m.headers().and_then(|h| {
+                h.iter()
+                    .find(|x| x.key == name)
+                    .and_then(|x| x.value)
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+            })
+        };
+        let p = get(HEADER_SOURCE_PARTITION).and_then(|v| v.parse().ok());
+        let o = get(HEADER_SOURCE_OFFSET).and_then(|v| v.parse().ok());
+        match (p, o) {
+            (Some(p), Some(o)) => out
+                .entry((p, o))
+                .or_default()
+                .push(get(HEADER_REASON).unwrap_or_default()),
+            _ => malformed += 1,
+        }
+    })?;
+    if malformed > 0 {
+        bail!("{malformed} records in {topic} lack tally.source.partition/offset headers");
+    }
+    Ok(out)
+}
+
+/// Compares the view and the dead-letter topic with a manifest. Returns whether they match.
+pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
+    let manifest = Manifest::load(manifest_path)
+        .with_context(|| format!("reading {}", manifest_path.display()))?;
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let found = sink.read_view().await?;
+    let diff = RowDiff::compare(&manifest.rows, &found);
+    let dead = read_dead_letters(config)?;
+    let mut dl_missing = Vec::new();
+    let mut dl_wrong_reason = Vec::new();
+    for (k, reason) in &manifest.dead_letters {
+        match dead.get(k) {
+            None => dl_missing.push(*k),
+            Some(reasons) if reasons.iter().any(|r| r != reason.as_str()) => {
+                dl_wrong_reason.push(*k)
+            }
+            Some(_) => {}
+        }
+    }
+    let dl_repeated: Vec<_> = dead
+        .iter()
+        .filter(|(_, r)| r.len() > 1)
+        .map(|(k, _)| *k)
+        .collect();
+    let dl_extra: Vec<_> = dead
+        .keys()
+        .filter(|k| !manifest.dead_letters.contains_key(*k))
+        .copied()
+        .collect();
+    let found_orders: u64 = found.values().map(|v| v.0).sum();
+    let found_revenue: i128 = found.values().map(|v| i128::from(v.1)).sum();
+    let dead_total: usize = dead.values().map(Vec::len).sum();
+    println!("{:<28} {:>16} {:>16}", "", "expected", "found");
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "rows",
+        manifest.rows.len(),
+        found.len()
+    );
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "orders",
+        manifest.orders(),
+        found_orders
+    );
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "revenue",
+        format_units_i128(manifest.revenue_units()),
+        format_units_i128(found_revenue)
+    );
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "dead letters",
+        manifest.dead_letters.len(),
+        dead_total
+    );
+    println!(
+        "rows missing {}, extra {}, different {}",
+        diff.missing.len(),
+        diff.extra.len(),
+        diff.different.len()
+    );
+    println!(
+        "dead letters missing {}, repeated {}, extra {}, wrong reason {}",
+        dl_missing.len(),
+        dl_repeated.len(),
+        dl_extra.len(),
+        dl_wrong_reason.len()
+    );
+    diff.print_first(10);
+    for (p, o) in dl_missing.iter().take(10) {
+        println!("  dead letter missing  {p}/{o}");
+    }
+    for (p, o) in dl_repeated.iter().take(10) {
+        println!("  dead letter repeated {p}/{o}");
+    }
+    // Orders counted more than once, and orders missing, summed over keys.
+    let mut over_counted = 0u64;
+    let mut lost = 0u64;
+    for (k, e) in &manifest.rows {
+        let f = found.get(k).map_or(0, |f| f.0);
+        over_counted += f.saturating_sub(e.0);
+        lost += e.0.saturating_sub(f);
+    }
+    over_counted += diff
+        .extra
+        .iter()
+        .filter_map(|k| found.get(k))
+        .map(|f| f.0)
+        .sum::<u64>();
+    println!(
+        "verify-summary rows_expected={} rows_found={} orders_expected={} orders_found={found_orders} over_counted={over_counted} lost={lost} dl_expected={} dl_found={dead_total} dl_repeated={} dl_missing={}",
+        manifest.rows.len(),
+        found.len(),
+        manifest.orders(),
+        manifest.dead_letters.len(),
+        dl_repeated.len(),
+        dl_missing.len()
+    );
+    let ok = diff.is_empty()
+        && dl_missing.is_empty()
+        && dl_repeated.is_empty()
+        && dl_extra.is_empty()
+        && dl_wrong_reason.is_empty();
+    println!("verify: {}", if ok { "OK: exact match" } else { "FAILED" });
+    Ok(ok)
+}
+
+pub struct ReconcileFilter {
+    pub from_ms: Option<i64>,
+    pub to_ms: Option<i64>,
+    pub customer: Option<String>,
+}
+
+impl ReconcileFilter {
+    fn keeps(&self, k: &ViewKey) -> bool {
+        self.from_ms.is_none_or(|f| k.0 >= f)
+            && self.to_ms.is_none_or(|t| k.0 < t)
+            && self.customer.as_ref().is_none_or(|c| *c == k.1)
+    }
+}
+
+/// Result of one reconciliation.
+pub struct Reconciliation {
+    pub epoch: Option<Epoch>,
+    pub keys: usize,
+    pub mismatched: usize,
+    pub source_orders: u64,
+    pub sink_orders: u64,
+    pub source_revenue: i128,
+    pub sink_revenue: i128,
+}
+
+fn ratio(sink: f64, source: f64) -> f64 {
+    if source == 0.0 {
+        if sink == 0.0 { 1.0 } else { f64::INFINITY }
+    } else {
+        sink / source
+    }
+}
+
+/// Recomputes the aggregates from the source topic up to the last committed epoch, with the
+/// same rules but none of the worker's state, and compares them with the sink at that epoch.
+pub async fn reconcile(
+    config: &Config,
+    filter: &ReconcileFilter,
+    print: bool,
+) -> Result<Reconciliation> {
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let batches = sink.committed_batches().await?;
+    let Some(last) = batches.last() else {
+        if print {
+            println!("reconcile: nothing committed yet");
+        }
+        return Ok(Reconciliation {
+            epoch: None,
+            keys: 0,
+            mismatched: 0,
+            source_orders: 0,
+            sink_orders: 0,
+            source_revenue: 0,
+            sink_revenue: 0,
+        });
+    };
+    let epoch = Epoch(last.epoch);
+    let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
+    for b in &batches {
+        for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
+            let e = ranges.entry(*p).or_insert((*from, Some(*to)));
+            e.0 = e.0.min(*from);
+            e.1 = Some(e.1.unwrap_or(*to).max(*to));
+        }
+    }
+    let settings = config.kafka_settings();
+    let topic = config.kafka.source_topic.clone();
+    let rules = config.operator();
+    let decoder = RecordDecoder::new(
+        config.field_mapping(),
+        usize::try_from(config.job.max_record_bytes).unwrap_or(usize::MAX),
+    );
+    let starts: BTreeMap<_, _> = ranges.iter().map(|(p, (s, _))| (*p, *s)).collect();
+    let source_view =
+        tokio::task::spawn_blocking(move || -> Result<BTreeMap<ViewKey, ViewTotals>> {
+            let mut op = RevenueOperator::restore(rules, decoder, Epoch(0), &BTreeMap::new());
+            for (p, s) in &starts {
+                op.add_partition(*p, *s);
+            }
+            let mut store = MemStore::default();
+            let mut view: BTreeMap<(i32, ViewKey), ViewTotals> = BTreeMap::new();
+            let flush = |op: &mut RevenueOperator,
+                         store: &mut MemStore,
+                         view: &mut BTreeMap<(i32, ViewKey), ViewTotals>| {
+                let cp = op.handle_checkpoint(CheckpointBarrier {
+                    epoch: op.current_epoch(),
+                    is_final: false,
+                });
+                store.apply(&cp);
+                for row in cp.rows {
+                    view.insert(
+                        (
+                            row.partition,
+                            (
+                                row.key.window_start_ms,
+                                row.key.customer_id,
+                                row.key.currency,
+                            ),
+                        ),
+                        (row.value.orders, row.value.revenue.units()),
+                    );
+                }
+            };
+            let mut n = 0u64;
+            tally_kafka::read_committed_range(
+                &settings,
+                &topic,
+                &ranges,
+                Duration::from_secs(120),
+                |m| {
+                    let record = Record {
+                        partition: m.partition(),
+                        offset: m.offset(),
+                        timestamp_ms: m.timestamp().to_millis(),
+                        key: m.key(),
+                        value: m.payload(),
+                    };
+                    let Ok(_) = op.process(&store, record);
+                    n += 1;
+                    if n.is_multiple_of(100_000) {
+                        flush(&mut op, &mut store, &mut view);
+                    }
+                },
+            )?;
+            flush(&mut op, &mut store, &mut view);
+            let mut summed: BTreeMap<ViewKey, ViewTotals> = BTreeMap::new();
+            for ((_, k), (o, r)) in view {
+                let e = summed.entry(k).or_default();
+                e.0 += o;
+                e.1 += r;
+            }
+            Ok(summed)
+        })
+        .await
+        .context("reconcile thread")??;
+    let sink_view = sink.read_view_at(epoch).await?;
+    let source: BTreeMap<_, _> = source_view
+        .into_iter()
+        .filter(|(k, _)| filter.keeps(k))
+        .collect();
+    let found: BTreeMap<_, _> = sink_view
+        .into_iter()
+        .filter(|(k, _)| filter.keeps(k))
+        .collect();
+    let diff = RowDiff::compare(&source, &found);
+    let keys: BTreeSet<&ViewKey> = source.keys().chain(found.keys()).collect();
+    let result = Reconciliation {
+        epoch: Some(epoch),
+        keys: keys.len(),
+        mismatched: diff.missing.len() + diff.extra.len() + diff.different.len(),
+        source_orders: source.values().map(|v| v.0).sum(),
+        sink_orders: found.values().map(|v| v.0).sum(),
+        source_revenue: source.values().map(|v| i128::from(v.1)).sum(),
+        sink_revenue: found.values().map(|v| i128::from(v.1)).sum(),
+    };
+    if print {
+        println!(
+            "reconcile at committed epoch {epoch}: {} keys, {} differ",
+            result.keys, result.mismatched
+        );
+        println!(
+            "{:<10} {:>20} {:>20} {:>10}",
+            "", "source", "sink", "sink/source"
+        );
+        println!(
+            "{:<10} {:>20} {:>20} {:>10.6}",
+            "orders",
+            result.source_orders,
+            result.sink_orders,
+            ratio(result.sink_orders as f64, result.source_orders as f64)
+        );
+        println!(
+            "{:<10} {:>20} {:>20} {:>10.6}",
+            "revenue",
+            format_units_i128(result.source_revenue),
+            format_units_i128(result.sink_revenue),
+            ratio(result.sink_revenue as f64, result.source_revenue as f64)
+        );
+        for (k, e, f) in diff.different.iter().take(20) {
+            println!(
+                "  {} {} {}: orders ratio {:.6}, revenue ratio {:.6}",
+                tally_core::time::format_ms(k.0),
+                k.1,
+                k.2,
+                ratio(f.0 as f64, e.0 as f64),
+                ratio(f.1 as f64, e.1 as f64)
+            );
+        }
+        for k in diff.missing.iter().take(20) {
+            println!(
+                "  {} {} {}: missing in sink (ratio 0)",
+                tally_core::time::format_ms(k.0),
+                k.1,
+                k.2
+            );
+        }
+        for k in diff.extra.iter().take(20) {
+            println!(
+                "  {} {} {}: not in source (ratio inf)",
+                tally_core::time::format_ms(k.0),
+                k.1,
+                k.2
+            );
+        }
+        println!(
+            "reconcile: {}",
+            if result.mismatched == 0 {
+                "OK: every ratio is 1"
+            } else {
+                "FAILED"
+            }
+        );
+    }
+    Ok(result)
+}
+
+/// The reason names dead letters carry, for `--help` texts.
+pub fn reasons() -> String {
+    PoisonReason::ALL.map(PoisonReason::as_str).join(", ")
+}

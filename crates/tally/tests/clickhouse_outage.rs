@@ -1,0 +1,96 @@
+//! ClickHouse stops mid-run and comes back: the worker waits without consuming (bounded
+//! memory, no crash loop) and the results are still exact. Alone in its file because it stops the
+//! shared server.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn services(args: &[&str]) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/services.sh");
+    let status = Command::new("bash")
+        .arg(script)
+        .args(args)
+        .status()
+        .expect("services.sh");
+    assert!(status.success(), "services.sh {args:?}");
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let mut manifest = produce_generated(&topic, 2, 21, 3_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[]);
+    let until = Instant::now() + Duration::from_secs(60);
+    while view(&job.database, &job.table)
+        .await
+        .map(|v| v.is_empty())
+        .unwrap_or(true)
+        && Instant::now() < until
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    services(&["down", "clickhouse"]);
+    let more = produce_generated(&topic, 2, 22, 20_000).await;
+    let mut peak = 0;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            worker.try_wait().unwrap().is_none(),
+            "worker must wait, not exit; log:\n{}",
+            job.log()
+        );
+        peak = peak.max(rss_kib(worker.id()));
+    }
+    services(&["up", "clickhouse"]);
+    assert!(
+        peak > 0 && peak < 400 * 1024,
+        "RSS while ClickHouse is down: {peak} KiB"
+    );
+    manifest.produced += more.produced;
+    for (k, (o, r)) in more.rows {
+        let e = manifest.rows.entry(k).or_insert((0, 0));
+        e.0 += o;
+        e.1 += r;
+    }
+    manifest.dead_letters.extend(more.dead_letters);
+    let found = wait_for_view(&job, &manifest, Duration::from_secs(120)).await;
+    sigterm(&worker);
+    assert!(
+        wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()),
+        "log:\n{}",
+        job.log()
+    );
+    assert!(found == manifest.rows, "view exact after the outage");
+    assert_eq!(
+        sorted(read_dead_letters(&job.dlq_topic())),
+        expected_dead_letters(&manifest)
+    );
+    let log = job.log();
+    assert!(
+        log.contains("sink write failed; retrying"),
+        "the outage was seen and retried"
+    );
+    // Retries back off: far fewer attempts than a tight loop would make in 15 s.
+    let retries = log.matches("sink write failed; retrying").count();
+    assert!(retries < 40, "{retries} retries");
+}

@@ -1,0 +1,350 @@
+//! Shared helpers for integration tests against the real Kafka broker and ClickHouse server
+//! started by `scripts/services.sh up`.
+#![allow(dead_code, clippy::expect_used, clippy::unwrap_used, clippy::panic)] // test helpers fail loudly
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use tally::loadgen::{GeneratedRecord, Generator, LoadSpec, Manifest};
+use tally_core::{OperatorConfig, WindowSpec};
+
+pub const BROKERS: &str = "127.0.0.1:9092";
+pub const CLICKHOUSE: &str = "http://127.0.0.1:8123";
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A name unique to this test process and call, usable as topic, database or table.
+pub fn unique(prefix: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{prefix}_{}_{n}_{}", std::process::id(), nanos % 100_000)
+}
+
+pub async fn create_topic(topic: &str, partitions: i32) {
+    let settings = tally_kafka::KafkaSettings {
+        brokers: BROKERS.into(),
+        client: BTreeMap::new(),
+    };
+    tally_kafka::ensure_topic(&settings, topic, partitions, 1, &[])
+        .await
+        .expect("create topic");
+}
+
+pub fn producer() -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer")
+}
+
+/// Produces records in order and returns their offsets.
+pub async fn produce(topic: &str, records: &[(i32, Vec<u8>, Vec<u8>)]) -> Vec<i64> {
+    let producer = producer();
+    let futures: Vec<_> = records
+        .iter()
+        .map(|(p, k, v)| {
+            let record = FutureRecord::to(topic)
+                .partition(*p)
+                .key(k.as_slice())
+                .payload(v.as_slice());
+            producer
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("enqueue")
+        })
+        .collect();
+    let mut offsets = Vec::new();
+    for f in futures {
+        let delivery = f.await.expect("delivery future").expect("delivered");
+        offsets.push(delivery.offset);
+    }
+    producer.flush(Duration::from_secs(10)).expect("flush");
+    offsets
+}
+
+pub fn rules() -> OperatorConfig {
+    OperatorConfig {
+        window: WindowSpec { size_ms: 60_000 },
+        out_of_orderness_ms: 5_000,
+        allowed_lateness_ms: 60_000,
+        dedup_horizon_ms: 3_600_000,
+    }
+}
+
+pub fn spec(seed: u64, partitions: i32) -> LoadSpec {
+    LoadSpec {
+        seed,
+        partitions,
+        customers: 40,
+        currencies: vec!["EUR".into(), "USD".into(), "GBP".into()],
+        skew: 1.1,
+        duplicate_fraction: 0.05,
+        poison_fraction: 0.02,
+        late_fraction: 0.02,
+        start_ms: 1_790_000_000_000,
+        step_ms: 40,
+        max_record_bytes: 4096,
+    }
+}
+
+/// Produces `n` generated records and returns the ground truth.
+pub async fn produce_generated(topic: &str, partitions: i32, seed: u64, n: usize) -> Manifest {
+    let mut generator = Generator::new(spec(seed, partitions), rules()).expect("generator");
+    let records: Vec<GeneratedRecord> = (0..n).map(|_| generator.next_record()).collect();
+    let raw: Vec<_> = records
+        .iter()
+        .map(|r| (r.partition, r.key.clone(), r.value.clone()))
+        .collect();
+    let offsets = produce(topic, &raw).await;
+    let mut manifest = Manifest {
+        source_topic: topic.into(),
+        ..Manifest::default()
+    };
+    for (r, o) in records.iter().zip(offsets) {
+        manifest.record(r, o);
+    }
+    manifest
+}
+
+pub struct Job {
+    pub dir: tempfile::TempDir,
+    pub config: PathBuf,
+    pub topic: String,
+    pub database: String,
+    pub table: String,
+}
+
+impl Job {
+    pub fn new(topic: &str, extra: &str) -> Job {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let database = unique("tally_it");
+        let table = "revenue_agg".to_string();
+        let config = dir.path().join("job.toml");
+        let text = format!(
+            r#"
+[job]
+name = "it"
+state_dir = "{state}"
+checkpoint_interval = "1s"
+max_record_bytes = 4096
+{extra}
+[kafka]
+brokers = "{BROKERS}"
+source_topic = "{topic}"
+consumer_group = "tally-{topic}"
+[clickhouse]
+url = "{CLICKHOUSE}"
+database = "{database}"
+table = "{table}"
+request_timeout = "10s"
+[metrics]
+address = ""
+"#,
+            state = dir.path().join("state").display()
+        );
+        std::fs::write(&config, text).expect("write config");
+        Job {
+            dir,
+            config,
+            topic: topic.into(),
+            database,
+            table,
+        }
+    }
+
+    pub fn spawn(&self, env: &[(&str, &str)]) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("tally.log"))
+            .expect("log file");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        cmd.arg("run")
+            .arg("--config")
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.spawn().expect("spawn tally")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("tally.log")).unwrap_or_default()
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn dlq_topic(&self) -> String {
+        format!("{}.dlq", self.topic)
+    }
+}
+
+pub fn sigterm(child: &Child) {
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
+}
+
+/// Waits for a child to exit, killing it after `timeout`.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let until = Instant::now() + timeout;
+    while Instant::now() < until {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+pub fn clickhouse() -> clickhouse::Client {
+    clickhouse::Client::default()
+        .with_url(CLICKHOUSE)
+        .with_setting("wait_end_of_query", "1")
+        .with_validation(false)
+}
+
+#[derive(Debug, serde::Deserialize, clickhouse::Row)]
+struct ViewRow {
+    window_start: u32,
+    customer_id: String,
+    currency: String,
+    orders: u64,
+    revenue: i64,
+}
+
+/// The reader view as (window_start_ms, customer, currency) → (orders, revenue units).
+pub async fn view(
+    database: &str,
+    table: &str,
+) -> Result<BTreeMap<(i64, String, String), (u64, i64)>, clickhouse::error::Error> {
+    let sql = format!(
+        "SELECT toUInt32(window_start) AS window_start, customer_id, currency, orders, revenue FROM {database}.{table}"
+    );
+    let rows: Vec<ViewRow> = clickhouse().query(&sql).fetch_all().await?;
+    let mut map = BTreeMap::new();
+    for r in rows {
+        let previous = map.insert(
+            (i64::from(r.window_start) * 1000, r.customer_id, r.currency),
+            (r.orders, r.revenue),
+        );
+        assert!(previous.is_none(), "the view returned a key twice");
+    }
+    Ok(map)
+}
+
+/// Polls until the view equals the manifest's rows or the timeout passes; returns the last view.
+pub async fn wait_for_view(
+    job: &Job,
+    manifest: &Manifest,
+    timeout: Duration,
+) -> BTreeMap<(i64, String, String), (u64, i64)> {
+    let until = Instant::now() + timeout;
+    loop {
+        let current = view(&job.database, &job.table).await.unwrap_or_default();
+        if current == manifest.rows || Instant::now() > until {
+            return current;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Reads a topic to its end with read_committed and returns (source partition, source offset, reason)
+/// per dead letter, in read order.
+pub fn read_dead_letters(topic: &str) -> Vec<(i32, i64, String)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .create()
+        .expect("consumer");
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Vec::new();
+    };
+    let mut tpl = TopicPartitionList::new();
+    for p in t.partitions() {
+        tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
+            .expect("tpl");
+    }
+    let partitions = t.partitions().len();
+    consumer.assign(&tpl).expect("assign");
+    let mut eof = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    let until = Instant::now() + Duration::from_secs(30);
+    while eof.len() < partitions && Instant::now() < until {
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                let mut fields = BTreeMap::new();
+                if let Some(headers) = m.headers() {
+                    for h in headers.iter() {
+                        fields.insert(
+                            h.key.to_string(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        );
+                    }
+                }
+                let p = fields
+                    .get("tally.source.partition")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(-1);
+                let o = fields
+                    .get("tally.source.offset")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(-1);
+                out.push((
+                    p,
+                    o,
+                    fields.get("tally.reason").cloned().unwrap_or_default(),
+                ));
+            }
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                eof.insert(p);
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+pub fn expected_dead_letters(manifest: &Manifest) -> Vec<(i32, i64, String)> {
+    manifest
+        .dead_letters
+        .iter()
+        .map(|((p, o), r)| (*p, *o, r.to_string()))
+        .collect()
+}
+
+pub fn sorted(mut v: Vec<(i32, i64, String)>) -> Vec<(i32, i64, String)> {
+    v.sort();
+    v
+}
+
+pub fn write_file(path: &Path, text: &str) {
+    std::fs::write(path, text).expect("write");
+}

@@ -1,0 +1,160 @@
+//! Crash safety end to end: a worker child process is SIGKILLed at random and at every step of
+//! the commit protocol, restarted, and the view and the dead-letter topic (read_committed) must
+//! equal the ground truth exactly: nothing lost, nothing counted twice.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::time::Duration;
+
+use common::*;
+use tally_state::{EpochStatus, StateStore};
+
+const CATCH_UP: Duration = Duration::from_secs(90);
+
+fn assert_accounting(job: &Job, produced: u64) {
+    let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+    let meta = store.meta().expect("a checkpoint");
+    assert_eq!(meta.status, EpochStatus::Committed);
+    let mut consumed = 0;
+    for (p, c) in &meta.partitions {
+        assert!(c.totals.balances(), "partition {p}: {:?}", c.totals);
+        assert_eq!(
+            c.totals.consumed as i64, c.next_offset,
+            "partition {p}: every offset consumed exactly once"
+        );
+        consumed += c.totals.consumed;
+    }
+    // A record processed twice would make this larger, one skipped smaller.
+    assert_eq!(consumed, produced);
+}
+
+async fn finish_and_check(job: &Job, manifest: &tally::loadgen::Manifest) {
+    let mut worker = job.spawn(&[]);
+    let view = wait_for_view(job, manifest, CATCH_UP).await;
+    sigterm(&worker);
+    let status = wait_exit(&mut worker, Duration::from_secs(30));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean stop; log:\n{}",
+        job.log()
+    );
+    assert_eq!(view.len(), manifest.rows.len(), "log:\n{}", job.log());
+    assert!(view == manifest.rows, "view differs from ground truth");
+    let dead = read_dead_letters(&job.dlq_topic());
+    assert_eq!(
+        dead.len(),
+        manifest.dead_letters.len(),
+        "dead letters exactly once"
+    );
+    assert_eq!(sorted(dead), expected_dead_letters(manifest));
+    assert_accounting(job, manifest.produced);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_mid_run_then_restart_loses_and_duplicates_nothing() {
+    let topic = unique("orders");
+    create_topic(&topic, 3).await;
+    let mut manifest = produce_generated(&topic, 3, 7, 6_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[]);
+    // Let it commit some epochs, then kill -9 wherever it is.
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while view(&job.database, &job.table)
+        .await
+        .map(|v| v.is_empty())
+        .unwrap_or(true)
+        && std::time::Instant::now() < until
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    worker.kill().unwrap();
+    let status = worker.wait().unwrap();
+    assert_eq!(status.signal(), Some(9));
+    // More input arrives while it is down; the restart must resume, not recompute.
+    let second = produce_generated(&topic, 3, 8, 3_000).await;
+    merge(&mut manifest, second);
+    finish_and_check(&job, &manifest).await;
+    assert!(job.log().contains("resuming partition from checkpoint"));
+}
+
+fn merge(into: &mut tally::loadgen::Manifest, other: tally::loadgen::Manifest) {
+    into.produced += other.produced;
+    for (k, (o, r)) in other.rows {
+        let e = into.rows.entry(k).or_insert((0, 0));
+        e.0 += o;
+        e.1 += r;
+    }
+    into.dead_letters.extend(other.dead_letters);
+}
+
+async fn crash_at(point: &str, extra_runs: &[&str]) {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 11, 3_000).await;
+    let job = Job::new(&topic, "");
+    for fault in std::iter::once(&point).chain(extra_runs) {
+        let mut worker = job.spawn(&[("TALLY_FAULT", fault)]);
+        let status =
+            wait_exit(&mut worker, Duration::from_secs(60)).expect("the fault kills the worker");
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "{fault}: killed by SIGKILL; log:\n{}",
+            job.log()
+        );
+        assert!(
+            job.log().contains(&format!("point=\"{fault}\"")) || job.log().contains(fault),
+            "{fault} reached"
+        );
+    }
+    finish_and_check(&job, &manifest).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_pre_commit() {
+    crash_at("after_precommit", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_dead_letter_commit() {
+    crash_at("after_dlq_commit", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_clickhouse_insert() {
+    crash_at("after_clickhouse_insert", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_during_restore() {
+    // Leave an epoch pre-committed, then die again while restoring it.
+    crash_at("after_precommit", &["during_restore"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_mid_clickhouse_insert_never_shows_half_a_batch() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 12, 3_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[("TALLY_FAULT", "mid_clickhouse_insert")]);
+    let status = wait_exit(&mut worker, Duration::from_secs(60)).expect("killed");
+    assert_eq!(status.signal(), Some(9), "log:\n{}", job.log());
+    // Half the batch is in the data table, but the view shows none of it.
+    let data_rows: u64 = clickhouse()
+        .query(&format!(
+            "SELECT count() FROM {}.{}_data",
+            job.database, job.table
+        ))
+        .fetch_one()
+        .await
+        .unwrap();
+    assert!(data_rows > 0, "half a batch was written");
+    assert!(
+        view(&job.database, &job.table).await.unwrap().is_empty(),
+        "a reader never sees half a batch"
+    );
+    finish_and_check(&job, &manifest).await;
+}

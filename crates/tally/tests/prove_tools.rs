@@ -1,0 +1,177 @@
+//! `tally verify` and `tally reconcile` pass on an exact sink and demonstrably fail on a wrong one;
+//! a wrong table shape is refused with an actionable error.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::*;
+
+fn tally(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(args)
+        .output()
+        .expect("run tally")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+async fn ch(sql: &str) {
+    clickhouse()
+        .query(sql)
+        .execute()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+async fn wait_mutations(database: &str) {
+    for _ in 0..100 {
+        let pending: u64 = clickhouse()
+            .query(&format!(
+                "SELECT count() FROM system.mutations WHERE database = '{database}' AND is_done = 0"
+            ))
+            .fetch_one()
+            .await
+            .unwrap();
+        if pending == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("mutation did not finish");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_and_reconcile_catch_a_wrong_sink() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 31, 4_000).await;
+    let job = Job::new(&topic, "");
+    let manifest_path = job.dir.path().join("manifest.json");
+    manifest.save(&manifest_path).unwrap();
+    let mut worker = job.spawn(&[]);
+    let found = wait_for_view(&job, &manifest, Duration::from_secs(90)).await;
+    sigterm(&worker);
+    assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
+    assert!(found == manifest.rows);
+    let config = job.config.to_str().unwrap();
+    let m = manifest_path.to_str().unwrap();
+
+    let ok = tally(&["verify", "--config", config, "--manifest", m]);
+    assert!(ok.status.success(), "{}", text(&ok));
+    assert!(text(&ok).contains("over_counted=0 lost=0"), "{}", text(&ok));
+    let ok = tally(&["reconcile", "--config", config]);
+    assert!(ok.status.success(), "{}", text(&ok));
+    assert!(text(&ok).contains("every ratio is 1"), "{}", text(&ok));
+
+    let data = format!("{}.{}_data", job.database, job.table);
+    let commits = format!("{}.{}_commits", job.database, job.table);
+    // Writing a committed batch again (same epoch) changes nothing: that is the sink's invariant.
+    ch(&format!(
+        "INSERT INTO {data} SELECT * FROM {data} WHERE epoch = (SELECT min(epoch) FROM {commits})"
+    ))
+    .await;
+    let still = tally(&["verify", "--config", config, "--manifest", m]);
+    assert!(
+        still.status.success(),
+        "re-writing a batch must be idempotent: {}",
+        text(&still)
+    );
+
+    // A naive sink replaying a batch as new data double counts: both tools must say so.
+    ch(&format!("INSERT INTO {data} SELECT 1000000 AS epoch, source_partition, window_start, window_end, customer_id, currency, orders * 2, revenue * 2 FROM {data} WHERE epoch = (SELECT max(epoch) FROM {commits} WHERE row_count > 0)")).await;
+    ch(&format!("INSERT INTO {commits} (batch_id, job, epoch, row_count) VALUES ('corrupt', 'it', 1000000, 1)")).await;
+    let bad = tally(&["verify", "--config", config, "--manifest", m]);
+    assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
+    assert!(text(&bad).contains("different"), "{}", text(&bad));
+    assert!(!text(&bad).contains("over_counted=0 "), "{}", text(&bad));
+    let bad = tally(&["reconcile", "--config", config]);
+    assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
+    assert!(
+        text(&bad).contains("revenue ratio") || text(&bad).contains("orders ratio"),
+        "{}",
+        text(&bad)
+    );
+
+    // Deleting a batch (its commit) loses data: both tools must say so.
+    ch(&format!("ALTER TABLE {commits} DELETE WHERE epoch = 1000000 OR epoch = (SELECT min(epoch) FROM {commits})")).await;
+    wait_mutations(&job.database).await;
+    let bad = tally(&["verify", "--config", config, "--manifest", m]);
+    assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
+    assert!(
+        text(&bad).contains("lost=") && !text(&bad).contains(" lost=0 "),
+        "{}",
+        text(&bad)
+    );
+    let bad = tally(&["reconcile", "--config", config]);
+    assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_table_with_the_wrong_engine_is_refused_with_advice() {
+    let topic = unique("orders");
+    create_topic(&topic, 1).await;
+    let job = Job::new(&topic, "");
+    ch(&format!("CREATE DATABASE {}", job.database)).await;
+    ch(&format!(
+        "CREATE TABLE {}.{}_data (epoch UInt64, source_partition Int32, window_start DateTime, window_end DateTime, customer_id String, currency String, orders UInt64, revenue Decimal(18, 4)) ENGINE = ReplacingMergeTree(epoch) ORDER BY (window_start, customer_id, currency, source_partition)",
+        job.database, job.table
+    ))
+    .await;
+    let mut worker = job.spawn(&[]);
+    let status = wait_exit(&mut worker, Duration::from_secs(30)).expect("exits");
+    assert!(!status.success());
+    let log = job.log();
+    assert!(
+        log.contains("has engine ReplacingMergeTree, expected MergeTree"),
+        "{log}"
+    );
+    assert!(log.contains("DROP TABLE"), "says what to do: {log}");
+}
+
+#[test]
+fn check_config_names_a_misspelled_key_and_a_negative_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../config/revenue_agg.toml"
+    ))
+    .unwrap();
+    let ok_path = dir.path().join("ok.toml");
+    std::fs::write(&ok_path, &base).unwrap();
+    let ok = tally(&["check-config", "--config", ok_path.to_str().unwrap()]);
+    assert!(ok.status.success(), "{}", text(&ok));
+    assert!(!text(&ok).contains("password: \"x"), "no secrets");
+
+    let typo = dir.path().join("typo.toml");
+    std::fs::write(
+        &typo,
+        base.replace("out_of_orderness =", "out_of_ordernes ="),
+    )
+    .unwrap();
+    let out = tally(&["check-config", "--config", typo.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("typo.toml: window: unknown field `out_of_ordernes`"),
+        "{}",
+        text(&out)
+    );
+
+    let neg = dir.path().join("neg.toml");
+    std::fs::write(&neg, base.replace("size = \"60s\"", "size = \"-60s\"")).unwrap();
+    let out = tally(&["check-config", "--config", neg.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("neg.toml: window.size"),
+        "{}",
+        text(&out)
+    );
+}

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The users' acceptance test: produce under load, SIGKILL the worker at random moments, restart
+# ClickHouse and Kafka underneath it, then check the view and the dead-letter topic against the
+# ground truth, exactly. Prints one table; exits non-zero on any difference.
+#
+#   scripts/chaos.sh                                   CI defaults (200k events, 10 kills, 1 restart each)
+#   scripts/chaos.sh --events 10000000 --rate 40000 --kills 100 --restarts 3   the big run
+#
+# Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
+#          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/env.sh
+
+events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600
+while (($#)); do
+  case "$1" in
+    --events) events=$2; shift 2 ;;
+    --rate) rate=$2; shift 2 ;;
+    --kills) kills=$2; shift 2 ;;
+    --restarts) restarts=$2; shift 2 ;;
+    --partitions) partitions=$2; shift 2 ;;
+    --seed) seed=$2; shift 2 ;;
+    --catch-up) catch_up=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+RANDOM=$seed
+started=$(date +%s)
+
+scripts/bootstrap.sh
+scripts/services.sh up >&2
+cargo build --locked -p tally >&2
+
+run="chaos_$(date +%s)_$$"
+dir=".state/chaos/$run"
+mkdir -p "$dir"
+export TALLY_JOB__NAME="$run"
+export TALLY_JOB__STATE_DIR="$dir/state"
+export TALLY_JOB__CHECKPOINT_INTERVAL="1s"
+export TALLY_JOB__MAX_RECORD_BYTES="4096"
+export TALLY_KAFKA__SOURCE_TOPIC="$run"
+export TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
+export TALLY_CLICKHOUSE__DATABASE="$run"
+export TALLY_METRICS__ADDRESS=""
+config=config/revenue_agg.toml
+worker_log="$dir/worker.log"
+
+worker_pid=""
+start_worker() { "$TALLY_BIN" run --config "$config" >>"$worker_log" 2>&1 & worker_pid=$!; }
+cleanup() {
+  [ -n "$worker_pid" ] && kill -9 "$worker_pid" 2>/dev/null || true
+  [ -n "${loadgen_pid:-}" ] && kill "$loadgen_pid" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+# Produce in the background at the target rate, with duplicates, poison of every reason and late events.
+duration=$(( (events + rate - 1) / rate ))
+"$TALLY_BIN" loadgen --config "$config" --events "$events" --rate "$rate" --partitions "$partitions" --seed "$seed" \
+  --customers 1000 --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
+loadgen_pid=$!
+sleep 2
+start_worker
+
+# Spread kills and service restarts over the load's duration.
+total_events=$(( kills + 2 * restarts ))
+actions=()
+for ((i = 0; i < kills; i++)); do actions+=(kill); done
+for ((i = 0; i < restarts; i++)); do actions+=(clickhouse kafka); done
+for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${actions[i]}; actions[i]=${actions[j]}; actions[j]=$t; done
+gap_ms=$(( duration * 1000 / (total_events + 1) ))
+done_kills=0 done_ch=0 done_kafka=0
+for action in "${actions[@]}"; do
+  # A random moment within the gap, at least 0.5 s.
+  sleep_ms=$(( 500 + RANDOM % (gap_ms > 500 ? gap_ms : 500) ))
+  sleep "$(printf '%d.%03d' $((sleep_ms / 1000)) $((sleep_ms % 1000)))"
+  case "$action" in
+    kill)
+      kill -9 "$worker_pid" 2>/dev/null || true
+      wait "$worker_pid" 2>/dev/null || true
+      done_kills=$((done_kills + 1))
+      start_worker ;;
+    clickhouse) scripts/services.sh restart clickhouse >&2; done_ch=$((done_ch + 1)) ;;
+    kafka) scripts/services.sh restart kafka >&2; done_kafka=$((done_kafka + 1)) ;;
+  esac
+  # A worker that exits by itself is a failure of its own, unless it is a clean stop.
+  if ! kill -0 "$worker_pid" 2>/dev/null; then
+    echo "worker exited on its own; log tail:" >&2; tail -20 "$worker_log" >&2; exit 1
+  fi
+done
+wait "$loadgen_pid"; loadgen_pid=""
+
+# Catch up: poll verify until it matches or the deadline passes.
+deadline=$(( $(date +%s) + catch_up ))
+until "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then break; fi
+  kill -0 "$worker_pid" 2>/dev/null || { echo "worker died while catching up" >&2; tail -20 "$worker_log" >&2; break; }
+  sleep 5
+done
+kill -TERM "$worker_pid" 2>/dev/null || true
+wait "$worker_pid" 2>/dev/null || true
+worker_pid=""
+set +e
+"$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1
+verdict=$?
+set -e
+
+summary=$(grep '^verify-summary' "$dir/verify.txt" || true)
+field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$summary"; }
+produced=$(sed -n 's/^produced \([0-9]*\) records.*/\1/p' "$dir/loadgen.log")
+dups=$(sed -n 's/.* \([0-9]*\) duplicates,.*/\1/p' "$dir/loadgen.log")
+poison=$(sed -n 's/.* \([0-9]*\) poison;.*/\1/p' "$dir/loadgen.log")
+late=$(sed -n 's/.* \([0-9]*\) late,.*/\1/p' "$dir/loadgen.log")
+printf '\n%-40s %s\n' "chaos run" "$run"
+printf '%-40s %s\n' "events produced" "$produced"
+printf '%-40s %s\n' "duplicates injected" "$dups"
+printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
+printf '%-40s %s\n' "worker SIGKILLs" "$done_kills"
+printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
+printf '%-40s %s\n' "kafka restarts" "$done_kafka"
+printf '%-40s %s / %s\n' "rows expected / found" "$(field rows_expected)" "$(field rows_found)"
+printf '%-40s %s / %s\n' "orders expected / found" "$(field orders_expected)" "$(field orders_found)"
+printf '%-40s %s\n' "orders double counted in sink (must be 0)" "$(field over_counted)"
+printf '%-40s %s\n' "orders lost (must be 0)" "$(field lost)"
+printf '%-40s %s / %s\n' "dead letters expected / found" "$(field dl_expected)" "$(field dl_found)"
+printf '%-40s %s\n' "dead letters repeated (must be 0)" "$(field dl_repeated)"
+printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
+if [ "$verdict" -ne 0 ]; then
+  echo "chaos: FAILED"; sed -n '1,40p' "$dir/verify.txt"; tail -30 "$worker_log"; exit 1
+fi
+echo "chaos: OK (exact match)"

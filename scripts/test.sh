@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: system packages, Kafka and ClickHouse, formatting,
+# lints, unit + property + integration tests against the real services, then the chaos run.
+#   scripts/test.sh            everything
+#   TALLY_SKIP_CHAOS=1 scripts/test.sh   without the chaos run
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/env.sh
+started=$(date +%s)
+
+scripts/bootstrap.sh
+scripts/services.sh up
+
+echo "== cargo fmt --check"
+cargo fmt --all --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo test"
+log=$(mktemp)
+set +e
+cargo test --workspace --locked 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
+if [ "$status" -ne 0 ]; then
+  echo "cargo test failed"
+  echo "tests: $passed passed, $failed failed"
+  exit "$status"
+fi
+
+if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
+  echo "== chaos (defaults)"
+  scripts/chaos.sh
+fi
+echo "wall time: $(( $(date +%s) - started ))s"
+echo "tests: $passed passed, $failed failed"
