@@ -277,7 +277,7 @@ impl ClickHouseSink {
         };
         let mut insert = self
             .client
-            .insert::<CommitRow>(&self.names.commits)
+            .insert_unescaped::<CommitRow>(&self.names.commits)
             .await
             .map_err(self.err("starting commit-log insert"))?;
         insert
@@ -297,7 +297,7 @@ impl ClickHouseSink {
         }
         let mut insert = self
             .client
-            .insert::<DataRow<'_>>(&self.names.data)
+            .insert_unescaped::<DataRow<'_>>(&self.names.data)
             .await
             .map_err(self.err("starting data insert"))?
             .with_setting("max_insert_block_size", (rows.len() + 1).to_string());

@@ -3,13 +3,31 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::KafkaError;
+use rdkafka::ClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::{Message, Offset as KOffset, TopicPartitionList};
 use tally_core::{Offset, PartitionId};
 
 use crate::{KafkaSettings, KafkaSinkError, Result, kafka};
+
+/// Logs client errors except end-of-partition, which readers ask for and expect.
+struct ReaderContext;
+
+impl ClientContext for ReaderContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let eof = matches!(
+            error,
+            KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+        );
+        if !eof {
+            tracing::warn!(error = %error, reason, "kafka reader");
+        }
+    }
+}
+
+impl ConsumerContext for ReaderContext {}
 
 /// Reads each partition of `topic` from `start` up to `end` (exclusive; `None` = the current end),
 /// with read_committed, calling `f` per record in partition order. Gives up after `idle` without progress.
@@ -32,7 +50,9 @@ pub fn read_committed_range(
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("auto.offset.reset", "earliest");
-    let consumer: BaseConsumer = config.create().map_err(kafka("creating reader"))?;
+    let consumer: BaseConsumer<ReaderContext> = config
+        .create_with_context(ReaderContext)
+        .map_err(kafka("creating reader"))?;
     let mut tpl = TopicPartitionList::new();
     let mut done = BTreeSet::new();
     for (&p, &(start, end)) in ranges {

@@ -11,9 +11,7 @@ use rdkafka::message::Headers;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
 use tally_core::amount::format_units_i128;
-use tally_core::{
-    CheckpointBarrier, Epoch, MemStore, PoisonReason, Record, RecordDecoder, RevenueOperator,
-};
+use tally_core::{CheckpointBarrier, Epoch, MemStore, Record, RecordDecoder, RevenueOperator};
 use tally_kafka::{HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION};
 
 use crate::config::Config;
@@ -378,6 +376,7 @@ pub async fn reconcile(
         });
     };
     let epoch = Epoch(last.epoch);
+    let gaps = commit_log_gaps(&batches);
     let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
     for b in &batches {
         for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
@@ -470,7 +469,7 @@ pub async fn reconcile(
     let result = Reconciliation {
         epoch: Some(epoch),
         keys: keys.len(),
-        mismatched: diff.missing.len() + diff.extra.len() + diff.different.len(),
+        mismatched: diff.missing.len() + diff.extra.len() + diff.different.len() + gaps.len(),
         source_orders: source.values().map(|v| v.0).sum(),
         sink_orders: found.values().map(|v| v.0).sum(),
         source_revenue: source.values().map(|v| i128::from(v.1)).sum(),
@@ -537,7 +536,35 @@ pub async fn reconcile(
     Ok(result)
 }
 
-/// The reason names dead letters carry, for `--help` texts.
-pub fn reasons() -> String {
-    PoisonReason::ALL.map(PoisonReason::as_str).join(", ")
+/// Breaks in the commit log's chain: epochs are numbered 1, 2, … and each batch starts, per
+/// partition, where the previous one ended. A missing or foreign batch shows as a break.
+pub fn commit_log_gaps(batches: &[tally_clickhouse::CommittedBatch]) -> Vec<String> {
+    let mut gaps = Vec::new();
+    let mut expected_epoch = 1u64;
+    let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+    for b in batches {
+        if b.epoch != expected_epoch {
+            gaps.push(format!(
+                "epoch {} follows epoch {} (missing or foreign batches)",
+                b.epoch,
+                expected_epoch.saturating_sub(1)
+            ));
+        }
+        if b.partitions.len() != b.from_offsets.len()
+            || b.partitions.len() != b.to_offsets.len()
+            || b.partitions.is_empty()
+        {
+            gaps.push(format!("epoch {} has no valid offset ranges", b.epoch));
+        }
+        for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
+            if let Some(end) = ends.get(p)
+                && end != from
+            {
+                gaps.push(format!("epoch {} starts partition {p} at offset {from}, but the previous batch ended at {end}", b.epoch));
+            }
+            ends.insert(*p, *to);
+        }
+        expected_epoch = b.epoch + 1;
+    }
+    gaps
 }

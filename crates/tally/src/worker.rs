@@ -131,7 +131,23 @@ impl Worker {
         let interval = self.config.job.checkpoint_interval.as_duration();
         let mut next_barrier = Instant::now() + interval;
         let mut consume_errors = 0u64;
+        // Partitions that started from `start_from` have no checkpoint yet: take one even if idle,
+        // so a restart resumes at the resolved offset instead of resolving `latest` again.
+        let mut must_checkpoint = self.store.meta().is_none_or(|m| {
+            self.partitions
+                .iter()
+                .any(|p| !m.partitions.contains_key(p))
+        });
         loop {
+            // An idle epoch changes nothing: skip it rather than commit empty batches.
+            let idle = operator.pending_records() == 0 && !must_checkpoint;
+            if self.stopping() && idle {
+                tracing::info!("nothing consumed since the last checkpoint; stopping");
+                return Ok(());
+            }
+            if idle && Instant::now() >= next_barrier {
+                next_barrier = Instant::now() + interval;
+            }
             if self.stopping() {
                 let epoch = operator.current_epoch();
                 return match self.checkpoint(
@@ -168,6 +184,7 @@ impl Worker {
                     return Err(e);
                 }
                 next_barrier = Instant::now() + interval;
+                must_checkpoint = false;
                 continue;
             }
             match self.source.poll(POLL) {

@@ -96,7 +96,12 @@ async fn clickhouse_round_trip() {
         .execute()
         .await
         .unwrap();
-    let mut insert = client.insert::<Row>(&format!("{db}.t")).await.unwrap();
+    let mut insert = client
+        .clone()
+        .with_database(&db)
+        .insert::<Row>("t")
+        .await
+        .unwrap();
     for id in 0..3u64 {
         insert
             .write(&Row {

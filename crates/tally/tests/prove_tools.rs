@@ -53,15 +53,21 @@ async fn wait_mutations(database: &str) {
 async fn verify_and_reconcile_catch_a_wrong_sink() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
-    let manifest = produce_generated(&topic, 2, 31, 4_000).await;
+    let records = generate(31, 2, 4_000);
+    let mut manifest = tally::loadgen::Manifest::default();
     let job = Job::new(&topic, "");
     let manifest_path = job.dir.path().join("manifest.json");
-    manifest.save(&manifest_path).unwrap();
     let mut worker = job.spawn(&[]);
+    // Two halves, so the commit log holds several batches.
+    produce_into(&topic, &records[..2_000], &mut manifest).await;
+    let found = wait_for_view(&job, &manifest, Duration::from_secs(90)).await;
+    assert_view_eq(&found, &manifest.rows, &job.log());
+    produce_into(&topic, &records[2_000..], &mut manifest).await;
     let found = wait_for_view(&job, &manifest, Duration::from_secs(90)).await;
     sigterm(&worker);
     assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
-    assert!(found == manifest.rows);
+    assert_view_eq(&found, &manifest.rows, &job.log());
+    manifest.save(&manifest_path).unwrap();
     let config = job.config.to_str().unwrap();
     let m = manifest_path.to_str().unwrap();
 
@@ -87,7 +93,7 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     );
 
     // A naive sink replaying a batch as new data double counts: both tools must say so.
-    ch(&format!("INSERT INTO {data} SELECT 1000000 AS epoch, source_partition, window_start, window_end, customer_id, currency, orders * 2, revenue * 2 FROM {data} WHERE epoch = (SELECT max(epoch) FROM {commits} WHERE row_count > 0)")).await;
+    ch(&format!("INSERT INTO {data} SELECT toUInt64(1000000), source_partition, window_start, window_end, customer_id, currency, orders * 2, revenue * 2 FROM {data} WHERE epoch = (SELECT max(epoch) FROM {commits} WHERE row_count > 0)")).await;
     ch(&format!("INSERT INTO {commits} (batch_id, job, epoch, row_count) VALUES ('corrupt', 'it', 1000000, 1)")).await;
     let bad = tally(&["verify", "--config", config, "--manifest", m]);
     assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
@@ -102,7 +108,15 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     );
 
     // Deleting a batch (its commit) loses data: both tools must say so.
-    ch(&format!("ALTER TABLE {commits} DELETE WHERE epoch = 1000000 OR epoch = (SELECT min(epoch) FROM {commits})")).await;
+    let first: u64 = clickhouse()
+        .query(&format!("SELECT min(epoch) FROM {commits}"))
+        .fetch_one()
+        .await
+        .unwrap();
+    ch(&format!(
+        "ALTER TABLE {commits} DELETE WHERE epoch = 1000000 OR epoch = {first}"
+    ))
+    .await;
     wait_mutations(&job.database).await;
     let bad = tally(&["verify", "--config", config, "--manifest", m]);
     assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
@@ -160,7 +174,7 @@ fn check_config_names_a_misspelled_key_and_a_negative_window() {
     let out = tally(&["check-config", "--config", typo.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(
-        text(&out).contains("typo.toml: window: unknown field `out_of_ordernes`"),
+        text(&out).contains("typo.toml: window.out_of_ordernes: unknown field `out_of_ordernes`"),
         "{}",
         text(&out)
     );

@@ -100,23 +100,66 @@ pub fn spec(seed: u64, partitions: i32) -> LoadSpec {
     }
 }
 
-/// Produces `n` generated records and returns the ground truth.
-pub async fn produce_generated(topic: &str, partitions: i32, seed: u64, n: usize) -> Manifest {
+/// `n` records of a seeded stream; their fate is known by construction.
+pub fn generate(seed: u64, partitions: i32, n: usize) -> Vec<GeneratedRecord> {
     let mut generator = Generator::new(spec(seed, partitions), rules()).expect("generator");
-    let records: Vec<GeneratedRecord> = (0..n).map(|_| generator.next_record()).collect();
+    (0..n).map(|_| generator.next_record()).collect()
+}
+
+/// Produces records in order and adds them, at their offsets, to the ground truth.
+pub async fn produce_into(topic: &str, records: &[GeneratedRecord], manifest: &mut Manifest) {
     let raw: Vec<_> = records
         .iter()
         .map(|r| (r.partition, r.key.clone(), r.value.clone()))
         .collect();
     let offsets = produce(topic, &raw).await;
+    for (r, o) in records.iter().zip(offsets) {
+        manifest.record(r, o);
+    }
+}
+
+/// Produces `n` generated records and returns the ground truth.
+pub async fn produce_generated(topic: &str, partitions: i32, seed: u64, n: usize) -> Manifest {
     let mut manifest = Manifest {
         source_topic: topic.into(),
         ..Manifest::default()
     };
-    for (r, o) in records.iter().zip(offsets) {
-        manifest.record(r, o);
-    }
+    produce_into(topic, &generate(seed, partitions, n), &mut manifest).await;
     manifest
+}
+
+/// Asserts two views are equal, naming the first differences.
+pub fn assert_view_eq(
+    found: &BTreeMap<(i64, String, String), (u64, i64)>,
+    expected: &BTreeMap<(i64, String, String), (u64, i64)>,
+    log: &str,
+) {
+    if found == expected {
+        return;
+    }
+    let mut diffs = Vec::new();
+    for (k, e) in expected {
+        if found.get(k) != Some(e) {
+            diffs.push(format!("{k:?}: expected {e:?}, found {:?}", found.get(k)));
+        }
+    }
+    for k in found.keys().filter(|k| !expected.contains_key(*k)) {
+        diffs.push(format!("{k:?}: unexpected {:?}", found[k]));
+    }
+    let tail: String = log
+        .lines()
+        .rev()
+        .take(30)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect::<Vec<_>>()
+        .join("\n");
+    panic!(
+        "view differs from ground truth in {} keys; first: {:#?}\nlog tail:\n{tail}",
+        diffs.len(),
+        &diffs[..diffs.len().min(8)]
+    );
 }
 
 pub struct Job {
