@@ -71,8 +71,8 @@ for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${acti
 gap_ms=$(( duration * 1000 / (total_events + 1) ))
 done_kills=0 done_ch=0 done_kafka=0
 for action in "${actions[@]}"; do
-  # A random moment within the gap, at least 0.5 s.
-  sleep_ms=$(( 500 + RANDOM % (gap_ms > 500 ? gap_ms : 500) ))
+  # A random moment: on average one gap apart, anywhere from half a gap to one and a half.
+  sleep_ms=$(( gap_ms / 2 + RANDOM % (gap_ms > 1 ? gap_ms : 1) ))
   sleep "$(printf '%d.%03d' $((sleep_ms / 1000)) $((sleep_ms % 1000)))"
   case "$action" in
     kill)

@@ -68,16 +68,12 @@ pub struct Generator {
     poison_turn: usize,
 }
 
-const POISON_REASONS: [PoisonReason; 8] = [
-    PoisonReason::InvalidUtf8,
-    PoisonReason::InvalidJson,
-    PoisonReason::MissingField,
-    PoisonReason::WrongType,
-    PoisonReason::InvalidAmount,
-    PoisonReason::InvalidCurrency,
-    PoisonReason::InvalidTime,
-    PoisonReason::TooLarge,
-];
+/// Every reason a record can be poison for on its own (`late` depends on the stream).
+fn poison_reasons() -> impl Iterator<Item = PoisonReason> {
+    PoisonReason::ALL
+        .into_iter()
+        .filter(|r| *r != PoisonReason::Late)
+}
 
 impl Generator {
     pub fn new(spec: LoadSpec, rules: OperatorConfig) -> Result<Generator, String> {
@@ -140,7 +136,10 @@ impl Generator {
             };
         }
         if r >= dup_cut && r < poison_cut {
-            let reason = POISON_REASONS[self.poison_turn % POISON_REASONS.len()];
+            let kinds = poison_reasons().count();
+            let reason = poison_reasons()
+                .nth(self.poison_turn % kinds)
+                .unwrap_or(PoisonReason::InvalidJson);
             self.poison_turn += 1;
             let value = self.poison(reason, &customer);
             return GeneratedRecord {

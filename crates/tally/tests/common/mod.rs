@@ -268,33 +268,24 @@ pub fn clickhouse() -> clickhouse::Client {
         .with_validation(false)
 }
 
-#[derive(Debug, serde::Deserialize, clickhouse::Row)]
-struct ViewRow {
-    window_start: u32,
-    customer_id: String,
-    currency: String,
-    orders: u64,
-    revenue: i64,
-}
-
-/// The reader view as (window_start_ms, customer, currency) → (orders, revenue units).
+/// The reader view as (window_start_ms, customer, currency) → (orders, revenue units), read with
+/// a plain SELECT; a key seen twice is an error.
 pub async fn view(
     database: &str,
     table: &str,
-) -> Result<BTreeMap<(i64, String, String), (u64, i64)>, clickhouse::error::Error> {
-    let sql = format!(
-        "SELECT toUInt32(window_start) AS window_start, customer_id, currency, orders, revenue FROM {database}.{table}"
-    );
-    let rows: Vec<ViewRow> = clickhouse().query(&sql).fetch_all().await?;
-    let mut map = BTreeMap::new();
-    for r in rows {
-        let previous = map.insert(
-            (i64::from(r.window_start) * 1000, r.customer_id, r.currency),
-            (r.orders, r.revenue),
-        );
-        assert!(previous.is_none(), "the view returned a key twice");
-    }
-    Ok(map)
+) -> Result<BTreeMap<(i64, String, String), (u64, i64)>, tally_clickhouse::SinkError> {
+    let settings = tally_clickhouse::SinkSettings {
+        url: CLICKHOUSE.into(),
+        database: database.into(),
+        table: table.into(),
+        user: "default".into(),
+        password: tally_clickhouse::Secret::default(),
+        request_timeout: Duration::from_secs(10),
+    };
+    tally_clickhouse::ClickHouseSink::connect(&settings)
+        .await?
+        .read_view()
+        .await
 }
 
 /// Polls until the view equals the manifest's rows or the timeout passes; returns the last view.
