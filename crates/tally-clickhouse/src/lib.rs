@@ -329,6 +329,8 @@ pub type ViewKey = (i64, String, String);
 /// (orders, revenue in 10^-4 units) of one view row.
 pub type ViewTotals = (u64, i64);
 
+// Rows are read as RowBinary by position (validation off for 18.16), so query aliases need not
+// match field names; they differ from column names to avoid alias/column ambiguity.
 #[derive(Debug, Deserialize, clickhouse::Row)]
 struct ViewRow {
     window_start: u32,
@@ -351,7 +353,7 @@ impl ClickHouseSink {
     /// Every row of the reader view, exactly as a plain `SELECT` sees it.
     pub async fn read_view(&self) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         let sql = format!(
-            "SELECT toUInt32(window_start) AS window_start, customer_id, currency, orders, revenue FROM {}",
+            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM {}",
             self.names.view_q()
         );
         self.collect_rows(&sql, "reading the view").await
@@ -363,7 +365,7 @@ impl ClickHouseSink {
         epoch: Epoch,
     ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         let sql = format!(
-            "SELECT toUInt32(window_start) AS window_start, customer_id, currency, toUInt64(sum(p_orders)) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
+            "SELECT toUInt32(window_start) AS ws, customer_id, currency, toUInt64(sum(p_orders)) AS o, toDecimal64(sum(p_revenue), 4) AS r \
              FROM (SELECT source_partition, window_start, customer_id, currency, argMax(orders, epoch) AS p_orders, argMax(revenue, epoch) AS p_revenue \
                    FROM {data} WHERE epoch <= {e} AND epoch IN (SELECT epoch FROM {commits} WHERE epoch <= {e}) \
                    GROUP BY source_partition, window_start, customer_id, currency) \
@@ -402,7 +404,7 @@ impl ClickHouseSink {
     /// The commit log, one entry per epoch, in epoch order.
     pub async fn committed_batches(&self) -> Result<Vec<CommittedBatch>> {
         let sql = format!(
-            "SELECT epoch, any(partitions) AS partitions, any(from_offsets) AS from_offsets, any(to_offsets) AS to_offsets FROM {} GROUP BY epoch ORDER BY epoch",
+            "SELECT epoch, any(partitions) AS ps, any(from_offsets) AS fs, any(to_offsets) AS ts FROM {} GROUP BY epoch ORDER BY epoch",
             self.names.commits
         );
         self.client

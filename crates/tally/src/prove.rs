@@ -478,8 +478,12 @@ pub async fn reconcile(
     if print {
         println!(
             "reconcile at committed epoch {epoch}: {} keys, {} differ",
-            result.keys, result.mismatched
+            result.keys,
+            result.mismatched - gaps.len()
         );
+        for gap in gaps.iter().take(20) {
+            println!("  commit log: {gap}");
+        }
         println!(
             "{:<10} {:>20} {:>20} {:>10}",
             "", "source", "sink", "sink/source"

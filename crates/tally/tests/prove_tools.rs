@@ -127,6 +127,11 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     );
     let bad = tally(&["reconcile", "--config", config]);
     assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
+    assert!(
+        text(&bad).contains("commit log: epoch"),
+        "the missing batch is named: {}",
+        text(&bad)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
