@@ -120,6 +120,7 @@ pub struct RevenueOperator {
     dirty_windows: HashMap<(PartitionId, WindowKey), WindowAgg>,
     dirty_seen: HashMap<PartitionId, HashMap<String, i64>>,
     dead_letters: Vec<DeadLetter>,
+    dead_letter_bytes: usize,
 }
 
 impl RevenueOperator {
@@ -153,6 +154,7 @@ impl RevenueOperator {
             dirty_windows: HashMap::new(),
             dirty_seen: HashMap::new(),
             dead_letters: Vec::new(),
+            dead_letter_bytes: 0,
         }
     }
 
@@ -182,6 +184,11 @@ impl RevenueOperator {
     /// Records processed since the last barrier (for size-triggered checkpoints).
     pub fn pending_records(&self) -> u64 {
         self.partitions.values().map(|s| s.epoch.consumed).sum()
+    }
+
+    /// Bytes of dead letters held since the last barrier: poison records can be large.
+    pub fn pending_dead_letter_bytes(&self) -> usize {
+        self.dead_letter_bytes
     }
 
     pub fn process<S: StateReader>(
@@ -326,6 +333,9 @@ impl RevenueOperator {
                 a.dead_lettered += 1;
             }
         });
+        self.dead_letter_bytes += record.key.map_or(0, <[u8]>::len)
+            + record.value.map_or(0, <[u8]>::len)
+            + poison.message.len();
         self.dead_letters.push(DeadLetter {
             partition: record.partition,
             offset: record.offset,
@@ -366,6 +376,7 @@ impl RevenueOperator {
             dead_letters: std::mem::take(&mut self.dead_letters),
             ..Checkpoint::default()
         };
+        self.dead_letter_bytes = 0;
         for (&p, state) in &mut self.partitions {
             checkpoint.partitions.insert(
                 p,
@@ -452,10 +463,12 @@ mod tests {
             feed(&mut op, &store, 2, &order("c", "1", 120_000)),
             Outcome::Aggregated
         );
+        assert!(op.pending_dead_letter_bytes() > order("b", "1", 119_999).len());
         let cp = op.handle_checkpoint(CheckpointBarrier {
             epoch: Epoch(1),
             is_final: false,
         });
+        assert_eq!(op.pending_dead_letter_bytes(), 0);
         let acc = cp.accounting();
         assert_eq!((acc.consumed, acc.aggregated, acc.late), (3, 2, 1));
         assert_eq!(cp.dead_letters.len(), 1);

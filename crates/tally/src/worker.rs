@@ -24,9 +24,10 @@ use crate::config::{self, Config};
 use crate::events::{CheckpointCommitted, EpochRecovered, SinkRetry};
 use crate::fault::{FaultPlan, FaultPoint};
 
-/// Records after which a checkpoint is taken even before the interval ends, bounding the
-/// memory an epoch holds (changed windows, dead letters).
+/// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
+/// ends, bounding the memory an epoch holds (changed windows, dead letters).
 const MAX_EPOCH_RECORDS: u64 = 250_000;
+const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
 const POLL: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
@@ -168,7 +169,9 @@ impl Worker {
                     Err(e) => Err(e),
                 };
             }
-            if Instant::now() >= next_barrier || operator.pending_records() >= MAX_EPOCH_RECORDS {
+            let full = operator.pending_records() >= MAX_EPOCH_RECORDS
+                || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES;
+            if Instant::now() >= next_barrier || full {
                 let epoch = operator.current_epoch();
                 if let Err(e) = self.checkpoint(
                     &mut operator,
