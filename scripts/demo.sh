@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
-events="${1:-50000}"
+events="${1:-50000}"  # produced at 5000/s, so the default run streams for 10 s
 
 scripts/bootstrap.sh
 scripts/services.sh up >&2
@@ -24,19 +24,22 @@ export TALLY_JOB__MAX_RECORD_BYTES="4096"
 config=config/revenue_agg.toml
 
 "$TALLY_BIN" check-config --config "$config" >/dev/null
-echo "== producing $events orders to $TALLY_KAFKA__SOURCE_TOPIC"
-"$TALLY_BIN" loadgen --config "$config" --events "$events" --partitions 4 --customers 200 \
-  --duplicates 0.03 --poison 0.01 --late 0.01 --manifest "$dir/manifest.json"
+echo "== producing $events orders to $TALLY_KAFKA__SOURCE_TOPIC at 5000/s while tally runs"
+"$TALLY_BIN" loadgen --config "$config" --events "$events" --rate 5000 --partitions 4 --customers 200 \
+  --duplicates 0.03 --poison 0.01 --late 0.01 --manifest "$dir/manifest.json" &
+loadgen=$!
+sleep 1
 
-echo "== tally run (will be SIGKILLed once)"
+echo "== tally run (it will be SIGKILLed once, mid-stream)"
 "$TALLY_BIN" run --config "$config" >>"$dir/worker.log" 2>&1 &
 pid=$!
+trap 'kill -9 $pid $loadgen 2>/dev/null || true' EXIT
 sleep 4
 kill -9 "$pid"; wait "$pid" 2>/dev/null || true
-echo "   killed with SIGKILL after 4s; restarting"
+echo "   killed with SIGKILL after 4s while consuming; restarting (log: $dir/worker.log)"
 "$TALLY_BIN" run --config "$config" >>"$dir/worker.log" 2>&1 &
 pid=$!
-trap 'kill -9 $pid 2>/dev/null || true' EXIT
+wait "$loadgen"
 for _ in $(seq 1 120); do
   "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1 && break
   sleep 2
