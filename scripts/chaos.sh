@@ -31,6 +31,11 @@ started=$(date +%s)
 scripts/bootstrap.sh
 scripts/services.sh up >&2
 cargo build --locked -p tally >&2
+# Restarting a service needs it to be ours (started by this checkout's services.sh).
+if scripts/services.sh status 2>/dev/null | grep -q "not started by this script"; then
+  echo "chaos: services were started elsewhere; skipping service restarts" >&2
+  restarts=0
+fi
 
 run="chaos_$(date +%s)_$$"
 dir=".state/chaos/$run"
