@@ -52,6 +52,10 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     services(&["down", "clickhouse"]);
+    assert!(
+        view(&job.database, &job.table).await.is_err(),
+        "ClickHouse still answers after `services.sh down clickhouse`: it was not started by this checkout's scripts/services.sh, so this test cannot stop it"
+    );
     produce_into(&topic, &records[3_000..], &mut manifest).await;
     let mut peak = 0;
     for _ in 0..30 {
