@@ -291,9 +291,19 @@ fn real_main(cli: Cli) -> Result<()> {
                 spawn_signal_handler(shutdown.clone());
                 let handle = tokio::runtime::Handle::current();
                 let flag = shutdown.clone();
-                tokio::task::spawn_blocking(move || worker::Worker::start(cfg, handle, flag)?.run())
-                    .await
-                    .context("worker thread")?
+                let result = tokio::task::spawn_blocking(move || {
+                    worker::Worker::start(cfg, handle, flag)?.run()
+                })
+                .await
+                .context("worker thread")?;
+                match result {
+                    // Asked to stop while still waiting for a service: nothing to checkpoint.
+                    Err(e) if e.is::<worker::Interrupted>() && shutdown.load(Ordering::SeqCst) => {
+                        tracing::info!("stopped before the first record: {e:#}");
+                        Ok(())
+                    }
+                    other => other,
+                }
             })
         }
     }

@@ -41,7 +41,9 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
     let mut manifest = tally::loadgen::Manifest::default();
     produce_into(&topic, &records[..3_000], &mut manifest).await;
     let job = Job::new(&topic, "");
+    let before = job.log().len();
     let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
     let until = Instant::now() + Duration::from_secs(60);
     while view(&job.database, &job.table)
         .await

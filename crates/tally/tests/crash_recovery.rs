@@ -31,7 +31,9 @@ fn assert_accounting(job: &Job, produced: u64) {
 }
 
 async fn finish_and_check(job: &Job, manifest: &tally::loadgen::Manifest) {
+    let before = job.log().len();
     let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
     let view = wait_for_view(job, manifest, CATCH_UP).await;
     sigterm(&worker);
     let status = wait_exit(&mut worker, Duration::from_secs(30));
@@ -59,7 +61,9 @@ async fn sigkill_mid_run_then_restart_loses_and_duplicates_nothing() {
     let mut manifest = tally::loadgen::Manifest::default();
     produce_into(&topic, &records[..60_000], &mut manifest).await;
     let job = Job::new(&topic, "");
+    let before = job.log().len();
     let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
     // Let it commit some epochs, then kill -9 wherever it is.
     let until = std::time::Instant::now() + Duration::from_secs(60);
     while view(&job.database, &job.table)

@@ -57,7 +57,9 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     let mut manifest = tally::loadgen::Manifest::default();
     let job = Job::new(&topic, "");
     let manifest_path = job.dir.path().join("manifest.json");
+    let before = job.log().len();
     let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
     // Two halves, so the commit log holds several batches.
     produce_into(&topic, &records[..2_000], &mut manifest).await;
     let found = wait_for_view(&job, &manifest, Duration::from_secs(90)).await;

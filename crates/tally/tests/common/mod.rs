@@ -227,6 +227,23 @@ address = ""
         cmd.spawn().expect("spawn tally")
     }
 
+    /// Waits until the worker started by the last `spawn` logs that it is consuming, so that a
+    /// SIGTERM reaches its handler rather than a process still starting up.
+    pub async fn wait_until_consuming(&self, log_len_before_spawn: usize) {
+        let until = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < until {
+            let log = self.log();
+            let new = log.get(log_len_before_spawn..).unwrap_or("");
+            if new.contains("resuming partition from checkpoint")
+                || new.contains("partition has no checkpoint")
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("worker did not start consuming; log:\n{}", self.log());
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("tally.log")).unwrap_or_default()
     }
