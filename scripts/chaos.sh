@@ -8,11 +8,12 @@
 #
 # Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
 #          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
+#          --release (run the release build of tally, as production would)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
-events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600
+events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -22,6 +23,7 @@ while (($#)); do
     --partitions) partitions=$2; shift 2 ;;
     --seed) seed=$2; shift 2 ;;
     --catch-up) catch_up=$2; shift 2 ;;
+    --release) profile=release; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -30,7 +32,12 @@ started=$(date +%s)
 
 scripts/bootstrap.sh
 scripts/services.sh up >&2
-cargo build --locked -p tally >&2
+if [ "$profile" = release ]; then
+  cargo build --release --locked -p tally >&2
+  TALLY_BIN="$CARGO_TARGET_DIR/release/tally"
+else
+  cargo build --locked -p tally >&2
+fi
 # Restarting a service needs it to be ours (started by this checkout's services.sh).
 if scripts/services.sh status 2>/dev/null | grep -q "not started by this script"; then
   echo "chaos: services were started elsewhere; skipping service restarts" >&2
@@ -116,7 +123,7 @@ produced=$(sed -n 's/^produced \([0-9]*\) records.*/\1/p' "$dir/loadgen.log")
 dups=$(sed -n 's/.* \([0-9]*\) duplicates,.*/\1/p' "$dir/loadgen.log")
 poison=$(sed -n 's/.* \([0-9]*\) poison;.*/\1/p' "$dir/loadgen.log")
 late=$(sed -n 's/.* \([0-9]*\) late,.*/\1/p' "$dir/loadgen.log")
-printf '\n%-40s %s\n' "chaos run" "$run"
+printf '\n%-40s %s (%s build)\n' "chaos run" "$run" "$profile"
 printf '%-40s %s\n' "events produced" "$produced"
 printf '%-40s %s\n' "duplicates injected" "$dups"
 printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
