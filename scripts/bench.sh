@@ -31,6 +31,9 @@ config=config/revenue_agg.toml
 "$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers 10000 \
   --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
 
+# Sum of a numeric `key=` field over the worker's checkpoint lines (0 before the first).
+sum_field() { awk -v k=" $1=" '{ i = index($0, k); if (i) { split(substr($0, i + length(k)), a, " "); s += a[1] } } END { print s + 0 }' "$2"; }
+
 start_ns=$(date +%s%N)
 "$bin" run --config "$config" >"$dir/worker.log" 2>&1 &
 pid=$!
@@ -39,7 +42,7 @@ consumed=0 peak_kib=0
 while [ "$consumed" -lt "$events" ]; do
   sleep 0.2
   kill -0 "$pid" 2>/dev/null || { echo "worker exited" >&2; tail -20 "$dir/worker.log" >&2; exit 1; }
-  consumed=$(grep -o ' consumed=[0-9]*' "$dir/worker.log" | awk -F= '{s+=$2} END {print s+0}')
+  consumed=$(sum_field consumed "$dir/worker.log")
   kib=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
   [ "${kib:-0}" -gt "$peak_kib" ] && peak_kib=$kib
 done
@@ -50,7 +53,7 @@ secs=$(awk -v a="$start_ns" -v b="$end_ns" 'BEGIN {printf "%.2f", (b - a) / 1e9}
 checkpoints=$(grep -c 'checkpoint committed' "$dir/worker.log")
 p50=$(grep -o 'millis=[0-9]*' "$dir/worker.log" | cut -d= -f2 | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
 p_max=$(grep -o 'millis=[0-9]*' "$dir/worker.log" | cut -d= -f2 | sort -n | tail -1)
-rows=$(grep -o ' rows=[0-9]*' "$dir/worker.log" | awk -F= '{s+=$2} END {print s+0}')
+rows=$(sum_field rows "$dir/worker.log")
 printf '\n%-38s %s\n' "records" "$events"
 printf '%-38s %s s (start, catch-up, every epoch committed)\n' "wall time" "$secs"
 printf '%-38s %s records/s\n' "throughput" "$(awk -v n="$events" -v s="$secs" 'BEGIN {printf "%.0f", n / s}')"
