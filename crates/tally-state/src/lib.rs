@@ -81,6 +81,10 @@ pub struct CheckpointMeta {
     pub epoch: Epoch,
     pub status: EpochStatus,
     pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
+    /// Per partition, dedup entries and windows before these cutoffs are already gone: the
+    /// next expiry starts here instead of walking the tombstones of every earlier one.
+    pub expired_seen_before: BTreeMap<PartitionId, i64>,
+    pub closed_windows_before: BTreeMap<PartitionId, i64>,
 }
 
 pub struct StateStore {
@@ -237,13 +241,28 @@ impl StateStore {
             self.cf(CF_PENDING)?,
         );
         let mut batch = WriteBatch::default();
+        let (mut expired_seen_before, mut closed_windows_before) = match &self.meta {
+            Some(m) => (
+                m.expired_seen_before.clone(),
+                m.closed_windows_before.clone(),
+            ),
+            None => (BTreeMap::new(), BTreeMap::new()),
+        };
         // Expiry first: a later put in the same batch for a re-seen id must win over its delete.
         for &(p, cutoff) in &checkpoint.expire_seen_before {
-            let start = keys::seen_time_prefix(p, i64::MIN);
+            let done = expired_seen_before.get(&p).copied().unwrap_or(i64::MIN);
+            if cutoff <= done {
+                continue;
+            }
+            let start = keys::seen_time_prefix(p, done);
             let end = keys::seen_time_prefix(p, cutoff);
-            let iter = self
-                .db
-                .iterator_cf(time_cf, IteratorMode::From(&start, Direction::Forward));
+            let mut opts = rocksdb::ReadOptions::default();
+            opts.set_iterate_upper_bound(end.clone());
+            let iter = self.db.iterator_cf_opt(
+                time_cf,
+                opts,
+                IteratorMode::From(&start, Direction::Forward),
+            );
             for item in iter {
                 let (key, _) = item.map_err(|e| self.rocks(e))?;
                 if key.as_ref() >= end.as_slice() {
@@ -257,12 +276,10 @@ impl StateStore {
                     batch.delete_cf(id_cf, &by_id);
                 }
             }
+            expired_seen_before.insert(p, cutoff);
         }
-        let mut cutoffs: BTreeMap<PartitionId, i64> = BTreeMap::new();
-        for &(p, cutoff) in &checkpoint.expire_seen_before {
-            let c = cutoffs.entry(p).or_insert(cutoff);
-            *c = (*c).max(cutoff);
-        }
+        // Entries already past these cutoffs would be deleted right away: they are not stored.
+        let cutoffs = &expired_seen_before;
         for (p, id, t) in &checkpoint.seen {
             let by_id = keys::seen_id(*p, id.as_bytes());
             if let Some(old) = self.seen_at(id_cf, &by_id)?
@@ -278,23 +295,40 @@ impl StateStore {
             batch.put_cf(id_cf, &by_id, t.to_be_bytes());
             batch.put_cf(time_cf, keys::seen_time(*p, *t, id.as_bytes()), []);
         }
+        let mut close_at = closed_windows_before.clone();
+        for &(p, cutoff) in &checkpoint.close_windows_before {
+            let c = close_at.entry(p).or_insert(cutoff);
+            *c = (*c).max(cutoff);
+        }
         for row in &checkpoint.rows {
+            // A window that closed in this epoch was emitted (pending outputs) and leaves the state.
+            if close_at
+                .get(&row.partition)
+                .is_some_and(|c| row.key.window_start_ms < *c)
+            {
+                continue;
+            }
             let value = self.encode(&row.value, "window aggregate")?;
             batch.put_cf(windows_cf, keys::window(row.partition, &row.key), value);
         }
-        // After the upserts: a window that closed in this epoch was emitted above and leaves now.
         for &(p, cutoff) in &checkpoint.close_windows_before {
-            batch.delete_range_cf(
-                windows_cf,
-                keys::window_prefix(p, i64::MIN),
-                keys::window_prefix(p, cutoff),
-            );
+            let done = closed_windows_before.get(&p).copied().unwrap_or(i64::MIN);
+            if cutoff > done {
+                batch.delete_range_cf(
+                    windows_cf,
+                    keys::window_prefix(p, done),
+                    keys::window_prefix(p, cutoff),
+                );
+                closed_windows_before.insert(p, cutoff);
+            }
         }
         let meta = CheckpointMeta {
             job: self.job.clone(),
             epoch: checkpoint.epoch,
             status: EpochStatus::PreCommitted,
             partitions: checkpoint.partitions.clone(),
+            expired_seen_before,
+            closed_windows_before,
         };
         batch.put_cf(
             pending_cf,
