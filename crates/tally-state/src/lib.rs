@@ -110,7 +110,15 @@ impl StateStore {
         let mut table = BlockBasedOptions::default();
         table.set_block_cache(&cache);
         table.set_bloom_filter(10.0, false);
+        // Memory stays bounded by the cache as the dedup set grows: index and filters live in it,
+        // partitioned into small blocks. (A whole-file index or filter of a large SST is bigger
+        // than a cache shard, would never stay cached, and was re-read on every lookup.)
         table.set_cache_index_and_filter_blocks(true);
+        table.set_index_type(rocksdb::BlockBasedIndexType::TwoLevelIndexSearch);
+        table.set_partition_filters(true);
+        table.set_metadata_block_size(4096);
+        table.set_pin_top_level_index_and_filter(true);
+        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
         let mut cf_opts = Options::default();
         cf_opts.set_block_based_table_factory(&table);
         cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);

@@ -6,10 +6,19 @@ use std::time::Duration;
 use metrics::{counter, gauge, histogram};
 use tally_core::{Accounting, Checkpoint, Epoch, PoisonReason};
 
+/// Time spent in each step of the last commit.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommitPhases {
+    pub pre_commit: Duration,
+    pub dead_letters: Duration,
+    pub clickhouse: Duration,
+}
+
 /// An epoch whose outputs every sink now has.
 pub struct CheckpointCommitted<'a> {
     pub checkpoint: &'a Checkpoint,
     pub duration: Duration,
+    pub phases: CommitPhases,
     pub recovered: bool,
 }
 
@@ -26,6 +35,9 @@ impl CheckpointCommitted<'_> {
             dead_lettered = acc.dead_lettered,
             rows = cp.rows.len(),
             millis = self.duration.as_millis() as u64,
+            pre_commit_ms = self.phases.pre_commit.as_millis() as u64,
+            dead_letters_ms = self.phases.dead_letters.as_millis() as u64,
+            clickhouse_ms = self.phases.clickhouse.as_millis() as u64,
             recovered = self.recovered,
             "checkpoint committed"
         );
@@ -47,6 +59,13 @@ impl CheckpointCommitted<'_> {
         counter!("tally_sink_rows_written_total").increment(cp.rows.len() as u64);
         counter!("tally_checkpoints_committed_total").increment(1);
         histogram!("tally_checkpoint_duration_seconds").record(self.duration.as_secs_f64());
+        for (phase, d) in [
+            ("pre_commit", self.phases.pre_commit),
+            ("dead_letters", self.phases.dead_letters),
+            ("clickhouse", self.phases.clickhouse),
+        ] {
+            histogram!("tally_checkpoint_phase_seconds", "phase" => phase).record(d.as_secs_f64());
+        }
         gauge!("tally_epoch").set(cp.epoch.0 as f64);
         for (p, pc) in &cp.partitions {
             if let Some(max) = pc.watermark.max_event_time_ms {

@@ -21,7 +21,7 @@ use tally_state::{EpochStatus, StateStore};
 use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
-use crate::events::{CheckpointCommitted, EpochRecovered, SinkRetry};
+use crate::events::{CheckpointCommitted, CommitPhases, EpochRecovered, SinkRetry};
 use crate::fault::{FaultPlan, FaultPoint};
 
 /// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
@@ -58,6 +58,7 @@ pub struct Worker {
     dlq: Option<DeadLetterProducer>,
     kafka: KafkaSettings,
     partitions: Vec<PartitionId>,
+    phases: CommitPhases,
 }
 
 impl Worker {
@@ -116,6 +117,7 @@ impl Worker {
             dlq: None,
             kafka,
             partitions,
+            phases: CommitPhases::default(),
         })
     }
 
@@ -127,6 +129,13 @@ impl Worker {
     pub fn run(mut self) -> Result<()> {
         self.check_sink_matches_state()?;
         self.recover()?;
+        if self.dlq.is_none() {
+            // Fence any earlier instance now, not at the first checkpoint.
+            let producer = wait_for("kafka", &self.shutdown, || {
+                self.connect_dead_letters().map_err(|e| e.to_string())
+            })?;
+            self.dlq = Some(producer);
+        }
         let mut operator = self.restore_operator()?;
         self.source.assign(&operator.next_offsets())?;
         let interval = self.config.job.checkpoint_interval.as_duration();
@@ -261,6 +270,7 @@ impl Worker {
         CheckpointCommitted {
             checkpoint: &checkpoint,
             duration: started.elapsed(),
+            phases: self.phases,
             recovered: true,
         }
         .emit();
@@ -336,12 +346,14 @@ impl Worker {
         let started = Instant::now();
         let checkpoint = operator.handle_checkpoint(barrier);
         self.store.pre_commit(&checkpoint)?;
+        self.phases.pre_commit = started.elapsed();
         self.fault.hit(FaultPoint::AfterPreCommit, checkpoint.epoch);
         self.commit(&checkpoint, CommitStep::PreCommitted)?;
         self.store.mark_committed(checkpoint.epoch)?;
         CheckpointCommitted {
             checkpoint: &checkpoint,
             duration: started.elapsed(),
+            phases: self.phases,
             recovered: false,
         }
         .emit();
@@ -360,6 +372,7 @@ impl Worker {
         let mut attempt = 0u32;
         let mut backoff = Duration::from_millis(100);
         loop {
+            let step_started = Instant::now();
             let result = match step {
                 CommitStep::PreCommitted => {
                     self.commit_dead_letters(checkpoint, &offsets).map(|()| {
@@ -375,6 +388,15 @@ impl Worker {
             };
             match result {
                 Ok(next) => {
+                    match step {
+                        CommitStep::PreCommitted => {
+                            self.phases.dead_letters = step_started.elapsed()
+                        }
+                        CommitStep::DeadLettersCommitted => {
+                            self.phases.clickhouse = step_started.elapsed()
+                        }
+                        CommitStep::Written => {}
+                    }
                     step = next;
                     attempt = 0;
                     backoff = Duration::from_millis(100);
@@ -410,13 +432,7 @@ impl Worker {
             // init_transactions fences an earlier producer of this id and settles its open
             // transaction; only after that does the group's offset metadata tell for certain
             // whether this epoch's transaction committed (after a crash or a failed commit).
-            let producer = DeadLetterProducer::connect(
-                &self.kafka,
-                &self.config.transactional_id(),
-                &self.config.dlq_topic(),
-                &self.config.kafka.source_topic,
-            )
-            .map_err(|e| kafka_err(&e))?;
+            let producer = self.connect_dead_letters().map_err(|e| kafka_err(&e))?;
             self.dlq = Some(producer);
             if self
                 .dead_letters_committed(checkpoint.epoch)
@@ -432,6 +448,15 @@ impl Worker {
         };
         dlq.commit_epoch(checkpoint.epoch, &checkpoint.dead_letters, offsets, &group)
             .map_err(|e| kafka_err(&e))
+    }
+
+    fn connect_dead_letters(&self) -> Result<DeadLetterProducer, tally_kafka::KafkaSinkError> {
+        DeadLetterProducer::connect(
+            &self.kafka,
+            &self.config.transactional_id(),
+            &self.config.dlq_topic(),
+            &self.config.kafka.source_topic,
+        )
     }
 
     fn write_clickhouse(
