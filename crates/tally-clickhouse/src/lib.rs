@@ -143,6 +143,7 @@ pub struct ClickHouseSink {
     url: String,
     names: TableNames,
     version: String,
+    request_timeout: Duration,
 }
 
 fn seconds(ms: i64) -> Result<u32> {
@@ -166,6 +167,7 @@ impl ClickHouseSink {
             url: settings.url.clone(),
             names,
             version: String::new(),
+            request_timeout: settings.request_timeout,
         };
         sink.version = sink.fetch_version().await?;
         Ok(sink)
@@ -240,7 +242,29 @@ impl ClickHouseSink {
     }
 
     /// Writes a batch idempotently: skip if committed, else data rows then the commit-log row.
+    /// A write that takes longer than `request_timeout` fails and is retried whole; a late
+    /// completion of the abandoned one is harmless (same epoch, same rows).
     pub async fn write_batch(
+        &self,
+        batch: &Batch<'_>,
+        source_topic: &str,
+        fault: impl Fn(WriteStep),
+    ) -> Result<WriteOutcome> {
+        let timeout = self.request_timeout;
+        tokio::time::timeout(
+            timeout,
+            self.write_batch_untimed(batch, source_topic, fault),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(SinkError::Refused(format!(
+                "writing epoch {} timed out after {timeout:?}",
+                batch.epoch
+            )))
+        })
+    }
+
+    async fn write_batch_untimed(
         &self,
         batch: &Batch<'_>,
         source_topic: &str,

@@ -22,18 +22,18 @@ pub use reader::{read_committed_range, topic_extent};
 pub use source::{Source, SourceRecord, StartFrom};
 
 #[derive(Debug, thiserror::Error)]
-pub enum KafkaSinkError {
+pub enum Error {
     #[error("kafka: {context}: {source}")]
     Kafka { context: String, source: KafkaError },
     #[error("kafka: {0}")]
     Other(String),
 }
 
-pub type Result<T, E = KafkaSinkError> = std::result::Result<T, E>;
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub(crate) fn kafka(context: impl Into<String>) -> impl FnOnce(KafkaError) -> KafkaSinkError {
+pub(crate) fn kafka(context: impl Into<String>) -> impl FnOnce(KafkaError) -> Error {
     let context = context.into();
-    move |source| KafkaSinkError::Kafka { context, source }
+    move |source| Error::Kafka { context, source }
 }
 
 /// Sets `key` unless the user's pass-through settings already did.
@@ -86,7 +86,7 @@ pub async fn ensure_topic(
     match results.into_iter().next() {
         Some(Ok(_)) => Ok(true),
         Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
-        Some(Err((name, code))) => Err(KafkaSinkError::Kafka {
+        Some(Err((name, code))) => Err(Error::Kafka {
             context: format!("creating topic {name}"),
             source: KafkaError::AdminOp(code),
         }),

@@ -10,7 +10,7 @@ use rdkafka::message::BorrowedMessage;
 use rdkafka::{Message, Offset as KOffset, TopicPartitionList};
 use tally_core::{Offset, PartitionId};
 
-use crate::{KafkaSettings, KafkaSinkError, Result, kafka};
+use crate::{Error, KafkaSettings, Result, kafka};
 
 /// Logs client errors except end-of-partition, which readers ask for and expect.
 struct ReaderContext;
@@ -73,7 +73,7 @@ pub fn read_committed_range(
     while done.len() < ranges.len() {
         if last_progress.elapsed() > idle {
             let pending: Vec<_> = ranges.keys().filter(|p| !done.contains(*p)).collect();
-            return Err(KafkaSinkError::Other(format!(
+            return Err(Error::Other(format!(
                 "reading {topic}: no progress for {idle:?} on partitions {pending:?}"
             )));
         }
@@ -117,7 +117,7 @@ pub fn read_committed_range(
                 }
             }
             Some(Err(e)) => {
-                return Err(KafkaSinkError::Kafka {
+                return Err(Error::Kafka {
                     context: format!("reading {topic}"),
                     source: e,
                 });
@@ -142,7 +142,7 @@ pub fn topic_extent(
         .topics()
         .iter()
         .find(|t| t.name() == topic && t.error().is_none())
-        .ok_or_else(|| KafkaSinkError::Other(format!("topic {topic} not found")))?;
+        .ok_or_else(|| Error::Other(format!("topic {topic} not found")))?;
     let mut out = BTreeMap::new();
     for p in t.partitions() {
         let wm = consumer

@@ -10,7 +10,7 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset as KOffset, TopicPartitionList};
 use tally_core::{Offset, PartitionId, Record};
 
-use crate::{KafkaSettings, KafkaSinkError, Result, kafka, set_default};
+use crate::{Error, KafkaSettings, Result, kafka, set_default};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -80,9 +80,9 @@ impl Source {
             .topics()
             .iter()
             .find(|t| t.name() == self.topic)
-            .ok_or_else(|| KafkaSinkError::Other(format!("topic {} not found", self.topic)))?;
+            .ok_or_else(|| Error::Other(format!("topic {} not found", self.topic)))?;
         if let Some(err) = topic.error() {
-            return Err(KafkaSinkError::Other(format!(
+            return Err(Error::Other(format!(
                 "topic {}: {:?}",
                 self.topic,
                 rdkafka::error::RDKafkaErrorCode::from(err)
@@ -91,7 +91,7 @@ impl Source {
         let mut ids: Vec<_> = topic.partitions().iter().map(|p| p.id()).collect();
         ids.sort_unstable();
         if ids.is_empty() {
-            return Err(KafkaSinkError::Other(format!(
+            return Err(Error::Other(format!(
                 "topic {} has no partitions",
                 self.topic
             )));
@@ -135,7 +135,7 @@ impl Source {
         match self.consumer.poll(timeout) {
             None => Ok(None),
             Some(Ok(message)) => Ok(Some(SourceRecord { message })),
-            Some(Err(e)) => Err(KafkaSinkError::Kafka {
+            Some(Err(e)) => Err(Error::Kafka {
                 context: format!("consuming {}", self.topic),
                 source: e,
             }),

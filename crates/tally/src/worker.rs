@@ -450,7 +450,7 @@ impl Worker {
             .map_err(|e| kafka_err(&e))
     }
 
-    fn connect_dead_letters(&self) -> Result<DeadLetterProducer, tally_kafka::KafkaSinkError> {
+    fn connect_dead_letters(&self) -> Result<DeadLetterProducer, tally_kafka::Error> {
         DeadLetterProducer::connect(
             &self.kafka,
             &self.config.transactional_id(),
@@ -484,17 +484,12 @@ impl Worker {
                 fault.hit(FaultPoint::MidClickHouseInsert, epoch);
             }
         };
-        let write = self
-            .sink
-            .write_batch(&batch, &self.config.kafka.source_topic, hook);
-        let timeout = self.config.clickhouse.request_timeout.as_duration();
-        match self
-            .rt
-            .block_on(async { tokio::time::timeout(timeout, write).await })
-        {
-            Ok(result) => result.map_err(|e| ("clickhouse", e.to_string())),
-            Err(_) => Err(("clickhouse", format!("timed out after {timeout:?}"))),
-        }
+        self.rt
+            .block_on(
+                self.sink
+                    .write_batch(&batch, &self.config.kafka.source_topic, hook),
+            )
+            .map_err(|e| ("clickhouse", e.to_string()))
     }
 }
 
