@@ -201,15 +201,6 @@ impl ClickHouseSink {
         &self.names
     }
 
-    pub fn client(&self) -> &Client {
-        &self.client
-    }
-
-    /// Re-checks the connection (used while waiting for a server to come back).
-    pub async fn ping(&self) -> Result<String> {
-        self.fetch_version().await
-    }
-
     /// Creates the database, tables and view when absent and validates what exists.
     pub async fn ensure_schema(&self) -> Result<()> {
         schema::ensure(&self.client, &self.names, &self.url).await

@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::groups::GroupList;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset as KOffset, TopicPartitionList};
 use tally_core::{Offset, PartitionId, Record};
@@ -166,11 +165,5 @@ impl Source {
                 (e.partition(), (offset, e.metadata().to_owned()))
             })
             .collect())
-    }
-
-    pub fn group_list(&self, group: &str) -> Result<GroupList> {
-        self.consumer
-            .fetch_group_list(Some(group), TIMEOUT)
-            .map_err(kafka("listing groups"))
     }
 }
