@@ -110,13 +110,19 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     );
 
     // Deleting a batch (its commit) loses data: both tools must say so.
-    let first: u64 = clickhouse()
-        .query(&format!("SELECT min(epoch) FROM {commits}"))
+    // Delete a batch that readers depend on: one that holds the newest version of some window
+    // and is not the last (a missing last batch is indistinguishable from one not yet committed).
+    let victim: u64 = clickhouse()
+        .query(&format!(
+            "SELECT e FROM (SELECT max(epoch) AS e FROM {data} WHERE epoch < 1000000 \
+             GROUP BY source_partition, window_start, customer_id, currency) \
+             WHERE e < (SELECT max(epoch) FROM {commits} WHERE epoch < 1000000) GROUP BY e ORDER BY count() DESC LIMIT 1"
+        ))
         .fetch_one()
         .await
         .unwrap();
     ch(&format!(
-        "ALTER TABLE {commits} DELETE WHERE epoch = 1000000 OR epoch = {first}"
+        "ALTER TABLE {commits} DELETE WHERE epoch = 1000000 OR epoch = {victim}"
     ))
     .await;
     wait_mutations(&job.database).await;
