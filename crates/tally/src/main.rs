@@ -249,20 +249,10 @@ fn real_main(cli: Cli) -> Result<()> {
                                 Ok(r) => {
                                     metrics::gauge!("tally_reconcile_keys_mismatched")
                                         .set(r.mismatched as f64);
-                                    metrics::gauge!("tally_reconcile_orders_ratio").set(
-                                        if r.source_orders == 0 {
-                                            1.0
-                                        } else {
-                                            r.sink_orders as f64 / r.source_orders as f64
-                                        },
-                                    );
-                                    metrics::gauge!("tally_reconcile_revenue_ratio").set(
-                                        if r.source_revenue == 0 {
-                                            1.0
-                                        } else {
-                                            r.sink_revenue as f64 / r.source_revenue as f64
-                                        },
-                                    );
+                                    metrics::gauge!("tally_reconcile_orders_ratio")
+                                        .set(r.orders_ratio());
+                                    metrics::gauge!("tally_reconcile_revenue_ratio")
+                                        .set(r.revenue_ratio());
                                     metrics::gauge!("tally_reconcile_epoch")
                                         .set(r.epoch.map_or(0.0, |e| e.0 as f64));
                                     metrics::counter!("tally_reconcile_runs_total").increment(1);

@@ -344,6 +344,16 @@ pub struct Reconciliation {
     pub sink_revenue: i128,
 }
 
+impl Reconciliation {
+    pub fn orders_ratio(&self) -> f64 {
+        ratio(self.sink_orders as f64, self.source_orders as f64)
+    }
+
+    pub fn revenue_ratio(&self) -> f64 {
+        ratio(self.sink_revenue as f64, self.source_revenue as f64)
+    }
+}
+
 fn ratio(sink: f64, source: f64) -> f64 {
     if source == 0.0 {
         if sink == 0.0 { 1.0 } else { f64::INFINITY }
@@ -493,14 +503,14 @@ pub async fn reconcile(
             "orders",
             result.source_orders,
             result.sink_orders,
-            ratio(result.sink_orders as f64, result.source_orders as f64)
+            result.orders_ratio()
         );
         println!(
             "{:<10} {:>20} {:>20} {:>10.6}",
             "revenue",
             format_units_i128(result.source_revenue),
             format_units_i128(result.sink_revenue),
-            ratio(result.sink_revenue as f64, result.source_revenue as f64)
+            result.revenue_ratio()
         );
         for (k, e, f) in diff.different.iter().take(20) {
             println!(

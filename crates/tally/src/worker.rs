@@ -158,42 +158,26 @@ impl Worker {
             if idle && Instant::now() >= next_barrier {
                 next_barrier = Instant::now() + interval;
             }
-            if self.stopping() {
-                let epoch = operator.current_epoch();
-                return match self.checkpoint(
-                    &mut operator,
-                    CheckpointBarrier {
-                        epoch,
-                        is_final: true,
-                    },
-                ) {
-                    Ok(()) => {
-                        tracing::info!(%epoch, "final checkpoint committed; stopping");
-                        Ok(())
-                    }
-                    Err(e) if e.is::<Interrupted>() => {
-                        tracing::warn!(%epoch, "stopping with epoch pre-committed; the next start completes it");
-                        Ok(())
-                    }
-                    Err(e) => Err(e),
-                };
-            }
+            let stopping = self.stopping();
             let full = operator.pending_records() >= MAX_EPOCH_RECORDS
                 || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES;
-            if Instant::now() >= next_barrier || full {
+            if stopping || full || Instant::now() >= next_barrier {
                 let epoch = operator.current_epoch();
-                if let Err(e) = self.checkpoint(
-                    &mut operator,
-                    CheckpointBarrier {
-                        epoch,
-                        is_final: false,
-                    },
-                ) {
-                    if e.is::<Interrupted>() {
+                let barrier = CheckpointBarrier {
+                    epoch,
+                    is_final: stopping,
+                };
+                match self.checkpoint(&mut operator, barrier) {
+                    Ok(()) if stopping => {
+                        tracing::info!(%epoch, "final checkpoint committed; stopping");
+                        return Ok(());
+                    }
+                    Ok(()) => {}
+                    Err(e) if e.is::<Interrupted>() => {
                         tracing::warn!(%epoch, "stopping with epoch pre-committed; the next start completes it");
                         return Ok(());
                     }
-                    return Err(e);
+                    Err(e) => return Err(e),
                 }
                 next_barrier = Instant::now() + interval;
                 must_checkpoint = false;
