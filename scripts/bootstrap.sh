@@ -18,4 +18,11 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# The current ClickHouse engine, in process (chdb): tests/current_clickhouse.py runs tally's SQL on it.
+py="$HOME/.cache/tally/py"
+if ! "$py/bin/python" -c "import chdb" 2>/dev/null; then
+  echo "[bootstrap] installing chdb-core (current ClickHouse engine) into $py" >&2
+  python3 -m venv "$py"
+  "$py/bin/pip" install -q --disable-pip-version-check chdb-core==26.9.0
+fi
 command -v cargo >/dev/null || { echo "[bootstrap] cargo not found: install Rust (stable, >= 1.95) with rustup" >&2; exit 1; }

@@ -55,6 +55,10 @@ export TALLY_KAFKA__SOURCE_TOPIC="$run"
 export TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
 export TALLY_CLICKHOUSE__DATABASE="$run"
 export TALLY_METRICS__ADDRESS=""
+# Short windows and frequent fold steps, so that folding runs many times under the chaos.
+export TALLY_WINDOW__SIZE="${TALLY_WINDOW__SIZE:-10s}"
+export TALLY_WINDOW__ALLOWED_LATENESS="${TALLY_WINDOW__ALLOWED_LATENESS:-10s}"
+export TALLY_CLICKHOUSE__FOLD_INTERVAL="${TALLY_CLICKHOUSE__FOLD_INTERVAL:-2s}"
 config=config/revenue_agg.toml
 worker_log="$dir/worker.log"
 
@@ -62,6 +66,7 @@ worker_pid=""
 start_worker() { "$TALLY_BIN" run --config "$config" >>"$worker_log" 2>&1 & worker_pid=$!; }
 cleanup() {
   [ -n "$worker_pid" ] && kill -9 "$worker_pid" 2>/dev/null || true
+  [ -n "${probe_pid:-}" ] && kill "$probe_pid" 2>/dev/null || true
   [ -n "${loadgen_pid:-}" ] && kill "$loadgen_pid" 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -73,6 +78,9 @@ duration=$(( (events + rate - 1) / rate ))
 loadgen_pid=$!
 sleep 2
 start_worker
+# A dashboard reading the view all along: it must never see a window twice, vanish or shrink.
+"$TALLY_BIN" probe --config "$config" --interval 250ms >"$dir/probe.txt" 2>"$dir/probe.log" &
+probe_pid=$!
 
 # Spread kills and service restarts over the load's duration.
 total_events=$(( kills + 2 * restarts ))
@@ -112,7 +120,11 @@ done
 kill -TERM "$worker_pid" 2>/dev/null || true
 wait "$worker_pid" 2>/dev/null || true
 worker_pid=""
+kill -TERM "$probe_pid" 2>/dev/null || true
 set +e
+wait "$probe_pid"
+probe_status=$?
+probe_pid=""
 "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1
 verdict=$?
 set -e
@@ -136,7 +148,18 @@ printf '%-40s %s\n' "orders double counted in sink (must be 0)" "$(field over_co
 printf '%-40s %s\n' "orders lost (must be 0)" "$(field lost)"
 printf '%-40s %s / %s\n' "dead letters expected / found" "$(field dl_expected)" "$(field dl_found)"
 printf '%-40s %s\n' "dead letters repeated (must be 0)" "$(field dl_repeated)"
+probe=$(grep '^probe-summary' "$dir/probe.txt" || true)
+pfield() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$probe"; }
+folds=$(grep -c 'fold step frontier=' "$worker_log" || true)
+printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(grep 'fold step frontier=' "$worker_log" | grep -vc 'folded_rows=0' || true))"
+printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view" "$(pfield reads)" "$(pfield errors)"
+printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"
+printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
+printf '%-40s %s\n' "reader saw a count go down (must be 0)" "$(pfield decreased)"
 printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
+if [ "$probe_status" -ne 0 ]; then
+  echo "chaos: FAILED (the reader saw an inconsistent view)"; cat "$dir/probe.txt"; exit 1
+fi
 if [ "$verdict" -ne 0 ]; then
   echo "chaos: FAILED"; sed -n '1,40p' "$dir/verify.txt"; tail -30 "$worker_log"; exit 1
 fi

@@ -29,6 +29,20 @@ if [ "$status" -ne 0 ]; then
   exit "$status"
 fi
 
+echo "== tally's SQL on the current ClickHouse engine (chdb) and on the local server"
+cargo build --locked -p tally
+set +e
+"$HOME/.cache/tally/py/bin/python" tests/current_clickhouse.py "$TALLY_BIN" | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(( passed + $(sed -n 's/^sqlcheck: \([0-9]*\) passed.*/\1/p' "$log" | head -1) + 0 ))
+failed=$(( failed + $(sed -n 's/^sqlcheck: [0-9]* passed, \([0-9]*\) failed.*/\1/p' "$log" | head -1) + 0 ))
+if [ "$status" -ne 0 ]; then
+  echo "sqlcheck failed"
+  echo "tests: $passed passed, $failed failed"
+  exit "$status"
+fi
+
 if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   echo "== chaos (defaults)"
   scripts/chaos.sh

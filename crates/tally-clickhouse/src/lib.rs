@@ -1,15 +1,19 @@
 //! The exactly-once ClickHouse sink.
 //!
 //! Every checkpoint's output is one batch: the full current values of the windows it changed,
-//! each row tagged with the batch's epoch, written to a data table, then one row in the commit
-//! log. Readers query a view that only looks at epochs present in the commit log and, per window
-//! and source partition, takes the value of the highest epoch. Hence:
-//! - writing a batch twice equals writing it once (same epoch, same values; `argMax` picks one);
+//! each row tagged with its version, the source partition's offset after the batch, written to a
+//! data table, then one row in the commit log. Readers query a view that only looks at versions
+//! present in the commit log and, per window and source partition, takes the value of the
+//! highest version. Hence:
+//! - writing a batch twice equals writing it once (same version, same values; `argMax` picks one);
+//! - versions grow with the partition's offset whoever writes it, so a later writer of a
+//!   partition continues its versions;
 //! - a batch is invisible until its single-row commit-log insert lands, so a reader never sees
 //!   half a batch, however the data insert was split into parts or interrupted;
 //! - no dedup tokens, transactions or `FINAL` are needed, so it holds on ClickHouse 18.16 and on
 //!   a current server alike.
 
+mod fold;
 mod schema;
 
 use std::time::Duration;
@@ -18,7 +22,8 @@ use clickhouse::Client;
 use serde::{Deserialize, Serialize};
 use tally_core::{Epoch, OutputRow, PartitionId};
 
-pub use schema::TableNames;
+pub use fold::{FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
+pub use schema::{Frontier, TableNames};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
@@ -74,6 +79,9 @@ pub struct Batch<'a> {
     pub epoch: Epoch,
     /// (partition, first offset, next offset) of the epoch.
     pub offsets: Vec<(PartitionId, i64, i64)>,
+    /// Per partition, in the order of `offsets`: the watermark after the epoch (ms; `i64::MIN`
+    /// before the first valid event). Folding reads it from the commit log.
+    pub watermarks: Vec<i64>,
     pub rows: &'a [OutputRow],
     pub event_count: u64,
     pub revenue_units: i128,
@@ -96,7 +104,7 @@ impl Batch<'_> {
 
 #[derive(Debug, Serialize, clickhouse::Row)]
 struct DataRow<'a> {
-    epoch: u64,
+    version: i64,
     source_partition: i32,
     window_start: u32,
     window_end: u32,
@@ -114,6 +122,8 @@ struct CommitRow {
     partitions: Vec<i32>,
     from_offsets: Vec<i64>,
     to_offsets: Vec<i64>,
+    watermarks: Vec<i64>,
+    max_window_start: u32,
     row_count: u64,
     event_count: u64,
     revenue_sum: i128,
@@ -144,6 +154,8 @@ pub struct ClickHouseSink {
     names: TableNames,
     version: String,
     request_timeout: Duration,
+    /// The newest fold frontier this process installed in the view, and when it first did.
+    installed: std::sync::Mutex<Option<(Frontier, std::time::Instant)>>,
 }
 
 fn seconds(ms: i64) -> Result<u32> {
@@ -168,8 +180,23 @@ impl ClickHouseSink {
             names,
             version: String::new(),
             request_timeout: settings.request_timeout,
+            installed: std::sync::Mutex::new(None),
         };
         sink.version = sink.fetch_version().await?;
+        // A batch of a catch-up can span days of event time, and so many partitions; current
+        // servers refuse an insert into more than 100 partitions unless told otherwise.
+        let limit: u64 = sink
+            .client
+            .query("SELECT count() FROM system.settings WHERE name = 'max_partitions_per_insert_block'")
+            .fetch_one()
+            .await
+            .map_err(sink.err("reading settings"))?;
+        if limit > 0 {
+            sink.client = sink
+                .client
+                .clone()
+                .with_setting("max_partitions_per_insert_block", "0");
+        }
         Ok(sink)
     }
 
@@ -204,6 +231,19 @@ impl ClickHouseSink {
     /// Creates the database, tables and view when absent and validates what exists.
     pub async fn ensure_schema(&self) -> Result<()> {
         schema::ensure(&self.client, &self.names, &self.url).await
+    }
+
+    /// Whether the server pushes a WHERE clause on the view down to its tables (on by default
+    /// since 19.x; 18.16 needs `enable_optimize_predicate_expression=1` in the readers'
+    /// profile). Without it every query on the view reads the whole history.
+    pub async fn pushes_predicates_into_views(&self) -> Result<bool> {
+        let value: String = self
+            .client
+            .query("SELECT value FROM system.settings WHERE name = 'enable_optimize_predicate_expression'")
+            .fetch_one()
+            .await
+            .map_err(self.err("reading settings"))?;
+        Ok(value != "0")
     }
 
     pub async fn is_committed(&self, epoch: Epoch) -> Result<bool> {
@@ -266,10 +306,14 @@ impl ClickHouseSink {
         }
         let half = batch.rows.len() / 2;
         if !batch.rows.is_empty() {
-            self.insert_rows(batch.epoch, &batch.rows[..half]).await?;
+            self.insert_rows(batch, &batch.rows[..half]).await?;
             fault(WriteStep::HalfInserted);
-            self.insert_rows(batch.epoch, &batch.rows[half..]).await?;
+            self.insert_rows(batch, &batch.rows[half..]).await?;
         }
+        let max_window_start = match batch.rows.iter().map(|r| r.key.window_start_ms).max() {
+            Some(ms) => seconds(ms)?,
+            None => 0,
+        };
         fault(WriteStep::Inserted);
         let commit = CommitRow {
             batch_id: batch.id(source_topic),
@@ -278,6 +322,8 @@ impl ClickHouseSink {
             partitions: batch.offsets.iter().map(|o| o.0).collect(),
             from_offsets: batch.offsets.iter().map(|o| o.1).collect(),
             to_offsets: batch.offsets.iter().map(|o| o.2).collect(),
+            watermarks: batch.watermarks.clone(),
+            max_window_start,
             row_count: batch.rows.len() as u64,
             event_count: batch.event_count,
             revenue_sum: batch.revenue_units,
@@ -306,10 +352,23 @@ impl ClickHouseSink {
         Ok(WriteOutcome::Written)
     }
 
-    async fn insert_rows(&self, epoch: Epoch, rows: &[OutputRow]) -> Result<()> {
+    async fn insert_rows(&self, batch: &Batch<'_>, rows: &[OutputRow]) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
+        let epoch = batch.epoch;
+        let version_of = |partition: PartitionId| {
+            batch
+                .offsets
+                .iter()
+                .find(|o| o.0 == partition)
+                .map(|o| o.2)
+                .ok_or_else(|| {
+                    SinkError::Refused(format!(
+                        "epoch {epoch} has a row of partition {partition} but no offsets for it"
+                    ))
+                })
+        };
         let mut insert = self
             .client
             .insert_unescaped::<DataRow<'_>>(&self.names.data)
@@ -318,7 +377,7 @@ impl ClickHouseSink {
             .with_setting("max_insert_block_size", (rows.len() + 1).to_string());
         for row in rows {
             let data = DataRow {
-                epoch: epoch.0,
+                version: version_of(row.partition)?,
                 source_partition: row.partition,
                 window_start: seconds(row.key.window_start_ms)?,
                 window_end: seconds(row.window_end_ms)?,
@@ -367,30 +426,22 @@ pub struct CommittedBatch {
 impl ClickHouseSink {
     /// Every row of the reader view, exactly as a plain `SELECT` sees it.
     pub async fn read_view(&self) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
-        let sql = format!(
-            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM {}",
-            self.names.view_q()
-        );
-        self.collect_rows(&sql, "reading the view").await
+        self.collect_rows(&self.names.read_view_sql(), "reading the view")
+            .await
     }
 
-    /// The view's rows as of committed epoch `epoch`: what readers saw right after it.
+    /// The view's rows as of committed epoch `epoch`: what readers saw right after it. Folded
+    /// windows are final, so they read the same at any later epoch.
     pub async fn read_view_at(
         &self,
         epoch: Epoch,
     ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
-        let sql = format!(
-            "SELECT toUInt32(window_start) AS ws, customer_id, currency, toUInt64(sum(p_orders)) AS o, toDecimal64(sum(p_revenue), 4) AS r \
-             FROM (SELECT source_partition, window_start, customer_id, currency, argMax(orders, epoch) AS p_orders, argMax(revenue, epoch) AS p_revenue \
-                   FROM {data} WHERE epoch <= {e} AND epoch IN (SELECT epoch FROM {commits} WHERE epoch <= {e}) \
-                   GROUP BY source_partition, window_start, customer_id, currency) \
-             GROUP BY window_start, customer_id, currency",
-            data = self.names.data,
-            commits = self.names.commits,
-            e = epoch.0
-        );
-        self.collect_rows(&sql, "reading the view at an epoch")
-            .await
+        let frontier = self.frontier().await?;
+        self.collect_rows(
+            &self.names.read_view_at_sql(frontier, epoch.0),
+            "reading the view at an epoch",
+        )
+        .await
     }
 
     async fn collect_rows(
@@ -418,12 +469,8 @@ impl ClickHouseSink {
 
     /// The commit log, one entry per epoch, in epoch order.
     pub async fn committed_batches(&self) -> Result<Vec<CommittedBatch>> {
-        let sql = format!(
-            "SELECT epoch, any(partitions) AS ps, any(from_offsets) AS fs, any(to_offsets) AS ts FROM {} GROUP BY epoch ORDER BY epoch",
-            self.names.commits
-        );
         self.client
-            .query(&sql)
+            .query(&self.names.committed_batches_sql())
             .fetch_all()
             .await
             .map_err(self.err("reading the commit log"))

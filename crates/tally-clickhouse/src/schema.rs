@@ -6,7 +6,7 @@ use serde::Deserialize;
 use crate::{Result, SinkError};
 
 const DATA_COLUMNS: &[(&str, &str)] = &[
-    ("epoch", "UInt64"),
+    ("version", "Int64"),
     ("source_partition", "Int32"),
     ("window_start", "DateTime"),
     ("window_end", "DateTime"),
@@ -15,7 +15,10 @@ const DATA_COLUMNS: &[(&str, &str)] = &[
     ("orders", "UInt64"),
     ("revenue", "Decimal(18, 4)"),
 ];
-const DATA_SORTING_KEY: &str = "window_start, customer_id, currency, source_partition, epoch";
+const DATA_SORTING_KEY: &str = "window_start, customer_id, currency, source_partition, version";
+/// Versions live in 10-minute partitions, so the versions of folded windows are dropped whole
+/// and soon after they are folded.
+pub(crate) const DATA_PARTITION_SECONDS: i64 = 600;
 
 const COMMIT_COLUMNS: &[(&str, &str)] = &[
     ("batch_id", "String"),
@@ -24,6 +27,8 @@ const COMMIT_COLUMNS: &[(&str, &str)] = &[
     ("partitions", "Array(Int32)"),
     ("from_offsets", "Array(Int64)"),
     ("to_offsets", "Array(Int64)"),
+    ("watermarks", "Array(Int64)"),
+    ("max_window_start", "DateTime"),
     ("row_count", "UInt64"),
     ("event_count", "UInt64"),
     ("revenue_sum", "Decimal(38, 4)"),
@@ -40,6 +45,17 @@ const VIEW_COLUMNS: &[(&str, &str)] = &[
     ("orders", "UInt64"),
     ("revenue", "Decimal(18, 4)"),
 ];
+/// Folded rows have exactly the view's shape. Sorted by time first: every dashboard query has a
+/// time range, and within it a customer's rows are found by the second key column.
+const FINAL_SORTING_KEY: &str = "window_start, customer_id, currency";
+
+const FOLD_COLUMNS: &[(&str, &str)] = &[
+    ("frontier", "DateTime"),
+    ("first_epoch", "UInt64"),
+    ("folded_rows", "UInt64"),
+    ("folded_at", "DateTime"),
+];
+const FOLD_SORTING_KEY: &str = "frontier";
 
 /// Names of a job's objects, derived from the view name. Identifiers are validated so they
 /// can be spliced into SQL.
@@ -49,6 +65,12 @@ pub struct TableNames {
     pub view: String,
     pub data: String,
     pub commits: String,
+    /// Folded (final) windows, one row per view row.
+    pub final_rows: String,
+    /// One row per fold step: the frontier below which windows are read from `final_rows`.
+    pub folds: String,
+    /// Scratch table for rebuilding a partition of `final_rows` after an interrupted fold.
+    pub stage: String,
 }
 
 fn valid_identifier(s: &str) -> bool {
@@ -73,6 +95,9 @@ impl TableNames {
             view: view.to_owned(),
             data: format!("{database}.{view}_data"),
             commits: format!("{database}.{view}_commits"),
+            final_rows: format!("{database}.{view}_final"),
+            folds: format!("{database}.{view}_folds"),
+            stage: format!("{database}.{view}_fold_stage"),
         })
     }
 
@@ -88,9 +113,19 @@ impl TableNames {
         &self.commits
     }
 
+    /// The view being built by a fold step, before it is swapped in.
+    pub(crate) fn next_view_q(&self) -> String {
+        format!("{}.{}__next", self.database, self.view)
+    }
+
+    /// The previous view right after a swap, until it is dropped.
+    pub(crate) fn old_view_q(&self) -> String {
+        format!("{}.{}__old", self.database, self.view)
+    }
+
     fn create_data(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree PARTITION BY toYYYYMM(window_start) ORDER BY ({DATA_SORTING_KEY})",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree PARTITION BY intDiv(toUInt32(window_start), {DATA_PARTITION_SECONDS}) ORDER BY ({DATA_SORTING_KEY})",
             self.data,
             columns_sql(DATA_COLUMNS)
         )
@@ -104,22 +139,298 @@ impl TableNames {
         )
     }
 
-    /// The reader view: committed epochs only; per window and partition the newest epoch wins;
-    /// then partitions are summed. Plain SELECTs on it never see a duplicate or half a batch.
-    pub fn create_view(&self) -> String {
+    fn create_final_like(&self, name: &str) -> String {
         format!(
-            "CREATE VIEW IF NOT EXISTS {view} AS \
-             SELECT window_start, window_end, customer_id, currency, sum(p_orders) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
-             FROM (SELECT source_partition, window_start, window_end, customer_id, currency, \
-                          argMax(orders, epoch) AS p_orders, argMax(revenue, epoch) AS p_revenue \
-                   FROM {data} WHERE epoch IN (SELECT epoch FROM {commits}) \
-                   GROUP BY source_partition, window_start, window_end, customer_id, currency) \
-             GROUP BY window_start, window_end, customer_id, currency",
-            view = self.view_q(),
-            data = self.data,
-            commits = self.commits
+            "CREATE TABLE IF NOT EXISTS {name} ({}) ENGINE = MergeTree PARTITION BY toYYYYMMDD(window_start) ORDER BY ({FINAL_SORTING_KEY})",
+            columns_sql(VIEW_COLUMNS)
         )
     }
+
+    fn create_folds(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY {FOLD_SORTING_KEY}",
+            self.folds,
+            columns_sql(FOLD_COLUMNS)
+        )
+    }
+
+    /// Per (source partition, window, customer, currency) the value of the newest committed
+    /// version (of batches up to epoch `as_of`, if given), summed over source partitions, for
+    /// windows from `from` (and before `to_seconds`, if given). Only batches of epoch
+    /// `from.first_epoch` or later can hold rows at or after `from`, which bounds the commit
+    /// set however old the job is.
+    pub(crate) fn versions_sql(
+        &self,
+        from: Frontier,
+        to_seconds: Option<u32>,
+        as_of: Option<u64>,
+    ) -> String {
+        let upper = to_seconds.map_or(String::new(), |t| {
+            format!(" AND window_start < toDateTime({t})")
+        });
+        let up_to = as_of.map_or(String::new(), |e| format!(" AND epoch <= {e}"));
+        format!(
+            "SELECT window_start, window_end, customer_id, currency, toUInt64(sum(p_orders)) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
+             FROM (SELECT source_partition, window_start, window_end, customer_id, currency, \
+                          argMax(orders, version) AS p_orders, argMax(revenue, version) AS p_revenue \
+                   FROM {data} \
+                   WHERE window_start >= toDateTime({f}){upper} \
+                     AND (source_partition, version) IN \
+                         (SELECT cp, cv FROM {commits} ARRAY JOIN partitions AS cp, to_offsets AS cv WHERE epoch >= {e}{up_to}) \
+                   GROUP BY source_partition, window_start, window_end, customer_id, currency) \
+             GROUP BY window_start, window_end, customer_id, currency",
+            data = self.data,
+            commits = self.commits,
+            f = from.seconds,
+            e = from.first_epoch,
+        )
+    }
+
+    /// The reader view for a fold frontier: folded rows below it, committed versions from it
+    /// on. The frontier is a literal, so both halves of one SELECT agree on it; a fold step
+    /// installs a new view with one atomic RENAME.
+    pub fn create_view(&self, name: &str, frontier: Frontier) -> String {
+        format!(
+            "CREATE VIEW IF NOT EXISTS {name} AS \
+             SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
+             UNION ALL {versions}",
+            final_rows = self.final_rows,
+            f = frontier.seconds,
+            versions = self.versions_sql(frontier, None, None),
+        )
+    }
+
+    /// The two newest logged frontiers, newest first.
+    pub(crate) fn logged_frontiers_sql(&self, n: u32) -> String {
+        format!(
+            "SELECT toUInt32(frontier) AS seconds, first_epoch FROM {} ORDER BY frontier DESC LIMIT {n}",
+            self.folds
+        )
+    }
+
+    /// The lowest committed watermark over the job's partitions, and how many partitions.
+    /// Every batch lists every partition of the job and watermarks only grow, so the newest
+    /// batches since `since_epoch` have each partition's current one.
+    pub(crate) fn committed_watermark_sql(&self, since_epoch: u64) -> String {
+        format!(
+            "SELECT toInt64(min(wm)) AS w, count() AS n FROM \
+             (SELECT p, max(w) AS wm FROM {} ARRAY JOIN partitions AS p, watermarks AS w WHERE epoch >= {since_epoch} GROUP BY p)",
+            self.commits
+        )
+    }
+
+    /// (first epoch since `since_epoch` with a row at or after `seconds`, how many such
+    /// batches, the newest epoch).
+    pub(crate) fn first_epoch_sql(&self, seconds: u32, since_epoch: u64) -> String {
+        format!(
+            "SELECT minIf(epoch, max_window_start >= toDateTime({seconds})) AS first, \
+                    countIf(max_window_start >= toDateTime({seconds})) AS n, max(epoch) AS last \
+             FROM {} WHERE epoch >= {since_epoch}",
+            self.commits
+        )
+    }
+
+    pub(crate) fn count_final_sql(&self, from_seconds: Option<u32>) -> String {
+        let filter = from_seconds.map_or(String::new(), |f| {
+            format!(" WHERE window_start >= toDateTime({f})")
+        });
+        format!("SELECT count() FROM {}{filter}", self.final_rows)
+    }
+
+    /// Day partitions of the folded table holding rows at or after `from`.
+    pub(crate) fn unlogged_days_sql(&self, from: u32) -> String {
+        format!(
+            "SELECT DISTINCT toString(toYYYYMMDD(window_start)) AS partition FROM {} WHERE window_start >= toDateTime({from})",
+            self.final_rows
+        )
+    }
+
+    /// Rebuilds day partition `day` of the folded table with only its rows before `from`.
+    pub(crate) fn rebuild_day_sql(&self, day: &str, from: u32) -> Vec<String> {
+        let (stage, final_rows) = (&self.stage, &self.final_rows);
+        vec![
+            format!("TRUNCATE TABLE {stage}"),
+            format!(
+                "INSERT INTO {stage} SELECT * FROM {final_rows} WHERE toYYYYMMDD(window_start) = {day} AND window_start < toDateTime({from})"
+            ),
+            // An empty staging partition empties the target partition, as it should.
+            format!("ALTER TABLE {final_rows} REPLACE PARTITION {day} FROM {stage}"),
+            format!("TRUNCATE TABLE {stage}"),
+        ]
+    }
+
+    /// Folds the windows in `[from, to)` into the folded table.
+    pub(crate) fn fold_insert_sql(&self, from: Frontier, to_seconds: u32) -> String {
+        format!(
+            "INSERT INTO {} {}",
+            self.final_rows,
+            self.versions_sql(from, Some(to_seconds), None)
+        )
+    }
+
+    pub(crate) fn fold_log_sql(&self, frontier: Frontier, folded_rows: u64) -> String {
+        format!(
+            "INSERT INTO {} (frontier, first_epoch, folded_rows, folded_at) VALUES (toDateTime({}), {}, {folded_rows}, now())",
+            self.folds, frontier.seconds, frontier.first_epoch
+        )
+    }
+
+    /// Swaps in the view for `frontier`, so that a reader sees either the old view or the new
+    /// one and never no view: EXCHANGE on Atomic databases (current servers), where a
+    /// multi-table RENAME is not atomic; a two-table RENAME on Ordinary ones (18.16), where it is.
+    /// Leftovers of an interrupted swap are dropped first.
+    pub(crate) fn install_view_sql(
+        &self,
+        frontier: Frontier,
+        atomic_database: bool,
+    ) -> Vec<String> {
+        let (view, next, old) = (self.view_q(), self.next_view_q(), self.old_view_q());
+        let mut sql = vec![
+            format!("DROP TABLE IF EXISTS {old}"),
+            format!("DROP TABLE IF EXISTS {next}"),
+            self.create_view(&next, frontier),
+        ];
+        if atomic_database {
+            sql.push(format!("EXCHANGE TABLES {view} AND {next}"));
+            sql.push(format!("DROP TABLE IF EXISTS {next}"));
+        } else {
+            sql.push(format!("RENAME TABLE {view} TO {old}, {next} TO {view}"));
+            sql.push(format!("DROP TABLE IF EXISTS {old}"));
+        }
+        sql
+    }
+
+    pub(crate) fn database_engine_sql(&self) -> String {
+        format!(
+            "SELECT engine FROM system.databases WHERE name = '{}'",
+            self.database
+        )
+    }
+
+    /// Active partitions of one of the job's tables (`data` or `final_rows`).
+    pub(crate) fn partitions_sql(&self, qualified: &str) -> String {
+        let table = qualified.rsplit('.').next().unwrap_or(qualified);
+        format!(
+            "SELECT DISTINCT partition FROM system.parts WHERE database = '{}' AND table = '{table}' AND active",
+            self.database
+        )
+    }
+
+    pub(crate) fn drop_partition_sql(&self, qualified: &str, partition: &str) -> String {
+        format!("ALTER TABLE {qualified} DROP PARTITION {partition}")
+    }
+
+    /// Every row of the reader view, as a plain SELECT sees it.
+    pub fn read_view_sql(&self) -> String {
+        format!(
+            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM {}",
+            self.view_q()
+        )
+    }
+
+    /// The view's rows as of committed epoch `epoch`, for the logged `frontier`.
+    pub fn read_view_at_sql(&self, frontier: Frontier, epoch: u64) -> String {
+        format!(
+            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM \
+             (SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
+              UNION ALL {versions})",
+            final_rows = self.final_rows,
+            f = frontier.seconds,
+            versions = self.versions_sql(frontier, None, Some(epoch)),
+        )
+    }
+
+    /// The commit log, one entry per epoch, in epoch order.
+    pub fn committed_batches_sql(&self) -> String {
+        format!(
+            "SELECT epoch, any(partitions) AS ps, any(from_offsets) AS fs, any(to_offsets) AS ts FROM {} GROUP BY epoch ORDER BY epoch",
+            self.commits
+        )
+    }
+
+    /// Every statement tally issues, named, in the order of one fold step from `from` to `to`
+    /// (repair of day `day`, fold, log, install, drop of version partition `data_partition`),
+    /// with the reads that verify, reconcile and folding make. For checking the SQL on other
+    /// server versions: `tally schema --print-sql`.
+    pub fn statement_catalog(
+        &self,
+        from: Frontier,
+        to: Frontier,
+        as_of: u64,
+        day: &str,
+        data_partition: &str,
+        atomic_database: bool,
+    ) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for (i, sql) in self.create_statements().into_iter().enumerate() {
+            out.push((format!("create.{i}"), sql));
+        }
+        let reads = [
+            ("read.view", self.read_view_sql()),
+            ("read.view_at", self.read_view_at_sql(from, as_of)),
+            ("read.committed_batches", self.committed_batches_sql()),
+            (
+                "read.committed_watermark",
+                self.committed_watermark_sql(from.first_epoch),
+            ),
+            (
+                "read.first_epoch",
+                self.first_epoch_sql(to.seconds, from.first_epoch),
+            ),
+            ("read.logged_frontiers", self.logged_frontiers_sql(2)),
+            ("read.count_final", self.count_final_sql(None)),
+            ("read.unlogged_days", self.unlogged_days_sql(to.seconds)),
+            ("read.partitions", self.partitions_sql(&self.data)),
+            ("read.database_engine", self.database_engine_sql()),
+        ];
+        out.extend(reads.into_iter().map(|(n, s)| (n.to_owned(), s)));
+        for (i, sql) in self
+            .rebuild_day_sql(day, to.seconds)
+            .into_iter()
+            .enumerate()
+        {
+            out.push((format!("repair.{i}"), sql));
+        }
+        out.push(("fold.insert".into(), self.fold_insert_sql(from, to.seconds)));
+        out.push(("fold.log".into(), self.fold_log_sql(to, 0)));
+        for (i, sql) in self
+            .install_view_sql(to, atomic_database)
+            .into_iter()
+            .enumerate()
+        {
+            out.push((format!("install.{i}"), sql));
+        }
+        out.push((
+            "drop.versions".into(),
+            self.drop_partition_sql(&self.data, data_partition),
+        ));
+        out.push((
+            "drop.retained".into(),
+            self.drop_partition_sql(&self.final_rows, day),
+        ));
+        out
+    }
+
+    /// Every statement that creates the job's objects, in order, for a fresh deployment.
+    pub fn create_statements(&self) -> Vec<String> {
+        vec![
+            format!("CREATE DATABASE IF NOT EXISTS {}", self.database),
+            self.create_data(),
+            self.create_commits(),
+            self.create_final_like(&self.final_rows),
+            self.create_final_like(&self.stage),
+            self.create_folds(),
+            self.create_view(&self.view_q(), Frontier::default()),
+        ]
+    }
+}
+
+/// Windows starting before `seconds` are final and read from the folded table; batches before
+/// `first_epoch` hold no row at or after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Frontier {
+    pub seconds: u32,
+    pub first_epoch: u64,
 }
 
 fn columns_sql(columns: &[(&str, &str)]) -> String {
@@ -144,7 +455,7 @@ struct ColumnInfo {
     type_: String,
 }
 
-async fn json_rows<T: serde::de::DeserializeOwned>(
+pub(crate) async fn json_rows<T: serde::de::DeserializeOwned>(
     client: &Client,
     sql: &str,
     url: &str,
@@ -173,7 +484,7 @@ async fn json_rows<T: serde::de::DeserializeOwned>(
         .collect()
 }
 
-async fn execute(client: &Client, sql: &str, url: &str) -> Result<()> {
+pub(crate) async fn execute(client: &Client, sql: &str, url: &str) -> Result<()> {
     client
         .query(sql)
         .execute()
@@ -269,6 +580,32 @@ fn normalise(ty: &str) -> String {
     }
 }
 
+/// The newest frontier in the fold log (the zero frontier before the first fold).
+pub(crate) async fn latest_frontier(
+    client: &Client,
+    names: &TableNames,
+    url: &str,
+) -> Result<Frontier> {
+    // RowBinary, not JSON: JSON quotes 64-bit integers.
+    let rows: Vec<(u32, u64)> = client
+        .query(&names.logged_frontiers_sql(1))
+        .fetch_all()
+        .await
+        .map_err(|source| SinkError::Server {
+            url: url.to_owned(),
+            context: "reading the fold log".into(),
+            source,
+        })?;
+    Ok(rows
+        .into_iter()
+        .next()
+        .map(|(seconds, first_epoch)| Frontier {
+            seconds,
+            first_epoch,
+        })
+        .unwrap_or_default())
+}
+
 pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()> {
     execute(
         client,
@@ -276,50 +613,95 @@ pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()
         url,
     )
     .await?;
-    let objects = [
+    let short = |suffix: &str| format!("{}{suffix}", names.view);
+    let tables = [
         (
             names.data.clone(),
-            format!("{}_data", names.view),
-            "MergeTree",
+            short("_data"),
             Some(DATA_SORTING_KEY),
             DATA_COLUMNS,
             names.create_data(),
         ),
         (
             names.commits.clone(),
-            format!("{}_commits", names.view),
-            "MergeTree",
+            short("_commits"),
             Some(COMMIT_SORTING_KEY),
             COMMIT_COLUMNS,
             names.create_commits(),
         ),
         (
-            names.view_q(),
-            names.view.clone(),
-            "View",
-            None,
+            names.final_rows.clone(),
+            short("_final"),
+            Some(FINAL_SORTING_KEY),
             VIEW_COLUMNS,
-            names.create_view(),
+            names.create_final_like(&names.final_rows),
+        ),
+        (
+            names.stage.clone(),
+            short("_fold_stage"),
+            Some(FINAL_SORTING_KEY),
+            VIEW_COLUMNS,
+            names.create_final_like(&names.stage),
+        ),
+        (
+            names.folds.clone(),
+            short("_folds"),
+            Some(FOLD_SORTING_KEY),
+            FOLD_COLUMNS,
+            names.create_folds(),
         ),
     ];
     let mut problems = Vec::new();
-    for (full, name, engine, key, columns, create) in objects {
+    let mut old_layout = false;
+    for (full, name, key, columns, create) in tables {
         match inspect(client, url, &names.database, &name).await? {
             None => execute(client, &create, url).await?,
-            Some(info) => problems.extend(check(&full, &info, engine, key, columns)),
+            Some(info) => {
+                old_layout |= name == short("_data") && info.1.iter().any(|c| c.name == "epoch");
+                problems.extend(check(&full, &info, "MergeTree", key, columns));
+            }
+        }
+    }
+    if problems.is_empty() {
+        // Created last: it reads the tables, and its frontier is the fold log's newest.
+        match inspect(client, url, &names.database, &names.view).await? {
+            None => {
+                let frontier = latest_frontier(client, names, url).await?;
+                execute(client, &names.create_view(&names.view_q(), frontier), url).await?;
+            }
+            Some(info) => {
+                problems.extend(check(&names.view_q(), &info, "View", None, VIEW_COLUMNS))
+            }
         }
     }
     if problems.is_empty() {
         return Ok(());
     }
-    Err(SinkError::Schema(format!(
-        "{}. tally owns these objects and cannot write exactly once into a different shape: \
-         rename or drop them (DROP TABLE {v}; DROP TABLE {d}; DROP TABLE {c}) and tally recreates them, \
-         or point clickhouse.table at another name",
-        problems.join("; "),
+    let drop_all = format!(
+        "DROP TABLE {v}; DROP TABLE {d}; DROP TABLE {c}; DROP TABLE IF EXISTS {f}; DROP TABLE IF EXISTS {s}; DROP TABLE IF EXISTS {l}",
         v = names.view_q(),
         d = names.data,
-        c = names.commits
+        c = names.commits,
+        f = names.final_rows,
+        s = names.stage,
+        l = names.folds,
+    );
+    if old_layout {
+        return Err(SinkError::Schema(format!(
+            "{}. {} was written by an earlier tally whose rows are versioned by a per-process epoch; \
+             this version keys them by the source partition's offset so that any worker can continue a partition. \
+             The old rows cannot be re-versioned without their offsets. Either keep running the earlier tally for this table, \
+             or start over: {drop_all}; and delete the state directory, then tally recomputes everything from the topic \
+             (only if the topic still holds it), or point clickhouse.table at a new name",
+            problems.join("; "),
+            names.data
+        )));
+    }
+    Err(SinkError::Schema(format!(
+        "{}. tally owns these objects and cannot write exactly once into a different shape: \
+         rename or drop them ({drop_all}) and tally recreates them, \
+         or point clickhouse.table at another name",
+        problems.join("; "),
     )))
 }
 
@@ -342,7 +724,7 @@ mod tests {
                 sorting_key: Some("epoch".into()),
             },
             vec![ColumnInfo {
-                name: "epoch".into(),
+                name: "version".into(),
                 type_: "UInt32".into(),
             }],
         );
@@ -360,12 +742,34 @@ mod tests {
         );
         assert!(text.contains("ordered by (epoch)"), "{text}");
         assert!(
-            text.contains("tally.x_data.epoch has type UInt32, expected UInt64"),
+            text.contains("tally.x_data.version has type UInt32, expected Int64"),
             "{text}"
         );
         assert!(
             text.contains("lacks column revenue Decimal(18, 4)"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn the_view_reads_each_window_from_one_side_of_one_frontier() {
+        let names = TableNames::new("tally", "r").unwrap_or_else(|e| unreachable!("{e}"));
+        let frontier = Frontier {
+            seconds: 1_790_000_400,
+            first_epoch: 7,
+        };
+        let sql = names.create_view("tally.r__next", frontier);
+        assert!(sql.contains("FROM tally.r_final WHERE window_start < toDateTime(1790000400)"));
+        assert!(sql.contains("WHERE window_start >= toDateTime(1790000400)"));
+        assert!(sql.contains("WHERE epoch >= 7)"), "{sql}");
+        // The folded range must not read versions, nor the version range folded rows.
+        assert_eq!(sql.matches("toDateTime(1790000400)").count(), 2);
+        let swap = names.install_view_sql(frontier, true);
+        assert_eq!(swap[3], "EXCHANGE TABLES tally.r AND tally.r__next");
+        let swap = names.install_view_sql(frontier, false);
+        assert_eq!(
+            swap[3],
+            "RENAME TABLE tally.r TO tally.r__old, tally.r__next TO tally.r"
         );
     }
 

@@ -232,6 +232,16 @@ pub struct ClickHouseConfig {
     pub password: Secret,
     #[serde(default = "default_request_timeout")]
     pub request_timeout: Millis,
+    /// How often final windows are folded into one row each; "0s" turns folding off.
+    #[serde(default = "default_fold_interval")]
+    pub fold_interval: Millis,
+    /// Folded windows older than this are dropped; absent keeps everything.
+    #[serde(default)]
+    pub retention: Option<Millis>,
+}
+
+fn default_fold_interval() -> Millis {
+    Millis(60_000)
 }
 
 fn default_database() -> String {
@@ -365,6 +375,23 @@ impl Config {
                 ),
             ));
         }
+        if self.clickhouse.fold_interval.0 < 0 {
+            return Err((
+                "clickhouse.fold_interval",
+                "must not be negative (\"0s\" turns folding off)".into(),
+            ));
+        }
+        if let Some(retention) = self.clickhouse.retention
+            && retention.0 < w.size.0 + w.allowed_lateness.0
+        {
+            return Err((
+                "clickhouse.retention",
+                format!(
+                    "{retention} is shorter than window.size + window.allowed_lateness ({}): windows would be dropped before they are final",
+                    Millis(w.size.0 + w.allowed_lateness.0)
+                ),
+            ));
+        }
         if self.job.max_record_bytes == 0 {
             return Err(("job.max_record_bytes", "must be greater than zero".into()));
         }
@@ -463,6 +490,14 @@ impl Config {
             user: self.clickhouse.user.clone(),
             password: self.clickhouse.password.clone(),
             request_timeout: self.clickhouse.request_timeout.as_duration(),
+        }
+    }
+
+    pub fn fold_rules(&self) -> tally_clickhouse::FoldRules {
+        tally_clickhouse::FoldRules {
+            window_size_ms: self.window.size.0,
+            allowed_lateness_ms: self.window.allowed_lateness.0,
+            retention_ms: self.clickhouse.retention.map(|r| r.0),
         }
     }
 
@@ -579,6 +614,23 @@ password = "hunter2"
             .unwrap_err()
             .to_string();
         assert!(err.contains("sizze"), "{err}");
+    }
+
+    #[test]
+    fn folding_defaults_on_and_retention_must_outlast_lateness() {
+        let c = parse(BASE, &[]).unwrap();
+        assert_eq!(c.clickhouse.fold_interval, Millis(60_000));
+        assert_eq!(c.fold_rules().retention_ms, None);
+        let c = parse(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "30d")]).unwrap();
+        assert_eq!(c.fold_rules().retention_ms, Some(30 * 86_400_000));
+        let err = parse(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "90s")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("clickhouse.retention"), "{err}");
+        let err = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "-1s")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("clickhouse.fold_interval"), "{err}");
     }
 
     #[test]

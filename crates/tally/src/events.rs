@@ -110,3 +110,34 @@ impl EpochRecovered {
         counter!("tally_epochs_recovered_total").increment(1);
     }
 }
+
+/// A fold step ran: final windows moved to one row each, replaced versions dropped.
+pub struct Folded<'a> {
+    pub result: &'a Result<tally_clickhouse::FoldOutcome, tally_clickhouse::SinkError>,
+    pub duration: Duration,
+}
+
+impl Folded<'_> {
+    pub fn emit(&self) {
+        match self.result {
+            Ok(outcome) => {
+                tracing::info!(
+                    frontier = %tally_core::time::format_ms(i64::from(outcome.frontier.seconds) * 1000),
+                    folded_rows = outcome.folded_rows,
+                    dropped_partitions = outcome.dropped_partitions,
+                    repaired = outcome.repaired,
+                    millis = self.duration.as_millis() as u64,
+                    "fold step"
+                );
+                counter!("tally_fold_rows_total").increment(outcome.folded_rows);
+                counter!("tally_fold_steps_total").increment(1);
+                gauge!("tally_fold_frontier_seconds").set(f64::from(outcome.frontier.seconds));
+                histogram!("tally_fold_duration_seconds").record(self.duration.as_secs_f64());
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "fold step failed; retrying at the next interval");
+                counter!("tally_fold_failures_total").increment(1);
+            }
+        }
+    }
+}

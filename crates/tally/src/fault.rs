@@ -13,15 +13,21 @@ pub enum FaultPoint {
     MidClickHouseInsert,
     AfterClickHouseInsert,
     DuringRestore,
+    FoldAfterInsert,
+    FoldAfterLog,
+    FoldAfterInstall,
 }
 
 impl FaultPoint {
-    pub const ALL: [FaultPoint; 5] = [
+    pub const ALL: [FaultPoint; 8] = [
         FaultPoint::AfterPreCommit,
         FaultPoint::AfterDeadLetterCommit,
         FaultPoint::MidClickHouseInsert,
         FaultPoint::AfterClickHouseInsert,
         FaultPoint::DuringRestore,
+        FaultPoint::FoldAfterInsert,
+        FaultPoint::FoldAfterLog,
+        FaultPoint::FoldAfterInstall,
     ];
 
     pub fn name(self) -> &'static str {
@@ -31,6 +37,9 @@ impl FaultPoint {
             FaultPoint::MidClickHouseInsert => "mid_clickhouse_insert",
             FaultPoint::AfterClickHouseInsert => "after_clickhouse_insert",
             FaultPoint::DuringRestore => "during_restore",
+            FaultPoint::FoldAfterInsert => "fold_after_insert",
+            FaultPoint::FoldAfterLog => "fold_after_log",
+            FaultPoint::FoldAfterInstall => "fold_after_install",
         }
     }
 }

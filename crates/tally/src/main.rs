@@ -63,6 +63,68 @@ enum Command {
     /// Recompute counts and sums from the source topic and compare them with the sink per window
     /// and key. Exit 1 when any sink/source ratio differs from 1.
     Reconcile(ReconcileArgs),
+    /// Fold final windows now, then drop the versions they replace. The worker does this every
+    /// clickhouse.fold_interval; run this only while no worker of the job folds (stopped, or
+    /// fold_interval = "0s"): two fold steps at once would fold the same windows twice.
+    Fold {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Poll the view like a dashboard and check what it shows: no key twice, no window
+    /// vanishing, no count going down (for an input that only adds orders). Exit 1 otherwise.
+    Probe {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Time between reads.
+        #[arg(long, default_value = "200ms")]
+        interval: String,
+        /// Stop after this long (default: at SIGTERM or SIGINT).
+        #[arg(long)]
+        duration: Option<String>,
+    },
+    /// Print the ClickHouse statements tally issues, as JSON lines {"name", "sql"}.
+    Schema(SchemaArgs),
+}
+
+#[derive(clap::Args)]
+struct SchemaArgs {
+    /// Print every statement (DDL, view, fold step, reads) for the parameters below.
+    #[arg(long)]
+    print_sql: bool,
+    #[arg(long, default_value = "tally")]
+    database: String,
+    #[arg(long, default_value = "revenue_agg")]
+    table: String,
+    /// Fold frontier before the step, as SECONDS:FIRST_EPOCH.
+    #[arg(long, default_value = "0:0")]
+    from: String,
+    /// Fold frontier after the step, as SECONDS:FIRST_EPOCH.
+    #[arg(long, default_value = "0:0")]
+    to: String,
+    /// Epoch for the as-of read.
+    #[arg(long, default_value_t = 0)]
+    as_of: u64,
+    /// Day partition (YYYYMMDD) for the repair and retention statements.
+    #[arg(long, default_value = "19700101")]
+    day: String,
+    /// Version partition for the drop statement.
+    #[arg(long, default_value = "0")]
+    data_partition: String,
+    /// Statements for an Atomic database (current servers) instead of Ordinary (18.16).
+    #[arg(long)]
+    atomic: bool,
+}
+
+fn parse_frontier(text: &str, flag: &str) -> Result<tally_clickhouse::Frontier> {
+    let parsed = text
+        .split_once(':')
+        .and_then(|(s, e)| Some((s.parse().ok()?, e.parse().ok()?)));
+    let (seconds, first_epoch) =
+        parsed.with_context(|| format!("{flag} {text:?} is not SECONDS:FIRST_EPOCH"))?;
+    Ok(tally_clickhouse::Frontier {
+        seconds,
+        first_epoch,
+    })
 }
 
 #[derive(clap::Args)]
@@ -205,6 +267,79 @@ fn real_main(cli: Cli) -> Result<()> {
             ))?;
             Ok(())
         }
+        Command::Fold { config } => {
+            let cfg = Config::load(&config)?;
+            runtime()?.block_on(async {
+                let sink = tally_clickhouse::ClickHouseSink::connect(&cfg.sink_settings()).await?;
+                sink.ensure_schema().await?;
+                // The second step drops the versions the first one folded: a step only drops
+                // below a frontier installed READER_MARGIN before it.
+                for step in 0..2 {
+                    if step > 0 {
+                        tokio::time::sleep(tally_clickhouse::READER_MARGIN).await;
+                    }
+                    let outcome = sink.fold(cfg.fold_rules(), |_| {}).await?;
+                    println!(
+                        "fold: frontier {} (first epoch {}), {} rows folded, {} partitions dropped{}",
+                        tally_core::time::format_ms(i64::from(outcome.frontier.seconds) * 1000),
+                        outcome.frontier.first_epoch,
+                        outcome.folded_rows,
+                        outcome.dropped_partitions,
+                        if outcome.repaired { ", repaired an interrupted step" } else { "" }
+                    );
+                }
+                anyhow::Ok(())
+            })
+        }
+        Command::Probe {
+            config,
+            interval,
+            duration,
+        } => {
+            let cfg = Config::load(&config)?;
+            let parse = |text: &str, flag: &str| -> Result<std::time::Duration> {
+                Ok(Millis::parse(text)
+                    .map_err(anyhow::Error::msg)
+                    .with_context(|| flag.to_owned())?
+                    .as_duration())
+            };
+            let interval = parse(&interval, "--interval")?;
+            let duration = duration.map(|d| parse(&d, "--duration")).transpose()?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let report = runtime()?.block_on(async {
+                spawn_signal_handler(stop.clone());
+                prove::probe(&cfg, interval, duration, &stop).await
+            })?;
+            println!(
+                "probe-summary reads={} errors={} duplicated={} vanished={} decreased={}",
+                report.reads, report.errors, report.duplicated, report.vanished, report.decreased
+            );
+            for example in &report.examples {
+                println!("  {example}");
+            }
+            if report.violations() > 0 {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Schema(args) => {
+            if !args.print_sql {
+                anyhow::bail!("nothing to do: pass --print-sql");
+            }
+            let names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
+            let catalog = names.statement_catalog(
+                parse_frontier(&args.from, "--from")?,
+                parse_frontier(&args.to, "--to")?,
+                args.as_of,
+                &args.day,
+                &args.data_partition,
+                args.atomic,
+            );
+            for (name, sql) in catalog {
+                println!("{}", serde_json::json!({ "name": name, "sql": sql }));
+            }
+            Ok(())
+        }
         Command::Verify { config, manifest } => {
             let cfg = Config::load(&config)?;
             let ok = runtime()?.block_on(prove::verify(&cfg, &manifest))?;
@@ -336,7 +471,7 @@ fn spawn_signal_handler(shutdown: Arc<AtomicBool>) {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
         }
-        tracing::info!("shutdown requested; taking a final checkpoint");
+        tracing::info!("shutdown requested");
         shutdown.store(true, Ordering::SeqCst);
     });
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use tally_clickhouse::{Batch, ClickHouseSink, WriteOutcome, WriteStep};
+use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, WriteOutcome, WriteStep};
 use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, PartitionId, RecordDecoder, RevenueOperator,
 };
@@ -21,7 +21,7 @@ use tally_state::{EpochStatus, StateStore};
 use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
-use crate::events::{CheckpointCommitted, CommitPhases, EpochRecovered, SinkRetry};
+use crate::events::{CheckpointCommitted, CommitPhases, EpochRecovered, Folded, SinkRetry};
 use crate::fault::{FaultPlan, FaultPoint};
 
 /// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
@@ -59,6 +59,8 @@ pub struct Worker {
     kafka: KafkaSettings,
     partitions: Vec<PartitionId>,
     phases: CommitPhases,
+    /// When the next fold step is due; `None` when folding is off.
+    next_fold: Option<Instant>,
 }
 
 impl Worker {
@@ -83,6 +85,13 @@ impl Worker {
         })?;
         tracing::info!(version = sink.version(), url = %config.clickhouse.url, "connected to clickhouse");
         rt.block_on(sink.ensure_schema())?;
+        if !rt.block_on(sink.pushes_predicates_into_views())? {
+            tracing::warn!(
+                view = %sink.names().view_q(),
+                "this server does not push WHERE clauses into views (enable_optimize_predicate_expression=0): \
+                 every query on the view reads all of it; set enable_optimize_predicate_expression=1 in the readers' profile"
+            );
+        }
         let source = Source::connect(
             &kafka,
             &config.kafka.source_topic,
@@ -118,6 +127,7 @@ impl Worker {
             kafka,
             partitions,
             phases: CommitPhases::default(),
+            next_fold: None,
         })
     }
 
@@ -135,6 +145,11 @@ impl Worker {
                 self.connect_dead_letters().map_err(|e| e.to_string())
             })?;
             self.dlq = Some(producer);
+        }
+        if self.config.clickhouse.fold_interval.0 > 0 {
+            // Fold once at start: it also repairs a fold step that a crash interrupted.
+            self.next_fold = Some(Instant::now());
+            self.maybe_fold(self.store.meta().map_or(Epoch(0), |m| m.epoch));
         }
         let mut operator = self.restore_operator()?;
         self.source.assign(&operator.next_offsets())?;
@@ -157,6 +172,8 @@ impl Worker {
             }
             if idle && Instant::now() >= next_barrier {
                 next_barrier = Instant::now() + interval;
+                // Input has stopped, but the last epochs' versions still get folded and dropped.
+                self.maybe_fold(operator.current_epoch());
             }
             let stopping = self.stopping();
             let full = operator.pending_records() >= MAX_EPOCH_RECORDS
@@ -181,6 +198,7 @@ impl Worker {
                 }
                 next_barrier = Instant::now() + interval;
                 must_checkpoint = false;
+                self.maybe_fold(epoch);
                 continue;
             }
             match self.source.poll(POLL) {
@@ -204,6 +222,36 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Runs a fold step when one is due. Folding only tidies what readers read (the view's
+    /// result is the same before and after), so a failure is logged and retried next time.
+    fn maybe_fold(&mut self, epoch: Epoch) {
+        let Some(due) = self.next_fold else {
+            return;
+        };
+        if Instant::now() < due {
+            return;
+        }
+        let started = Instant::now();
+        let fault = self.fault;
+        let hook = move |step: FoldStep| {
+            let point = match step {
+                FoldStep::Inserted => FaultPoint::FoldAfterInsert,
+                FoldStep::Logged => FaultPoint::FoldAfterLog,
+                FoldStep::Installed => FaultPoint::FoldAfterInstall,
+            };
+            fault.hit(point, epoch);
+        };
+        let result = self
+            .rt
+            .block_on(self.sink.fold(self.config.fold_rules(), hook));
+        Folded {
+            result: &result,
+            duration: started.elapsed(),
+        }
+        .emit();
+        self.next_fold = Some(Instant::now() + self.config.clickhouse.fold_interval.as_duration());
     }
 
     /// Refuses to run when ClickHouse already holds later epochs than the state directory:
@@ -455,6 +503,15 @@ impl Worker {
                 .partitions
                 .iter()
                 .map(|(p, c)| (*p, c.epoch_start_offset, c.next_offset))
+                .collect(),
+            watermarks: checkpoint
+                .partitions
+                .values()
+                .map(|c| {
+                    c.watermark
+                        .current(self.config.window.out_of_orderness.0)
+                        .unwrap_or(i64::MIN)
+                })
                 .collect(),
             rows: &checkpoint.rows,
             event_count: acc.aggregated,

@@ -102,7 +102,16 @@ pub fn spec(seed: u64, partitions: i32) -> LoadSpec {
 
 /// `n` records of a seeded stream; their fate is known by construction.
 pub fn generate(seed: u64, partitions: i32, n: usize) -> Vec<GeneratedRecord> {
-    let mut generator = Generator::new(spec(seed, partitions), rules()).expect("generator");
+    generate_spaced(seed, partitions, n, spec(seed, partitions).step_ms)
+}
+
+/// Like [`generate`], with `step_ms` of event time between a partition's events.
+pub fn generate_spaced(seed: u64, partitions: i32, n: usize, step_ms: i64) -> Vec<GeneratedRecord> {
+    let spec = LoadSpec {
+        step_ms,
+        ..spec(seed, partitions)
+    };
+    let mut generator = Generator::new(spec, rules()).expect("generator");
     (0..n).map(|_| generator.next_record()).collect()
 }
 
@@ -120,11 +129,27 @@ pub async fn produce_into(topic: &str, records: &[GeneratedRecord], manifest: &m
 
 /// Produces `n` generated records and returns the ground truth.
 pub async fn produce_generated(topic: &str, partitions: i32, seed: u64, n: usize) -> Manifest {
+    produce_spaced(topic, partitions, seed, n, spec(seed, partitions).step_ms).await
+}
+
+/// Like [`produce_generated`], with `step_ms` of event time between a partition's events.
+pub async fn produce_spaced(
+    topic: &str,
+    partitions: i32,
+    seed: u64,
+    n: usize,
+    step_ms: i64,
+) -> Manifest {
     let mut manifest = Manifest {
         source_topic: topic.into(),
         ..Manifest::default()
     };
-    produce_into(topic, &generate(seed, partitions, n), &mut manifest).await;
+    produce_into(
+        topic,
+        &generate_spaced(seed, partitions, n, step_ms),
+        &mut manifest,
+    )
+    .await;
     manifest
 }
 
@@ -394,6 +419,27 @@ pub fn expected_dead_letters(manifest: &Manifest) -> Vec<(i32, i64, String)> {
 pub fn sorted(mut v: Vec<(i32, i64, String)>) -> Vec<(i32, i64, String)> {
     v.sort();
     v
+}
+
+/// Asserts that folding ran and left one row per key in the folded table.
+pub async fn assert_folded(job: &Job) {
+    let db = &job.database;
+    let t = &job.table;
+    let folds: u64 = clickhouse()
+        .query(&format!("SELECT count() FROM {db}.{t}_folds"))
+        .fetch_one()
+        .await
+        .unwrap();
+    assert!(folds > 0, "a fold step ran; log:\n{}", job.log());
+    let (rows, keys): (u64, u64) = clickhouse()
+        .query(&format!(
+            "SELECT count(), uniqExact(window_start, customer_id, currency) FROM {db}.{t}_final"
+        ))
+        .fetch_one()
+        .await
+        .unwrap();
+    assert!(rows > 0, "windows were folded");
+    assert_eq!(rows, keys, "one folded row per window and key");
 }
 
 pub fn write_file(path: &Path, text: &str) {

@@ -58,7 +58,8 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     let job = Job::new(&topic, "");
     let manifest_path = job.dir.path().join("manifest.json");
     let before = job.log().len();
-    let mut worker = job.spawn(&[]);
+    // Folding off: the corruptions below target version rows, which folding would replace.
+    let mut worker = job.spawn(&[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "0s")]);
     job.wait_until_consuming(before).await;
     // Two halves, so the commit log holds several batches.
     produce_into(&topic, &records[..2_000], &mut manifest).await;
@@ -82,9 +83,15 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
 
     let data = format!("{}.{}_data", job.database, job.table);
     let commits = format!("{}.{}_commits", job.database, job.table);
-    // Writing a committed batch again (same epoch) changes nothing: that is the sink's invariant.
+    let batch_of = |epoch: &str| {
+        format!(
+            "(source_partition, version) IN (SELECT cp, cv FROM {commits} ARRAY JOIN partitions AS cp, to_offsets AS cv WHERE epoch = {epoch})"
+        )
+    };
+    // Writing a committed batch again (same versions) changes nothing: the sink's invariant.
     ch(&format!(
-        "INSERT INTO {data} SELECT * FROM {data} WHERE epoch = (SELECT min(epoch) FROM {commits})"
+        "INSERT INTO {data} SELECT * FROM {data} WHERE {}",
+        batch_of(&format!("(SELECT min(epoch) FROM {commits})"))
     ))
     .await;
     let still = tally(&["verify", "--config", config, "--manifest", m]);
@@ -95,8 +102,12 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     );
 
     // A naive sink replaying a batch as new data double counts: both tools must say so.
-    ch(&format!("INSERT INTO {data} SELECT toUInt64(1000000), source_partition, window_start, window_end, customer_id, currency, orders * 2, revenue * 2 FROM {data} WHERE epoch = (SELECT max(epoch) FROM {commits} WHERE row_count > 0)")).await;
-    ch(&format!("INSERT INTO {commits} (batch_id, job, epoch, row_count) VALUES ('corrupt', 'it', 1000000, 1)")).await;
+    ch(&format!(
+        "INSERT INTO {data} SELECT toInt64(1000000), source_partition, window_start, window_end, customer_id, currency, orders * 2, revenue * 2 FROM {data} WHERE {}",
+        batch_of(&format!("(SELECT max(epoch) FROM {commits} WHERE row_count > 0)"))
+    ))
+    .await;
+    ch(&format!("INSERT INTO {commits} (batch_id, job, epoch, partitions, from_offsets, to_offsets, row_count) SELECT 'corrupt', 'it', 1000000, partitions, to_offsets, arrayMap(x -> toInt64(1000000), partitions), 1 FROM {commits} WHERE epoch = 1")).await;
     let bad = tally(&["verify", "--config", config, "--manifest", m]);
     assert_eq!(bad.status.code(), Some(1), "{}", text(&bad));
     assert!(text(&bad).contains("different"), "{}", text(&bad));
@@ -114,9 +125,11 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     // and is not the last (a missing last batch is indistinguishable from one not yet committed).
     let victim: u64 = clickhouse()
         .query(&format!(
-            "SELECT e FROM (SELECT max(epoch) AS e FROM {data} WHERE epoch < 1000000 \
-             GROUP BY source_partition, window_start, customer_id, currency) \
-             WHERE e < (SELECT max(epoch) FROM {commits} WHERE epoch < 1000000) GROUP BY e ORDER BY count() DESC LIMIT 1"
+            "SELECT epoch FROM {commits} ARRAY JOIN partitions AS cp, to_offsets AS cv \
+             WHERE (cp, cv) IN (SELECT source_partition, max(version) FROM {data} WHERE version < 1000000 \
+                                GROUP BY source_partition, window_start, customer_id, currency) \
+               AND epoch < (SELECT max(epoch) FROM {commits} WHERE epoch < 1000000) \
+             GROUP BY epoch ORDER BY count() DESC LIMIT 1"
         ))
         .fetch_one()
         .await
@@ -162,6 +175,10 @@ async fn a_table_with_the_wrong_engine_is_refused_with_advice() {
         "{log}"
     );
     assert!(log.contains("DROP TABLE"), "says what to do: {log}");
+    assert!(
+        log.contains("written by an earlier tally"),
+        "an epoch-versioned table is recognised as the previous layout: {log}"
+    );
 }
 
 #[test]

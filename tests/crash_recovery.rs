@@ -106,6 +106,42 @@ async fn crash_at(point: &str, extra_runs: &[&str]) {
     finish_and_check(&job, &manifest).await;
 }
 
+/// Kills the worker at a step of its first fold after epoch 1, then checks that the restart
+/// repairs the fold and the view is exact.
+async fn crash_while_folding(point: &str) {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    // One event per second and partition: 25 minutes of event time, most windows final.
+    let manifest = produce_spaced(&topic, 2, 13, 3_000, 1_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[
+        ("TALLY_FAULT", point),
+        ("TALLY_FAULT_EPOCH", "1"),
+        ("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s"),
+    ]);
+    let status =
+        wait_exit(&mut worker, Duration::from_secs(60)).expect("the fault kills the worker");
+    assert_eq!(status.signal(), Some(9), "{point}: log:\n{}", job.log());
+    assert!(job.log().contains(point), "{point} reached");
+    finish_and_check(&job, &manifest).await;
+    assert_folded(&job).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_fold_insert() {
+    crash_while_folding("fold_after_insert").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_fold_log() {
+    crash_while_folding("fold_after_log").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_fold_install() {
+    crash_while_folding("fold_after_install").await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_after_pre_commit() {
     crash_at("after_precommit", &[]).await;

@@ -1,0 +1,324 @@
+//! Folding: final windows move from the version table to one row each in the folded table.
+//!
+//! A window is final once its end + allowed lateness is at or below the committed watermark of
+//! every source partition: no later record can change it. The fold frontier `F` is the newest
+//! window start below which every window is final. One step, each part idempotent:
+//! 1. drop rows at or after the logged frontier from the folded table (leftovers of a step that
+//!    died before logging; readers never saw them, the view reads folded rows below `F` only);
+//! 2. insert the folded rows of `[F_old, F_new)`, computed by the server from committed versions;
+//! 3. log `F_new` in the fold log;
+//! 4. install the view with `F_new` as a literal (CREATE + one atomic RENAME), so each SELECT
+//!    reads folded rows below one frontier and versions from the same one: never both, never
+//!    neither;
+//! 5. drop version partitions entirely below a frontier that this process installed at least
+//!    [`READER_MARGIN`] ago (so no reader still plans a query on an older view), and folded
+//!    partitions past the retention.
+//!
+//! Only the commit log's watermarks drive it, so an uncommitted epoch never moves the frontier.
+
+use serde::Deserialize;
+
+use crate::schema::{self, DATA_PARTITION_SECONDS, Frontier};
+use crate::{ClickHouseSink, Result};
+
+/// How long a view must have been installed before the versions below its frontier are dropped:
+/// a SELECT that resolved an older view has long opened the parts it reads by then.
+pub const READER_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What folding needs of the job's window rules.
+#[derive(Debug, Clone, Copy)]
+pub struct FoldRules {
+    pub window_size_ms: i64,
+    pub allowed_lateness_ms: i64,
+    /// Folded windows older than this (before the frontier) are dropped; `None` keeps all.
+    pub retention_ms: Option<i64>,
+}
+
+/// Where a fault-injection hook may stop a fold step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FoldStep {
+    /// Folded rows are inserted; the fold log does not have the new frontier.
+    Inserted,
+    /// The new frontier is logged; the view still reads the old one.
+    Logged,
+    /// The view reads the new frontier; replaced versions are not dropped yet.
+    Installed,
+}
+
+/// What a fold step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FoldOutcome {
+    /// The frontier in force after the step.
+    pub frontier: Frontier,
+    /// Rows added to the folded table.
+    pub folded_rows: u64,
+    /// Version partitions and folded partitions dropped.
+    pub dropped_partitions: u64,
+    /// Whether leftovers of an interrupted step were removed first.
+    pub repaired: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct PartitionRow {
+    partition: String,
+}
+
+impl FoldRules {
+    /// The newest aligned window start below which every window is final for a watermark:
+    /// a window `[s, s + size)` is final when `s + size + lateness <= watermark`.
+    pub fn frontier_ms(&self, min_watermark_ms: i64) -> i64 {
+        let last_final_end = min_watermark_ms.saturating_sub(self.allowed_lateness_ms);
+        last_final_end.div_euclid(self.window_size_ms) * self.window_size_ms
+    }
+}
+
+impl ClickHouseSink {
+    /// The fold frontier most recently logged (zero before the first fold).
+    pub async fn frontier(&self) -> Result<Frontier> {
+        schema::latest_frontier(&self.client, &self.names, &self.url).await
+    }
+
+    async fn exec(&self, sql: &str) -> Result<()> {
+        schema::execute(&self.client, sql, &self.url).await
+    }
+
+    async fn fetch<T>(&self, sql: &str, context: &str) -> Result<T>
+    where
+        T: clickhouse::Row + for<'b> clickhouse::RowRead<Value<'b> = T> + 'static,
+    {
+        self.client
+            .query(sql)
+            .fetch_one::<T>()
+            .await
+            .map_err(self.err(context))
+    }
+
+    /// Records that `frontier` is installed now; returns the newest frontier installed at
+    /// least [`READER_MARGIN`] ago by this process (zero if none).
+    fn note_installed(&self, frontier: Frontier) -> Frontier {
+        let now = std::time::Instant::now();
+        let mut installed = self
+            .installed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let settled = match *installed {
+            Some((f, at)) if now.duration_since(at) >= READER_MARGIN => f,
+            _ => Frontier::default(),
+        };
+        if installed.is_none_or(|(f, _)| f != frontier) {
+            *installed = Some((frontier, now));
+        }
+        settled
+    }
+
+    /// The lowest committed watermark over the job's partitions.
+    async fn committed_watermark(&self, since_epoch: u64) -> Result<Option<i64>> {
+        let (w, n): (i64, u64) = self
+            .fetch(
+                &self.names.committed_watermark_sql(since_epoch),
+                "reading committed watermarks",
+            )
+            .await?;
+        Ok((n > 0 && w != i64::MIN).then_some(w))
+    }
+
+    /// The first epoch that may hold a row at or after `seconds`.
+    async fn first_epoch_from(&self, seconds: u32, since_epoch: u64) -> Result<u64> {
+        let (first, n, last): (u64, u64, u64) = self
+            .fetch(
+                &self.names.first_epoch_sql(seconds, since_epoch),
+                "reading the commit log",
+            )
+            .await?;
+        // With no such batch yet, only batches after the newest one can have such rows.
+        Ok(if n > 0 {
+            first
+        } else {
+            last.max(since_epoch.saturating_sub(1)) + 1
+        })
+    }
+
+    /// Removes folded rows at or after `from`: they belong to a step that did not log its
+    /// frontier, and no view reads them.
+    async fn drop_unlogged_folds(&self, from: u32) -> Result<bool> {
+        let leftovers: u64 = self
+            .fetch(
+                &self.names.count_final_sql(Some(from)),
+                "checking the folded table",
+            )
+            .await?;
+        if leftovers == 0 {
+            return Ok(false);
+        }
+        let days: Vec<PartitionRow> = schema::json_rows(
+            &self.client,
+            &self.names.unlogged_days_sql(from),
+            &self.url,
+            "listing folded partitions to repair",
+        )
+        .await?;
+        for day in days {
+            for sql in self.names.rebuild_day_sql(&day.partition, from) {
+                self.exec(&sql).await?;
+            }
+        }
+        Ok(true)
+    }
+
+    async fn install_view(&self, frontier: Frontier) -> Result<()> {
+        let engines: Vec<EngineRow> = schema::json_rows(
+            &self.client,
+            &self.names.database_engine_sql(),
+            &self.url,
+            "reading the database engine",
+        )
+        .await?;
+        let atomic = engines.first().is_some_and(|e| e.engine != "Ordinary");
+        for sql in self.names.install_view_sql(frontier, atomic) {
+            self.exec(&sql).await?;
+        }
+        Ok(())
+    }
+
+    async fn partitions_of(&self, qualified: &str) -> Result<Vec<String>> {
+        let rows: Vec<PartitionRow> = schema::json_rows(
+            &self.client,
+            &self.names.partitions_sql(qualified),
+            &self.url,
+            "listing partitions",
+        )
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| r.partition.trim_matches('\'').to_owned())
+            .collect())
+    }
+
+    /// Drops version partitions whose windows all start before `below` (seconds).
+    async fn drop_folded_versions(&self, below: u32) -> Result<u64> {
+        let mut dropped = 0;
+        for partition in self.partitions_of(&self.names.data).await? {
+            let Ok(index) = partition.parse::<i64>() else {
+                continue;
+            };
+            if (index + 1) * DATA_PARTITION_SECONDS <= i64::from(below) {
+                self.exec(&self.names.drop_partition_sql(&self.names.data, &partition))
+                    .await?;
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
+
+    /// Drops folded day partitions that end at or before `below_seconds`.
+    async fn drop_retained(&self, below_seconds: i64) -> Result<u64> {
+        let mut dropped = 0;
+        for day in self.partitions_of(&self.names.final_rows).await? {
+            if day_end_seconds(&day).is_some_and(|end| end <= below_seconds) {
+                self.exec(&self.names.drop_partition_sql(&self.names.final_rows, &day))
+                    .await?;
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
+
+    /// One fold step (see the module docs). Safe to rerun after a crash at any point.
+    pub async fn fold(&self, rules: FoldRules, fault: impl Fn(FoldStep)) -> Result<FoldOutcome> {
+        let logged = self.frontier().await?;
+        let repaired = self.drop_unlogged_folds(logged.seconds).await?;
+        let mut outcome = FoldOutcome {
+            frontier: logged,
+            repaired,
+            ..FoldOutcome::default()
+        };
+        if let Some(watermark) = self.committed_watermark(logged.first_epoch).await?
+            && let Ok(seconds) = u32::try_from(rules.frontier_ms(watermark).div_euclid(1000))
+            && seconds > logged.seconds
+        {
+            let next = Frontier {
+                seconds,
+                first_epoch: self.first_epoch_from(seconds, logged.first_epoch).await?,
+            };
+            let count = self.names.count_final_sql(None);
+            let before: u64 = self.fetch(&count, "counting folded rows").await?;
+            self.exec(&self.names.fold_insert_sql(logged, seconds))
+                .await?;
+            let after: u64 = self.fetch(&count, "counting folded rows").await?;
+            outcome.folded_rows = after.saturating_sub(before);
+            fault(FoldStep::Inserted);
+            self.exec(&self.names.fold_log_sql(next, outcome.folded_rows))
+                .await?;
+            fault(FoldStep::Logged);
+            outcome.frontier = next;
+        }
+        // Install unconditionally: the logged frontier may not be installed yet (a step that
+        // died after logging), and reinstalling the same one is harmless.
+        self.install_view(outcome.frontier).await?;
+        fault(FoldStep::Installed);
+        let settled = self.note_installed(outcome.frontier);
+        outcome.dropped_partitions = self.drop_folded_versions(settled.seconds).await?;
+        if let Some(retention) = rules.retention_ms {
+            let below = i64::from(outcome.frontier.seconds) - retention.div_euclid(1000);
+            outcome.dropped_partitions += self.drop_retained(below).await?;
+        }
+        Ok(outcome)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct EngineRow {
+    engine: String,
+}
+
+/// End (exclusive, seconds since the epoch, UTC) of a `YYYYMMDD` day.
+fn day_end_seconds(day: &str) -> Option<i64> {
+    let n: i64 = day.parse().ok()?;
+    let (y, m, d) = (n / 10_000, (n / 100) % 100, n % 100);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+        return None;
+    }
+    Some((days_from_civil(y, m, d) + 1) * 86_400)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frontier_is_the_end_of_the_last_final_window() {
+        let rules = FoldRules {
+            window_size_ms: 60_000,
+            allowed_lateness_ms: 60_000,
+            retention_ms: None,
+        };
+        // Watermark 10:03:30 with 1 min lateness: windows ending by 10:02:30 are final, i.e.
+        // every window starting before 10:02 (the one ending 10:02 is the last).
+        let wm = 10 * 3_600_000 + 3 * 60_000 + 30_000;
+        assert_eq!(rules.frontier_ms(wm), 10 * 3_600_000 + 2 * 60_000);
+        // Exactly on the boundary: end + lateness == watermark is final (same rule as `late`).
+        let wm = 10 * 3_600_000 + 3 * 60_000;
+        assert_eq!(rules.frontier_ms(wm), 10 * 3_600_000 + 2 * 60_000);
+        assert_eq!(rules.frontier_ms(wm - 1), 10 * 3_600_000 + 60_000);
+    }
+
+    #[test]
+    fn day_partitions_end_at_midnight_utc() {
+        assert_eq!(day_end_seconds("19700101"), Some(86_400));
+        assert_eq!(day_end_seconds("20261130"), Some(1_796_083_200));
+        assert_eq!(day_end_seconds("20240229"), Some(1_709_251_200));
+        assert_eq!(day_end_seconds("2026113"), None);
+        assert_eq!(day_end_seconds("x"), None);
+    }
+}

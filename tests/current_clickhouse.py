@@ -1,0 +1,235 @@
+"""The exact SQL tally issues, run on the current ClickHouse engine (chdb, in process) and on the
+local ClickHouse server (18.16), against the same sample data: every statement must be accepted by
+both and every read must answer the same. A fold step must not change what the view shows.
+
+    python tests/current_clickhouse.py path/to/tally [http://127.0.0.1:8123]
+
+Exit status 1 on any failure; the last line is `sqlcheck: N passed, N failed`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+import urllib.request
+
+T0 = 1_790_000_400  # 2026-09-21 14:20:00 UTC: a minute and a 10-minute boundary
+DAY = "20260921"
+MS = 1000
+
+
+class Server:
+    """ClickHouse over HTTP, one statement per request."""
+
+    def __init__(self, url):
+        self.url = url.rstrip("/")
+        self.name = "server"
+
+    def version(self):
+        return self.query("SELECT version()")
+
+    def query(self, sql):
+        params = urllib.parse.urlencode({"wait_end_of_query": "1", "default_format": "TSV"})
+        request = urllib.request.Request(f"{self.url}/?{params}", data=sql.encode(), method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.read().decode()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(e.read().decode()) from None
+
+
+class Embedded:
+    """The current engine in process (chdb), with its own data directory."""
+
+    def __init__(self, path):
+        from chdb import session
+
+        self.session = session.Session(path)
+        self.name = "chdb"
+
+    def version(self):
+        return self.query("SELECT version()")
+
+    def query(self, sql):
+        result = self.session.query(sql, "TSV")
+        error = getattr(result, "error_message", None)
+        if callable(error):
+            error = error()
+        if error:
+            raise RuntimeError(error)
+        return result.bytes().decode() if hasattr(result, "bytes") else str(result)
+
+
+def catalog(tally, database, atomic):
+    args = [
+        tally, "schema", "--print-sql", "--database", database, "--table", "revenue_agg",
+        "--from", "0:0", "--to", f"{T0 + 600}:3", "--as-of", "2",
+        "--day", DAY, "--data-partition", str(T0 // 600),
+    ]
+    if atomic:
+        args.append("--atomic")
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def sample_data(db):
+    """Three committed batches over two partitions, one batch written twice, one never committed."""
+    t = f"{db}.revenue_agg"
+    rows = {
+        # (version, partition, window start, customer, currency, orders, revenue)
+        1: [(10, 0, T0, "c1", "EUR", 3, "30.5"), (10, 0, T0 + 60, "c2", "USD", 1, "9.99"),
+            (8, 1, T0, "c1", "EUR", 2, "1.25")],
+        2: [(20, 0, T0, "c1", "EUR", 5, "50.5"), (20, 0, T0 + 120, "c1", "EUR", 1, "1")],
+        3: [(15, 1, T0 + 60, "c2", "USD", 4, "4.4"), (15, 1, T0 + 600, "c3", "GBP", 1, "2")],
+    }
+    commits = {
+        # epoch: (to_offsets, watermarks, max window start)
+        1: ([10, 8], [(T0 + 30) * MS, (T0 + 20) * MS], T0 + 60),
+        2: ([20, 8], [(T0 + 900) * MS, (T0 + 20) * MS], T0 + 120),
+        3: ([20, 15], [(T0 + 900) * MS, (T0 + 800) * MS], T0 + 600),
+    }
+
+    def data_insert(batch):
+        values = ", ".join(
+            f"({v}, {p}, toDateTime({w}), toDateTime({w + 60}), '{c}', '{cur}', {o}, {r})"
+            for v, p, w, c, cur, o, r in batch
+        )
+        return f"INSERT INTO {t}_data VALUES {values}"
+
+    statements = [data_insert(rows[e]) for e in (1, 2, 3)]
+    statements.append(data_insert(rows[2]))  # a retried write of a committed batch
+    statements.append(data_insert([(30, 0, T0, "c1", "EUR", 100, "100")]))  # never committed
+    previous = {0: 0, 1: 0}
+    for epoch, (to, wms, max_ws) in commits.items():
+        frm = [previous[0], previous[1]]
+        statements.append(
+            f"INSERT INTO {t}_commits (batch_id, job, epoch, partitions, from_offsets, to_offsets, watermarks, "
+            f"max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at) VALUES "
+            f"('it/orders[0,1]/{epoch}', 'it', {epoch}, [0, 1], {frm}, {to}, {wms}, toDateTime({max_ws}), "
+            f"{len(rows[epoch])}, 0, 0, 0, toDateTime({T0}))"
+        )
+        previous = {0: to[0], 1: to[1]}
+    return statements
+
+
+EXPECTED_VIEW = [
+    f"{T0}\tc1\tEUR\t7\t51.75",
+    f"{T0 + 60}\tc2\tUSD\t5\t14.39",
+    f"{T0 + 120}\tc1\tEUR\t1\t1",
+    f"{T0 + 600}\tc3\tGBP\t1\t2",
+]
+
+
+def normal(tsv):
+    """Sorted lines, decimals without trailing zeros (servers print Decimal scale differently)."""
+
+    def number(field):
+        if "." in field and field.replace(".", "", 1).lstrip("-").isdigit():
+            field = field.rstrip("0").rstrip(".")
+        return field
+
+    return sorted("\t".join(number(f) for f in line.split("\t")) for line in tsv.splitlines() if line)
+
+
+class Check:
+    def __init__(self):
+        self.passed = 0
+        self.failed = 0
+
+    def that(self, ok, what):
+        if ok:
+            self.passed += 1
+        else:
+            self.failed += 1
+            print(f"FAIL: {what}")
+
+
+def scenario(engine, database, check):
+    """Runs the scenario on one engine; returns {step name: normalised answer}."""
+    statements = catalog(TALLY, database, atomic=engine.name == "chdb")
+    by_name = {s["name"]: s["sql"] for s in statements}
+    answers = {}
+
+    def run(name, sql):
+        try:
+            out = engine.query(sql)
+            check.that(True, name)
+            return out
+        except RuntimeError as e:
+            check.that(False, f"{engine.name} rejected {name}: {str(e)[:400]}\n  {sql[:400]}")
+            return ""
+
+    engine.query(f"DROP DATABASE IF EXISTS {database}")
+    for s in statements:
+        if s["name"].startswith("create."):
+            run(s["name"], s["sql"])
+    for i, sql in enumerate(sample_data(database)):
+        run(f"sample.{i}", sql)
+    # Every read before the fold.
+    for s in statements:
+        if s["name"].startswith("read."):
+            answers["before." + s["name"]] = normal(run(s["name"], s["sql"]))
+    check.that(answers["before.read.view"] == normal("\n".join(EXPECTED_VIEW)),
+               f"{engine.name}: view before folding: {answers['before.read.view']}")
+    # The fold step: fold, log, install, drop the folded versions.
+    for s in statements:
+        if s["name"].split(".")[0] in ("fold", "install") or s["name"] == "drop.versions":
+            run(s["name"], s["sql"])
+    view_after = normal(run("read.view", by_name["read.view"]))
+    answers["after.read.view"] = view_after
+    check.that(view_after == answers["before.read.view"],
+               f"{engine.name}: folding changed the view: {view_after}")
+    answers["after.read.count_final"] = normal(run("read.count_final", by_name["read.count_final"]))
+    check.that(answers["after.read.count_final"] == ["3"],
+               f"{engine.name}: three windows folded: {answers['after.read.count_final']}")
+    answers["after.read.logged_frontiers"] = normal(run("read.logged_frontiers", by_name["read.logged_frontiers"]))
+    # A step that died after inserting folded rows: the repair removes rows at or after the frontier.
+    run("leftover", f"INSERT INTO {database}.revenue_agg_final VALUES "
+                    f"(toDateTime({T0 + 600}), toDateTime({T0 + 660}), 'c3', 'GBP', 9, 9)")
+    for s in statements:
+        if s["name"].startswith("repair."):
+            run(s["name"], s["sql"])
+    answers["repaired.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["repaired.read.view"] == view_after,
+               f"{engine.name}: repair changed the view: {answers['repaired.read.view']}")
+    answers["repaired.read.count_final"] = normal(run("read.count_final", by_name["read.count_final"]))
+    check.that(answers["repaired.read.count_final"] == ["3"],
+               f"{engine.name}: repair left {answers['repaired.read.count_final']} folded rows")
+    # Retention drops the folded day; the unfolded window stays.
+    run("drop.retained", by_name["drop.retained"])
+    answers["retained.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["retained.read.view"] == normal(EXPECTED_VIEW[3]),
+               f"{engine.name}: after retention: {answers['retained.read.view']}")
+    engine.query(f"DROP DATABASE IF EXISTS {database}")
+    return answers
+
+
+def main():
+    global TALLY
+    TALLY = sys.argv[1]
+    url = sys.argv[2] if len(sys.argv) > 2 else "http://127.0.0.1:8123"
+    check = Check()
+    database = f"tally_sqlcheck_{os.getpid()}"
+    with tempfile.TemporaryDirectory() as path:
+        engines = [Embedded(path), Server(url)]
+        results = {}
+        for engine in engines:
+            version = engine.version().strip()
+            print(f"{engine.name}: ClickHouse {version}")
+            results[engine.name] = scenario(engine, database, check)
+    # Engine-specific reads: the database engine, and part names.
+    skip = ("read.database_engine", "read.partitions")
+    current, old = results["chdb"], results["server"]
+    for key in sorted(current):
+        if key.endswith(skip):
+            continue
+        check.that(current[key] == old.get(key),
+                   f"{key} differs: chdb {current[key]} vs 18.16 {old.get(key)}")
+    print(f"sqlcheck: {check.passed} passed, {check.failed} failed")
+    sys.exit(1 if check.failed else 0)
+
+
+if __name__ == "__main__":
+    main()
