@@ -68,6 +68,8 @@ read_bench() {
   TALLY_CLICKHOUSE__FOLD_INTERVAL=60s "$bin" fold --config "$config" >&2
   echo "== after folding"
   cargo bench --profile dev --locked -p tally --bench read -- --database "$run" --runs 30
+  echo "== after folding, on the current engine (a copy of the same tables in chdb)"
+  "$HOME/.cache/tally/py/bin/python" benches/read_current.py "$bin" "$run"
   "$bin" reconcile --config "$config" | tail -3
 }
 if [ "$mode" = read ]; then read_bench; exit 0; fi

@@ -7,9 +7,9 @@
 //!    died before logging; readers never saw them, the view reads folded rows below `F` only);
 //! 2. insert the folded rows of `[F_old, F_new)`, computed by the server from committed versions;
 //! 3. log `F_new` in the fold log;
-//! 4. install the view with `F_new` as a literal (CREATE + one atomic RENAME), so each SELECT
-//!    reads folded rows below one frontier and versions from the same one: never both, never
-//!    neither;
+//! 4. install the view with `F_new` as a literal (created under a temporary name, then swapped
+//!    in atomically), so each SELECT reads folded rows below one frontier and versions from the
+//!    same one: never both, never neither;
 //! 5. drop version partitions entirely below a frontier that this process installed at least
 //!    [`READER_MARGIN`] ago (so no reader still plans a query on an older view), and folded
 //!    partitions past the retention.

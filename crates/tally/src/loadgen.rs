@@ -26,7 +26,9 @@ pub struct LoadSpec {
     pub duplicate_fraction: f64,
     pub poison_fraction: f64,
     pub late_fraction: f64,
-    /// Event-time start (ms since epoch) and spacing between consecutive events of a partition.
+    /// Event-time start (ms since epoch) and spacing between consecutive events of a partition,
+    /// on average: event time advances by `step_ms / partitions` per record, in every partition
+    /// alike (as real time does), however unevenly records fall on partitions.
     pub start_ms: i64,
     pub step_ms: i64,
     /// Records larger than this are generated for the `too_large` reason.
@@ -66,6 +68,8 @@ pub struct Generator {
     clocks: Vec<PartitionClock>,
     next_id: u64,
     poison_turn: usize,
+    /// Records generated so far: the stream's clock.
+    emitted: i64,
 }
 
 /// Every reason a record can be poison for on its own (`late` depends on the stream).
@@ -99,6 +103,7 @@ impl Generator {
             clocks,
             next_id: 0,
             poison_turn: 0,
+            emitted: 0,
         })
     }
 
@@ -118,8 +123,11 @@ impl Generator {
         let poison_cut = dup_cut + self.spec.poison_fraction;
         let late_cut = poison_cut + self.spec.late_fraction;
         let rules = self.rules;
+        self.emitted += 1;
+        let now = self.spec.start_ms
+            + self.emitted.saturating_mul(self.spec.step_ms) / i64::from(self.spec.partitions);
         let clock = &mut self.clocks[p];
-        clock.now += self.spec.step_ms;
+        clock.now = clock.now.max(now);
         if r < dup_cut
             && let Some((t, key, value)) = clock
                 .recent
