@@ -346,8 +346,13 @@ impl Config {
         }
         if w.size.0 % 1000 != 0 || w.allowed_lateness.0 % 1000 != 0 {
             return Err((
-                if w.size.0 % 1000 != 0 { "window.size" } else { "window.allowed_lateness" },
-                "must be a whole number of seconds (ClickHouse DateTime has second resolution)".into(),
+                if w.size.0 % 1000 != 0 {
+                    "window.size"
+                } else {
+                    "window.allowed_lateness"
+                },
+                "must be a whole number of seconds (ClickHouse DateTime has second resolution)"
+                    .into(),
             ));
         }
         if w.dedup_horizon.0 < w.size.0 + w.allowed_lateness.0 {
