@@ -36,7 +36,7 @@ pub async fn create_topic(topic: &str, partitions: i32) {
         brokers: BROKERS.into(),
         client: BTreeMap::new(),
     };
-    tally_kafka::ensure_topic(&settings, topic, partitions, 1, &[])
+    tally_kafka::ensure_topic(&settings, topic, partitions, None, &[])
         .await
         .expect("create topic");
 }

@@ -27,6 +27,9 @@ pub enum Error {
     Kafka { context: String, source: KafkaError },
     #[error("kafka: {0}")]
     Other(String),
+    /// A request the cluster refuses whatever the retries: a configuration to fix.
+    #[error("kafka: {0}")]
+    Refused(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -63,18 +66,26 @@ impl KafkaSettings {
 }
 
 /// Creates `topic` unless it exists. Existing topics are left as they are.
+/// Creates `topic` unless it exists; `Ok(true)` when this call created it. `replication: None`
+/// takes the broker's `default.replication.factor`, so that tally's own topics are as durable
+/// as the cluster is set up to make topics.
 pub async fn ensure_topic(
     settings: &KafkaSettings,
     topic: &str,
     partitions: i32,
-    replication: i32,
+    replication: Option<i32>,
     configs: &[(&str, &str)],
 ) -> Result<bool> {
     let admin: AdminClient<DefaultClientContext> = settings
         .client_config()
         .create()
         .map_err(kafka("creating admin client"))?;
-    let mut new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(replication));
+    // -1: the broker's default (Kafka >= 2.4).
+    let mut new_topic = NewTopic::new(
+        topic,
+        partitions,
+        TopicReplication::Fixed(replication.unwrap_or(-1)),
+    );
     for (k, v) in configs {
         new_topic = new_topic.set(k, v);
     }
@@ -86,6 +97,11 @@ pub async fn ensure_topic(
     match results.into_iter().next() {
         Some(Ok(_)) => Ok(true),
         Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
+        Some(Err((name, code @ RDKafkaErrorCode::InvalidReplicationFactor))) => {
+            Err(Error::Refused(format!(
+                "creating topic {name}: {code}: the cluster has fewer brokers than the replication factor asked for (kafka.topic_replication_factor)"
+            )))
+        }
         Some(Err((name, code))) => Err(Error::Kafka {
             context: format!("creating topic {name}"),
             source: KafkaError::AdminOp(code),

@@ -153,6 +153,10 @@ pub struct KafkaConfig {
     /// Default: `tally-<job name>`. One per job: it fences a second worker of the same job.
     #[serde(default)]
     pub transactional_id: Option<String>,
+    /// Replication factor of the topics tally creates (the dead-letter topic). Default: the
+    /// broker's `default.replication.factor`.
+    #[serde(default)]
+    pub topic_replication_factor: Option<i32>,
     /// librdkafka properties passed through to every client (TLS, SASL, tuning).
     #[serde(default)]
     pub client: BTreeMap<String, String>,
@@ -415,6 +419,12 @@ impl Config {
             if value.trim().is_empty() {
                 return Err((key, "must not be empty".into()));
             }
+        }
+        if self.kafka.topic_replication_factor.is_some_and(|r| r < 1) {
+            return Err((
+                "kafka.topic_replication_factor",
+                "must be at least 1 (leave it out for the broker's default)".into(),
+            ));
         }
         if self.dlq_topic() == self.kafka.source_topic {
             return Err((

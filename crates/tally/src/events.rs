@@ -141,3 +141,89 @@ impl Folded<'_> {
         }
     }
 }
+
+/// Records on the broker that tally has not consumed yet, per partition.
+pub struct LagMeasured {
+    pub partition: tally_core::PartitionId,
+    pub lag: i64,
+}
+
+impl LagMeasured {
+    pub fn emit(&self) {
+        gauge!("tally_partition_lag_records", "partition" => self.partition.to_string())
+            .set(self.lag as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    /// Metric names the code exports, read from its own source.
+    fn exported() -> BTreeSet<String> {
+        let sources = [
+            include_str!("events.rs"),
+            include_str!("main.rs"),
+            include_str!("worker.rs"),
+        ];
+        let mut names = BTreeSet::new();
+        for source in sources {
+            for macro_name in ["counter!(\"", "gauge!(\"", "histogram!(\""] {
+                for piece in source.split(macro_name).skip(1) {
+                    if let Some(name) = piece.split('"').next()
+                        && name.starts_with("tally_")
+                    {
+                        names.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+        names
+    }
+
+    fn referenced(text: &str) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        for (i, _) in text.match_indices("tally_") {
+            let name: String = text[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            // Prometheus suffixes of histograms and summaries.
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(&name);
+            names.insert(base.to_owned());
+        }
+        names
+    }
+
+    #[test]
+    fn deploy_files_reference_only_exported_metrics() {
+        let exported = exported();
+        assert!(
+            exported.contains("tally_records_consumed_total"),
+            "{exported:?}"
+        );
+        let dashboard = include_str!("../../../deploy/grafana-dashboard.json");
+        let parsed: serde_json::Value =
+            serde_json::from_str(dashboard).expect("the dashboard is JSON");
+        assert!(parsed["panels"].as_array().is_some_and(|p| p.len() >= 8));
+        let alerts = include_str!("../../../deploy/alerts.yml");
+        assert!(alerts.contains("groups:") && alerts.matches("- alert:").count() >= 5);
+        for (file, text) in [
+            ("grafana-dashboard.json", dashboard),
+            ("alerts.yml", alerts),
+        ] {
+            let used = referenced(text);
+            assert!(used.len() >= 5, "{file} references metrics");
+            let unknown: Vec<_> = used.difference(&exported).collect();
+            assert!(
+                unknown.is_empty(),
+                "{file} references metrics tally does not export: {unknown:?}"
+            );
+        }
+        // Names that are not tally's own (the dashboard's datasource uid) are not metrics.
+        assert!(referenced("tally_x_bucket").contains("tally_x"));
+    }
+}

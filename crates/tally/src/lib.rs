@@ -3,6 +3,7 @@
 pub mod config;
 pub mod events;
 pub mod fault;
+pub mod health;
 pub mod loadgen;
 pub mod prove;
 pub mod worker;

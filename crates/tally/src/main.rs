@@ -378,7 +378,9 @@ fn real_main(cli: Cli) -> Result<()> {
                         .context("--every")?
                         .as_duration();
                     rt.block_on(async {
-                        install_metrics(&cfg.metrics.address)?;
+                        let readiness = Arc::new(tally::health::Readiness::default());
+                        readiness.set_restored();
+                        tally::health::serve(&cfg.metrics.address, readiness).await?;
                         loop {
                             match prove::reconcile(&cfg, &filter, true).await {
                                 Ok(r) => {
@@ -412,12 +414,13 @@ fn real_main(cli: Cli) -> Result<()> {
                 .context("starting the async runtime")?;
             let shutdown = Arc::new(AtomicBool::new(false));
             rt.block_on(async {
-                install_metrics(&cfg.metrics.address)?;
+                let readiness = Arc::new(tally::health::Readiness::default());
+                tally::health::serve(&cfg.metrics.address, readiness.clone()).await?;
                 spawn_signal_handler(shutdown.clone());
                 let handle = tokio::runtime::Handle::current();
                 let flag = shutdown.clone();
                 let result = tokio::task::spawn_blocking(move || {
-                    worker::Worker::start(cfg, handle, flag)?.run()
+                    worker::Worker::start(cfg, handle, flag, readiness)?.run()
                 })
                 .await
                 .context("worker thread")?;
@@ -440,21 +443,6 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
-}
-
-fn install_metrics(address: &str) -> Result<()> {
-    if address.is_empty() {
-        return Ok(());
-    }
-    let addr: std::net::SocketAddr = address
-        .parse()
-        .with_context(|| format!("metrics.address {address:?}"))?;
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .with_context(|| format!("starting the metrics endpoint on {addr}"))?;
-    tracing::info!(%addr, "metrics at http://{addr}/metrics");
-    Ok(())
 }
 
 fn spawn_signal_handler(shutdown: Arc<AtomicBool>) {

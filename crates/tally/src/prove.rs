@@ -29,7 +29,7 @@ pub struct LoadOptions {
 pub async fn loadgen(config: &Config, opts: LoadOptions) -> Result<Manifest> {
     let settings = config.kafka_settings();
     let topic = &config.kafka.source_topic;
-    if tally_kafka::ensure_topic(&settings, topic, opts.partitions, 1, &[]).await? {
+    if tally_kafka::ensure_topic(&settings, topic, opts.partitions, None, &[]).await? {
         eprintln!("created topic {topic} with {} partitions", opts.partitions);
     }
     let extent = tally_kafka::topic_extent(&settings, topic)?;

@@ -21,8 +21,11 @@ use tally_state::{EpochStatus, StateStore};
 use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
-use crate::events::{CheckpointCommitted, CommitPhases, EpochRecovered, Folded, SinkRetry};
+use crate::events::{
+    CheckpointCommitted, CommitPhases, EpochRecovered, Folded, LagMeasured, SinkRetry,
+};
 use crate::fault::{FaultPlan, FaultPoint};
+use crate::health::Readiness;
 
 /// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
 /// ends, bounding the memory an epoch holds (changed windows, dead letters).
@@ -61,11 +64,19 @@ pub struct Worker {
     phases: CommitPhases,
     /// When the next fold step is due; `None` when folding is off.
     next_fold: Option<Instant>,
+    /// When consumer lag was last measured.
+    last_lag: Option<Instant>,
+    readiness: Arc<Readiness>,
 }
 
 impl Worker {
     /// Opens state, connects to both services (waiting for them), validates the sink schema.
-    pub fn start(config: Config, rt: Handle, shutdown: Arc<AtomicBool>) -> Result<Worker> {
+    pub fn start(
+        config: Config,
+        rt: Handle,
+        shutdown: Arc<AtomicBool>,
+        readiness: Arc<Readiness>,
+    ) -> Result<Worker> {
         let fault = FaultPlan::from_env().map_err(|e| anyhow!(e))?;
         if fault.is_armed() {
             tracing::warn!("fault injection is armed (TALLY_FAULT)");
@@ -102,15 +113,19 @@ impl Worker {
         })?;
         let dlq_topic = config.dlq_topic();
         let created = wait_for("kafka", &shutdown, || {
-            rt.block_on(tally_kafka::ensure_topic(
+            match rt.block_on(tally_kafka::ensure_topic(
                 &kafka,
                 &dlq_topic,
                 partitions.len() as i32,
-                1,
+                config.kafka.topic_replication_factor,
                 &[("max.message.bytes", "16777216")],
-            ))
-            .map_err(|e| e.to_string())
-        })?;
+            )) {
+                Ok(created) => Ok(Ok(created)),
+                // Retrying cannot help: stop and say what to change.
+                Err(e @ tally_kafka::Error::Refused(_)) => Ok(Err(e)),
+                Err(e) => Err(e.to_string()),
+            }
+        })??;
         if created {
             tracing::info!(topic = %dlq_topic, "created dead-letter topic");
         }
@@ -128,6 +143,8 @@ impl Worker {
             partitions,
             phases: CommitPhases::default(),
             next_fold: None,
+            last_lag: None,
+            readiness,
         })
     }
 
@@ -153,6 +170,7 @@ impl Worker {
         }
         let mut operator = self.restore_operator()?;
         self.source.assign(&operator.next_offsets())?;
+        self.readiness.set_restored();
         let interval = self.config.job.checkpoint_interval.as_duration();
         let mut next_barrier = Instant::now() + interval;
         let mut consume_errors = 0u64;
@@ -199,6 +217,7 @@ impl Worker {
                 next_barrier = Instant::now() + interval;
                 must_checkpoint = false;
                 self.maybe_fold(epoch);
+                self.maybe_report_lag(&operator.next_offsets());
                 continue;
             }
             match self.source.poll(POLL) {
@@ -252,6 +271,30 @@ impl Worker {
         }
         .emit();
         self.next_fold = Some(Instant::now() + self.config.clickhouse.fold_interval.as_duration());
+    }
+
+    /// Exports the records each partition has on the broker beyond what tally consumed, at
+    /// most every 10 s (it asks the broker).
+    fn maybe_report_lag(&mut self, next_offsets: &BTreeMap<PartitionId, i64>) {
+        if self
+            .last_lag
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
+        {
+            return;
+        }
+        self.last_lag = Some(Instant::now());
+        for (&partition, &next) in next_offsets {
+            match self.source.watermarks(partition) {
+                Ok((_, high)) => LagMeasured {
+                    partition,
+                    lag: (high - next).max(0),
+                }
+                .emit(),
+                Err(e) => {
+                    tracing::debug!(partition, error = %e, "could not read the high watermark")
+                }
+            }
+        }
     }
 
     /// Refuses to run when ClickHouse already holds later epochs than the state directory:
@@ -432,9 +475,11 @@ impl Worker {
                     step = next;
                     attempt = 0;
                     backoff = Duration::from_millis(100);
+                    self.readiness.set_sinks_failing(false);
                 }
                 Err((sink, error)) => {
                     attempt += 1;
+                    self.readiness.set_sinks_failing(true);
                     SinkRetry {
                         sink,
                         epoch,

@@ -1,0 +1,137 @@
+//! The metrics address serves `/metrics` (Prometheus), `/health` (the process is alive) and
+//! `/ready` (restored from its checkpoint, any pre-committed epoch completed, sinks reachable).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Context, Result};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// What `/ready` reports; the worker sets it.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    restored: AtomicBool,
+    sinks_failing: AtomicBool,
+}
+
+impl Readiness {
+    pub fn set_restored(&self) {
+        self.restored.store(true, Ordering::SeqCst);
+    }
+
+    pub fn set_sinks_failing(&self, failing: bool) {
+        self.sinks_failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// `Ok` when ready, else why not.
+    pub fn check(&self) -> Result<(), &'static str> {
+        if !self.restored.load(Ordering::SeqCst) {
+            return Err(
+                "restoring: the checkpoint is not restored or a pre-committed epoch is not completed yet",
+            );
+        }
+        if self.sinks_failing.load(Ordering::SeqCst) {
+            return Err("a sink is failing: commits are being retried");
+        }
+        Ok(())
+    }
+}
+
+fn response(status: &str, content_type: &str, body: &str) -> String {
+    format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// The answer to one request line, e.g. `GET /ready HTTP/1.1`.
+pub fn route(
+    request_line: &str,
+    readiness: &Readiness,
+    metrics: impl FnOnce() -> String,
+) -> String {
+    let path = request_line.split_whitespace().nth(1).unwrap_or("");
+    let path = path.split('?').next().unwrap_or("");
+    match path {
+        "/metrics" => response("200 OK", "text/plain; version=0.0.4", &metrics()),
+        "/health" => response("200 OK", "text/plain", "ok\n"),
+        "/ready" => match readiness.check() {
+            Ok(()) => response("200 OK", "text/plain", "ready\n"),
+            Err(why) => response("503 Service Unavailable", "text/plain", &format!("{why}\n")),
+        },
+        _ => response(
+            "404 Not Found",
+            "text/plain",
+            "try /metrics, /health or /ready\n",
+        ),
+    }
+}
+
+/// Installs the Prometheus recorder and serves the three paths on `address` (empty: none).
+pub async fn serve(address: &str, readiness: Arc<Readiness>) -> Result<()> {
+    if address.is_empty() {
+        return Ok(());
+    }
+    let addr: std::net::SocketAddr = address
+        .parse()
+        .with_context(|| format!("metrics.address {address:?}"))?;
+    let handle: PrometheusHandle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("listening on metrics.address {addr}"))?;
+    tracing::info!(%addr, "metrics at http://{addr}/metrics, health at /health and /ready");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let handle = handle.clone();
+            let readiness = readiness.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    stream.read(&mut buf),
+                )
+                .await
+                {
+                    Ok(Ok(n)) => n,
+                    _ => return,
+                };
+                let text = String::from_utf8_lossy(&buf[..n]);
+                let line = text.lines().next().unwrap_or("");
+                let answer = route(line, &readiness, || handle.render());
+                let _ = stream.write_all(answer.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_once_restored_and_while_sinks_work() {
+        let r = Readiness::default();
+        assert!(route("GET /health HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 200"));
+        let not_yet = route("GET /ready HTTP/1.1", &r, String::new);
+        assert!(not_yet.starts_with("HTTP/1.1 503"), "{not_yet}");
+        assert!(not_yet.contains("restoring"));
+        r.set_restored();
+        assert!(route("GET /ready HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 200"));
+        r.set_sinks_failing(true);
+        let failing = route("GET /ready HTTP/1.1", &r, String::new);
+        assert!(failing.contains("a sink is failing"), "{failing}");
+        r.set_sinks_failing(false);
+        assert!(route("GET /ready?x=1 HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 200"));
+        let m = route("GET /metrics HTTP/1.1", &r, || "tally_epoch 3\n".into());
+        assert!(m.ends_with("tally_epoch 3\n") && m.contains("Content-Length: 14"));
+        assert!(route("GET /nope HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 404"));
+    }
+}
