@@ -46,7 +46,10 @@ async fn health_ready_and_metrics_are_served() {
     assert!(get(&addr, "/health").unwrap().starts_with("HTTP/1.1 200"));
     wait_for_view(&job, &manifest, Duration::from_secs(60)).await;
     let metrics = get(&addr, "/metrics").unwrap();
-    assert!(metrics.contains("tally_records_consumed_total"), "{metrics}");
+    assert!(
+        metrics.contains("tally_records_consumed_total"),
+        "{metrics}"
+    );
     assert!(metrics.contains("tally_partition_lag_records"), "{metrics}");
     sigterm(&worker);
     assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
