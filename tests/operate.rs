@@ -45,7 +45,16 @@ async fn health_ready_and_metrics_are_served() {
     assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     assert!(get(&addr, "/health").unwrap().starts_with("HTTP/1.1 200"));
     wait_for_view(&job, &manifest, Duration::from_secs(60)).await;
-    let metrics = get(&addr, "/metrics").unwrap();
+    // Lag is measured right after a checkpoint's commit and fold step: poll for it.
+    let until = Instant::now() + Duration::from_secs(30);
+    let mut metrics = String::new();
+    while Instant::now() < until {
+        metrics = get(&addr, "/metrics").unwrap_or_default();
+        if metrics.contains("tally_partition_lag_records") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert!(
         metrics.contains("tally_records_consumed_total"),
         "{metrics}"

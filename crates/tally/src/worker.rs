@@ -192,6 +192,7 @@ impl Worker {
                 next_barrier = Instant::now() + interval;
                 // Input has stopped, but the last epochs' versions still get folded and dropped.
                 self.maybe_fold(operator.current_epoch());
+                self.maybe_report_lag(&operator.next_offsets());
             }
             let stopping = self.stopping();
             let full = operator.pending_records() >= MAX_EPOCH_RECORDS
