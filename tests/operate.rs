@@ -12,7 +12,9 @@ use common::*;
 fn get(addr: &str, path: &str) -> Option<String> {
     let mut stream = std::net::TcpStream::connect(addr).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n").ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: tally\r\n\r\n").as_bytes())
+        .ok()?;
     let mut answer = String::new();
     stream.read_to_string(&mut answer).ok()?;
     Some(answer)
@@ -75,4 +77,135 @@ async fn a_replication_factor_the_cluster_cannot_give_stops_the_start() {
     assert!(!status.success());
     let log = job.log();
     assert!(log.contains("kafka.topic_replication_factor"), "{log}");
+}
+
+fn doctor(job: &Job) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["doctor", "--config", job.config.to_str().unwrap()])
+        // The generated stream's event time lies months back.
+        .args(["--since", "3650d"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The status word on the row of `hop`.
+fn status_of(report: &str, hop: &str) -> String {
+    report
+        .lines()
+        .find(|l| l.contains(hop))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or("missing")
+        .to_owned()
+}
+
+/// Deletes the records before `offset` in partition 0 of `topic`, as retention would.
+async fn delete_records_before(topic: &str, offset: i64) {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .create()
+        .unwrap();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, rdkafka::Offset::Offset(offset))
+        .unwrap();
+    admin
+        .delete_records(&tpl, &AdminOptions::new())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
+    let topic = unique("orders");
+    create_topic(&topic, 1).await;
+    let records = generate(23, 1, 2_000);
+    let mut manifest = tally::loadgen::Manifest::default();
+    let job = Job::new(&topic, "");
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    // Three parts, so that the commit log holds a batch in the middle.
+    for part in records.chunks(700) {
+        produce_into(&topic, part, &mut manifest).await;
+        wait_for_view(&job, &manifest, Duration::from_secs(60)).await;
+    }
+    sigterm(&worker);
+    assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
+
+    let (ok, report) = doctor(&job);
+    assert!(ok, "{report}");
+    for hop in [
+        "Accepted → Persisted",
+        "Persisted → Processed",
+        "Processed → Written",
+        "Queryable → Reported",
+    ] {
+        assert_eq!(status_of(&report, hop), "PASS", "{hop}: {report}");
+    }
+    // One broker: an acknowledged record is on one disk only.
+    assert_eq!(
+        status_of(&report, "Produced → Accepted"),
+        "WARN",
+        "{report}"
+    );
+
+    let (db, t) = (&job.database, &job.table);
+    // A naive writer adds the batches' counts again as a new version, with a commit row that
+    // makes it visible but records no events.
+    ch(&format!("INSERT INTO {db}.{t}_data SELECT toInt64(1000000), source_partition, window_start, window_end, customer_id, currency, orders * 2, revenue * 2 FROM {db}.{t}_data")).await;
+    ch(&format!("INSERT INTO {db}.{t}_commits (batch_id, job, epoch, partitions, from_offsets, to_offsets, row_count) VALUES ('replay', 'it', 1000000, [0], [1000000], [1000000], 1)")).await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert_eq!(
+        status_of(&report, "Written → Queryable"),
+        "FAIL",
+        "{report}"
+    );
+    assert_eq!(
+        status_of(&report, "Processed → Written"),
+        "FAIL",
+        "the foreign epoch breaks the chain: {report}"
+    );
+
+    // Remove the replay, then delete a commit-log row in the middle of the chain.
+    ch(&format!(
+        "ALTER TABLE {db}.{t}_commits DELETE WHERE epoch >= 1000000 OR epoch = 2"
+    ))
+    .await;
+    ch(&format!(
+        "ALTER TABLE {db}.{t}_data DELETE WHERE version = 1000000"
+    ))
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert_eq!(
+        status_of(&report, "Processed → Written"),
+        "FAIL",
+        "{report}"
+    );
+    assert!(report.contains("epoch 3 follows epoch 1"), "{report}");
+
+    // Dead letters deleted from the DLQ (a truncated topic).
+    delete_records_before(&job.dlq_topic(), 5).await;
+    let (_, report) = doctor(&job);
+    assert!(report.contains("the dead-letter topic holds"), "{report}");
+
+    // Retention deleted source records tally had not read yet.
+    produce_into(&topic, &generate(24, 1, 500), &mut manifest).await;
+    delete_records_before(&topic, 2_300).await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert_eq!(
+        status_of(&report, "Accepted → Persisted"),
+        "FAIL",
+        "{report}"
+    );
 }

@@ -24,14 +24,6 @@ fn text(o: &Output) -> String {
     )
 }
 
-async fn ch(sql: &str) {
-    clickhouse()
-        .query(sql)
-        .execute()
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"));
-}
-
 async fn wait_mutations(database: &str) {
     for _ in 0..100 {
         let pending: u64 = clickhouse()

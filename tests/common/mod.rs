@@ -442,6 +442,15 @@ pub async fn assert_folded(job: &Job) {
     assert_eq!(rows, keys, "one folded row per window and key");
 }
 
+/// Runs one statement on the local ClickHouse, or fails the test with it.
+pub async fn ch(sql: &str) {
+    clickhouse()
+        .query(sql)
+        .execute()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
 pub fn write_file(path: &Path, text: &str) {
     std::fs::write(path, text).expect("write");
 }

@@ -122,6 +122,32 @@ impl ClickHouseSink {
         Ok((n > 0 && w != i64::MIN).then_some(w))
     }
 
+    /// The frontier the committed watermarks allow now, in seconds (`None` before every
+    /// partition has one): how far folding could go; `frontier()` says how far it went.
+    pub async fn foldable_frontier(&self, rules: FoldRules) -> Result<Option<u32>> {
+        let logged = self.frontier().await?;
+        Ok(self
+            .committed_watermark(logged.first_epoch)
+            .await?
+            .and_then(|w| u32::try_from(rules.frontier_ms(w).div_euclid(1000)).ok())
+            .map(|f| f.max(logged.seconds)))
+    }
+
+    /// The oldest window start among the versions not folded yet, if any.
+    pub async fn oldest_unfolded_window(&self) -> Result<Option<u32>> {
+        let frontier = self.frontier().await?;
+        let (oldest, n): (u32, u64) = self
+            .fetch(
+                &format!(
+                    "SELECT toUInt32(min(window_start)), count() FROM {} WHERE window_start >= toDateTime({})",
+                    self.names.data, frontier.seconds
+                ),
+                "reading the versions",
+            )
+            .await?;
+        Ok((n > 0).then_some(oldest))
+    }
+
     /// The first epoch that may hold a row at or after `seconds`.
     async fn first_epoch_from(&self, seconds: u32, since_epoch: u64) -> Result<u64> {
         let (first, n, last): (u64, u64, u64) = self

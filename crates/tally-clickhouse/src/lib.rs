@@ -475,4 +475,34 @@ impl ClickHouseSink {
             .await
             .map_err(self.err("reading the commit log"))
     }
+
+    /// Totals the commit log records, one row per epoch: (events aggregated, revenue as a
+    /// decimal string, dead letters).
+    pub async fn commit_totals(&self) -> Result<(u64, String, u64)> {
+        let sql = format!(
+            "SELECT toUInt64(sum(e)), toString(sum(r)), toUInt64(sum(d)) FROM \
+             (SELECT epoch, any(event_count) AS e, any(revenue_sum) AS r, any(dead_letters) AS d FROM {} GROUP BY epoch)",
+            self.names.commits
+        );
+        self.client
+            .query(&sql)
+            .fetch_one()
+            .await
+            .map_err(self.err("summing the commit log"))
+    }
+
+    /// What the view shows in total: (orders, revenue as a decimal string, keys shown more
+    /// than once).
+    pub async fn view_totals(&self) -> Result<(u64, String, u64)> {
+        let view = self.names.view_q();
+        let sql = format!(
+            "SELECT toUInt64(sum(o)), toString(sum(r)), toUInt64(countIf(n > 1)) FROM \
+             (SELECT sum(orders) AS o, sum(revenue) AS r, count() AS n FROM {view} GROUP BY window_start, customer_id, currency)"
+        );
+        self.client
+            .query(&sql)
+            .fetch_one()
+            .await
+            .map_err(self.err("summing the view"))
+    }
 }

@@ -179,7 +179,7 @@ impl TableNames {
                    FROM {data} \
                    WHERE window_start >= toDateTime({f}){upper} \
                      AND (toInt32(source_partition + 0), version + 0) IN \
-                         (SELECT cp, cv FROM {commits} ARRAY JOIN partitions AS cp, to_offsets AS cv WHERE epoch >= {e}{up_to}) \
+                         (SELECT cp, cv FROM {commits} ARRAY JOIN partitions AS cp, arrayResize(to_offsets, length(partitions)) AS cv WHERE epoch >= {e}{up_to}) \
                    GROUP BY source_partition, window_start, customer_id, currency) \
              GROUP BY window_start, customer_id, currency",
             data = self.data,
@@ -213,11 +213,14 @@ impl TableNames {
 
     /// The lowest committed watermark over the job's partitions, and how many partitions.
     /// Every batch lists every partition of the job and watermarks only grow, so the newest
-    /// batches since `since_epoch` have each partition's current one.
+    /// batches since `since_epoch` have each partition's current one. A malformed commit-log
+    /// row (arrays of other lengths) reads as "no watermark" and "offset 0", never as an error
+    /// that would stop readers or folding.
     pub(crate) fn committed_watermark_sql(&self, since_epoch: u64) -> String {
         format!(
             "SELECT toInt64(min(wm)) AS w, count() AS n FROM \
-             (SELECT p, max(w) AS wm FROM {} ARRAY JOIN partitions AS p, watermarks AS w WHERE epoch >= {since_epoch} GROUP BY p)",
+             (SELECT p, max(w) AS wm FROM {} ARRAY JOIN partitions AS p, arrayResize(watermarks, length(partitions), toInt64(-9223372036854775808)) AS w \
+              WHERE epoch >= {since_epoch} GROUP BY p)",
             self.commits
         )
     }

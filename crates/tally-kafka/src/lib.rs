@@ -108,3 +108,55 @@ pub async fn ensure_topic(
         }),
     }
 }
+
+/// How durable a topic is on its cluster: what `tally doctor` checks for the hops up to
+/// Persisted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicDurability {
+    pub brokers: usize,
+    /// The smallest replica count over the topic's partitions.
+    pub replication_factor: usize,
+    pub min_insync_replicas: Option<i64>,
+    /// `retention.ms` (-1: unlimited).
+    pub retention_ms: Option<i64>,
+}
+
+pub async fn topic_durability(settings: &KafkaSettings, topic: &str) -> Result<TopicDurability> {
+    use rdkafka::admin::{AdminOptions, ResourceSpecifier};
+    let (_, metadata) = reader::topic_metadata(settings, topic)?;
+    let replication_factor = metadata
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic)
+        .flat_map(|t| t.partitions())
+        .map(|p| p.replicas().len())
+        .min()
+        .unwrap_or(0);
+    let brokers = metadata.brokers().len();
+    let admin: AdminClient<DefaultClientContext> = settings
+        .client_config()
+        .create()
+        .map_err(kafka("creating admin client"))?;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let described = admin
+        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+        .await
+        .map_err(kafka(format!("describing {topic}")))?;
+    let (mut min_insync_replicas, mut retention_ms) = (None, None);
+    for resource in described.into_iter().flatten() {
+        for entry in resource.entries {
+            let value = entry.value.as_deref().and_then(|v| v.parse::<i64>().ok());
+            match entry.name.as_str() {
+                "min.insync.replicas" => min_insync_replicas = value,
+                "retention.ms" => retention_ms = value,
+                _ => {}
+            }
+        }
+    }
+    Ok(TopicDurability {
+        brokers,
+        replication_factor,
+        min_insync_replicas,
+        retention_ms,
+    })
+}

@@ -127,23 +127,37 @@ pub fn read_committed_range(
     Ok(())
 }
 
+/// A client for metadata and watermarks, and the metadata of `topic`, which must exist.
+pub(crate) fn topic_metadata(
+    settings: &KafkaSettings,
+    topic: &str,
+) -> Result<(BaseConsumer, rdkafka::metadata::Metadata)> {
+    let mut config = settings.client_config();
+    config.set("group.id", "tally-metadata");
+    let consumer: BaseConsumer = config.create().map_err(kafka("creating reader"))?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(30))
+        .map_err(kafka(format!("metadata of {topic}")))?;
+    if !metadata
+        .topics()
+        .iter()
+        .any(|t| t.name() == topic && t.error().is_none())
+    {
+        return Err(Error::Other(format!("topic {topic} not found")));
+    }
+    Ok((consumer, metadata))
+}
+
 /// Partition ids and (low, high) watermarks of a topic.
 pub fn topic_extent(
     settings: &KafkaSettings,
     topic: &str,
 ) -> Result<BTreeMap<PartitionId, (Offset, Offset)>> {
-    let mut config = settings.client_config();
-    config.set("group.id", "tally-extent");
-    let consumer: BaseConsumer = config.create().map_err(kafka("creating reader"))?;
-    let metadata = consumer
-        .fetch_metadata(Some(topic), Duration::from_secs(30))
-        .map_err(kafka(format!("metadata of {topic}")))?;
-    let t = metadata
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic && t.error().is_none())
-        .ok_or_else(|| Error::Other(format!("topic {topic} not found")))?;
+    let (consumer, metadata) = topic_metadata(settings, topic)?;
     let mut out = BTreeMap::new();
+    let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Ok(out);
+    };
     for p in t.partitions() {
         let wm = consumer
             .fetch_watermarks(topic, p.id(), Duration::from_secs(30))

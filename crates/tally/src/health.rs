@@ -91,16 +91,16 @@ pub async fn serve(address: &str, readiness: Arc<Readiness>) -> Result<()> {
             let handle = handle.clone();
             let readiness = readiness.clone();
             tokio::spawn(async move {
+                // Read the request head, which may arrive in several segments.
                 let mut buf = vec![0u8; 4096];
-                let n = match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    stream.read(&mut buf),
-                )
-                .await
-                {
-                    Ok(Ok(n)) => n,
-                    _ => return,
-                };
+                let mut n = 0;
+                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+                while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tokio::time::timeout_at(deadline, stream.read(&mut buf[n..])).await {
+                        Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+                        Ok(Ok(read)) => n += read,
+                    }
+                }
                 let text = String::from_utf8_lossy(&buf[..n]);
                 let line = text.lines().next().unwrap_or("");
                 let answer = route(line, &readiness, || handle.render());

@@ -1,6 +1,7 @@
 //! The tally job runtime and its tools, as a library so integration tests can drive them.
 
 pub mod config;
+pub mod doctor;
 pub mod events;
 pub mod fault;
 pub mod health;

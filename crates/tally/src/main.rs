@@ -63,6 +63,18 @@ enum Command {
     /// Recompute counts and sums from the source topic and compare them with the sink per window
     /// and key. Exit 1 when any sink/source ratio differs from 1.
     Reconcile(ReconcileArgs),
+    /// Check every hop from Produced to Reported on this deployment: one row per hop with the
+    /// invariant, the evidence and PASS, WARN or FAIL. Exit 1 on any FAIL.
+    Doctor {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// One JSON object per hop.
+        #[arg(long)]
+        json: bool,
+        /// Reconcile windows of this recent period against the source.
+        #[arg(long, default_value = "1h")]
+        since: String,
+    },
     /// Fold final windows now, then drop the versions they replace. The worker does this every
     /// clickhouse.fold_interval; run this only while no worker of the job folds (stopped, or
     /// fold_interval = "0s"): two fold steps at once would fold the same windows twice.
@@ -265,6 +277,23 @@ fn real_main(cli: Cli) -> Result<()> {
                     manifest: args.manifest,
                 },
             ))?;
+            Ok(())
+        }
+        Command::Doctor {
+            config,
+            json,
+            since,
+        } => {
+            let cfg = Config::load(&config)?;
+            let since = Millis::parse(&since)
+                .map_err(anyhow::Error::msg)
+                .context("--since")?
+                .as_duration();
+            let rows = runtime()?.block_on(tally::doctor::diagnose(&cfg, since))?;
+            tally::doctor::print(&rows, json);
+            if rows.iter().any(|r| r.status == tally::doctor::Status::Fail) {
+                std::process::exit(1);
+            }
             Ok(())
         }
         Command::Fold { config } => {

@@ -1,0 +1,298 @@
+//! `tally doctor`: one row per hop of Produced → Accepted → Persisted → Processed → Written →
+//! Queryable → Reported, each with the invariant, the evidence checked and PASS, WARN or FAIL.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Result;
+use serde::Serialize;
+use tally_clickhouse::ClickHouseSink;
+
+use crate::config::Config;
+use crate::prove::{self, ReconcileFilter};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Status {
+    Pass,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub hop: &'static str,
+    pub invariant: &'static str,
+    pub evidence: String,
+    pub status: Status,
+}
+
+fn row(hop: &'static str, invariant: &'static str, status: Status, evidence: String) -> Row {
+    Row {
+        hop,
+        invariant,
+        evidence,
+        status,
+    }
+}
+
+/// Where each partition's committed input ends and starts, from the commit log.
+fn committed_ranges(batches: &[tally_clickhouse::CommittedBatch]) -> BTreeMap<i32, (i64, i64)> {
+    let mut ranges: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
+    for b in batches {
+        for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
+            let e = ranges.entry(*p).or_insert((*from, *to));
+            e.0 = e.0.min(*from);
+            e.1 = e.1.max(*to);
+        }
+    }
+    ranges
+}
+
+/// Checks every hop of the deployment `config` describes; `since` bounds the reconciliation.
+pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let kafka = config.kafka_settings();
+    let topic = &config.kafka.source_topic;
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let batches = sink.committed_batches().await?;
+    let ranges = committed_ranges(&batches);
+
+    // Produced → Accepted: can the cluster lose a record it acknowledged?
+    let durability = tally_kafka::topic_durability(&kafka, topic).await?;
+    let min_isr = durability.min_insync_replicas.unwrap_or(1);
+    let safe = durability.replication_factor >= 2 && min_isr >= 2;
+    rows.push(row(
+        "Produced → Accepted",
+        "an acknowledged record survives the loss of a broker",
+        if safe { Status::Pass } else { Status::Warn },
+        format!(
+            "{topic}: replication factor {}, min.insync.replicas {min_isr}, {} broker(s){}",
+            durability.replication_factor,
+            durability.brokers,
+            if safe {
+                String::new()
+            } else {
+                "; with acks=all a record is acknowledged once on one broker, and that broker's loss loses it".into()
+            }
+        ),
+    ));
+
+    // Accepted → Persisted: is every record still on the broker when tally reads it?
+    let extent = tally_kafka::topic_extent(&kafka, topic)?;
+    let mut deleted = Vec::new();
+    let mut lag = Vec::new();
+    for (p, (low, high)) in &extent {
+        let next = ranges.get(p).map_or(*low, |r| r.1);
+        if next < *low {
+            deleted.push(format!(
+                "partition {p}: next offset {next} < earliest on broker {low}"
+            ));
+        }
+        lag.push(format!("p{p}={}", (high - next).max(0)));
+    }
+    rows.push(row(
+        "Accepted → Persisted",
+        "retention never deletes a record before tally has read it",
+        if deleted.is_empty() {
+            Status::Pass
+        } else {
+            Status::Fail
+        },
+        if deleted.is_empty() {
+            format!(
+                "retention.ms {}; every partition's next offset is on the broker; lag {}",
+                durability.retention_ms.unwrap_or(-1),
+                lag.join(" ")
+            )
+        } else {
+            format!(
+                "records lost before tally read them: {}",
+                deleted.join("; ")
+            )
+        },
+    ));
+
+    // Persisted → Processed: the checkpoint accounts for every offset consumed, once.
+    rows.push(match tally_state::StateStore::open(&config.job.state_dir, &config.state_identity()) {
+        Ok(store) => match store.meta() {
+            None => row(
+                "Persisted → Processed",
+                "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+                Status::Warn,
+                format!("no checkpoint in {}", config.job.state_dir.display()),
+            ),
+            Some(meta) => {
+                let mut broken = Vec::new();
+                for (p, c) in &meta.partitions {
+                    let first = ranges.get(p).map_or(c.next_offset, |r| r.0);
+                    if !c.totals.balances() {
+                        broken.push(format!("partition {p} does not balance: {:?}", c.totals));
+                    } else if c.totals.consumed as i64 != c.next_offset - first {
+                        broken.push(format!(
+                            "partition {p}: consumed {} but offsets {first}..{}",
+                            c.totals.consumed, c.next_offset
+                        ));
+                    }
+                }
+                row(
+                    "Persisted → Processed",
+                    "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+                    if broken.is_empty() { Status::Pass } else { Status::Fail },
+                    if broken.is_empty() {
+                        format!("checkpoint epoch {}: {} partitions balance", meta.epoch, meta.partitions.len())
+                    } else {
+                        broken.join("; ")
+                    },
+                )
+            }
+        },
+        Err(e) => row(
+            "Persisted → Processed",
+            "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+            Status::Warn,
+            format!("state directory not readable here ({e}); run doctor where the worker's state is, or on a copy"),
+        ),
+    });
+
+    // Processed → Written: the commit log is one contiguous chain; the DLQ matches it.
+    let gaps = prove::commit_log_gaps(&batches);
+    let (events, committed_revenue, committed_dead) = sink.commit_totals().await?;
+    let dead = prove::read_dead_letters(config)?;
+    let in_dlq: usize = dead.values().map(Vec::len).sum();
+    let repeated = dead.values().filter(|v| v.len() > 1).count();
+    let mut problems = gaps.clone();
+    if in_dlq as u64 != committed_dead {
+        problems.push(format!(
+            "the dead-letter topic holds {in_dlq} committed records, the commit log counts {committed_dead}"
+        ));
+    }
+    if repeated > 0 {
+        problems.push(format!(
+            "{repeated} source records are dead-lettered more than once"
+        ));
+    }
+    rows.push(row(
+        "Processed → Written",
+        "every epoch is written once, contiguous per partition; dead letters match the commit log",
+        if problems.is_empty() {
+            Status::Pass
+        } else {
+            Status::Fail
+        },
+        if problems.is_empty() {
+            format!(
+                "{} batches, contiguous; {in_dlq} dead letters = commit log",
+                batches.len()
+            )
+        } else {
+            problems.join("; ")
+        },
+    ));
+
+    // Written → Queryable: the view shows each key once, and exactly what was committed.
+    let (orders, revenue, doubled) = sink.view_totals().await?;
+    let frontier = sink.frontier().await?;
+    let mut problems = Vec::new();
+    let foldable = sink
+        .foldable_frontier(config.fold_rules())
+        .await
+        .unwrap_or_else(|e| {
+            problems.push(format!("the committed watermarks cannot be read: {e}"));
+            None
+        });
+    if doubled > 0 {
+        problems.push(format!("{doubled} keys appear more than once in the view"));
+    }
+    let compare_totals = config.clickhouse.retention.is_none();
+    if compare_totals && (orders != events || revenue != committed_revenue) {
+        problems.push(format!(
+            "the view shows {orders} orders / {revenue} revenue, the commit log recorded {events} / {committed_revenue}"
+        ));
+    }
+    // How much of what is final is still read from versions.
+    let oldest = sink.oldest_unfolded_window().await?;
+    let behind = match (foldable, oldest) {
+        (Some(f), Some(o)) => (i64::from(f) - i64::from(o.max(frontier.seconds))).max(0),
+        _ => 0,
+    };
+    let allowed = 3 * config.clickhouse.fold_interval.0 / 1000 + config.window.size.0 / 1000;
+    let folding_late = config.clickhouse.fold_interval.0 > 0 && behind > allowed;
+    rows.push(row(
+        "Written → Queryable",
+        "no key twice, view totals = commit log totals, folding keeps up",
+        if !problems.is_empty() {
+            Status::Fail
+        } else if folding_late || !compare_totals {
+            Status::Warn
+        } else {
+            Status::Pass
+        },
+        if problems.is_empty() {
+            format!(
+                "{orders} orders, {revenue} revenue {}; {} s of final windows not folded yet{}",
+                if compare_totals {
+                    "= commit log"
+                } else {
+                    "(retention on: totals not compared)"
+                },
+                behind,
+                if folding_late {
+                    format!(" (more than {allowed} s: is folding failing?)")
+                } else {
+                    String::new()
+                }
+            )
+        } else {
+            problems.join("; ")
+        },
+    ));
+
+    // Queryable → Reported: recompute the recent windows from the source.
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let since_ms = i64::try_from(since.as_millis()).unwrap_or(i64::MAX);
+    let filter = ReconcileFilter {
+        from_ms: Some(now_ms.saturating_sub(since_ms)),
+        to_ms: None,
+        customer: None,
+    };
+    let r = prove::reconcile(config, &filter, false).await?;
+    rows.push(row(
+        "Queryable → Reported",
+        "the numbers readers see equal a recomputation from the source",
+        if r.mismatched == 0 {
+            Status::Pass
+        } else {
+            Status::Fail
+        },
+        format!(
+            "windows of the last {}s: {} keys, {} differ; orders ratio {:.6}, revenue ratio {:.6}",
+            since.as_secs(),
+            r.keys,
+            r.mismatched,
+            r.orders_ratio(),
+            r.revenue_ratio()
+        ),
+    ));
+    Ok(rows)
+}
+
+pub fn print(rows: &[Row], json: bool) {
+    if json {
+        for r in rows {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        }
+        return;
+    }
+    for r in rows {
+        let status = match r.status {
+            Status::Pass => "PASS",
+            Status::Warn => "WARN",
+            Status::Fail => "FAIL",
+        };
+        println!("{status}  {:<22} {}", r.hop, r.invariant);
+        println!("      {:<22} {}", "", r.evidence);
+    }
+}
