@@ -8,6 +8,8 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use common::*;
+use tally_core::Checkpoint;
+use tally_state::StateStore;
 
 fn get(addr: &str, path: &str) -> Option<String> {
     let mut stream = std::net::TcpStream::connect(addr).ok()?;
@@ -173,6 +175,40 @@ async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
         "FAIL",
         "the foreign epoch breaks the chain: {report}"
     );
+
+    // An offset range committed twice: epoch 1's ranges again, as a later epoch.
+    ch(&format!("INSERT INTO {db}.{t}_commits SELECT 'twice', job, 2000000, partitions, from_offsets, to_offsets, watermarks, max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at FROM {db}.{t}_commits WHERE epoch = 1")).await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert!(
+        report.contains("epoch 2000000 starts partition 0 at offset 0"),
+        "{report}"
+    );
+
+    // A checkpoint whose accounting does not balance.
+    {
+        let mut store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+        let meta = store.meta().cloned().unwrap();
+        let mut partitions = meta.partitions.clone();
+        for c in partitions.values_mut() {
+            c.totals.aggregated += 1;
+        }
+        let bad = Checkpoint {
+            epoch: meta.epoch.next(),
+            partitions,
+            ..Checkpoint::default()
+        };
+        store.pre_commit(&bad).unwrap();
+        store.mark_committed(bad.epoch).unwrap();
+    }
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert_eq!(
+        status_of(&report, "Persisted → Processed"),
+        "FAIL",
+        "{report}"
+    );
+    assert!(report.contains("does not balance"), "{report}");
 
     // Remove the replay, then delete a commit-log row in the middle of the chain.
     ch(&format!(

@@ -58,6 +58,17 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let batches = sink.committed_batches().await?;
     let ranges = committed_ranges(&batches);
 
+    // Recomputed from the source first: Produced → Accepted reports its duplicates too.
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let since_ms = i64::try_from(since.as_millis()).unwrap_or(i64::MAX);
+    let filter = ReconcileFilter {
+        from_ms: Some(now_ms.saturating_sub(since_ms)),
+        to_ms: None,
+        customer: None,
+    };
+    let r = prove::reconcile(config, &filter, false).await?;
     // Produced → Accepted: can the cluster lose a record it acknowledged?
     let durability = tally_kafka::topic_durability(&kafka, topic).await?;
     let min_isr = durability.min_insync_replicas.unwrap_or(1);
@@ -75,6 +86,9 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             } else {
                 "; with acks=all a record is acknowledged once on one broker, and that broker's loss loses it".into()
             }
+        ) + &format!(
+            "; {} committed records repeat an event id seen before (re-sent by a producer; tally counts and drops them)",
+            r.source_duplicates
         ),
     ));
 
@@ -248,17 +262,6 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
     ));
 
-    // Queryable → Reported: recompute the recent windows from the source.
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64);
-    let since_ms = i64::try_from(since.as_millis()).unwrap_or(i64::MAX);
-    let filter = ReconcileFilter {
-        from_ms: Some(now_ms.saturating_sub(since_ms)),
-        to_ms: None,
-        customer: None,
-    };
-    let r = prove::reconcile(config, &filter, false).await?;
     rows.push(row(
         "Queryable → Reported",
         "the numbers readers see equal a recomputation from the source",

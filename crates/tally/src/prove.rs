@@ -336,6 +336,8 @@ impl ReconcileFilter {
 /// Result of one reconciliation.
 pub struct Reconciliation {
     pub epoch: Option<Epoch>,
+    /// Records of the committed range whose event id was seen before: what the producers re-sent.
+    pub source_duplicates: u64,
     pub keys: usize,
     pub mismatched: usize,
     pub source_orders: u64,
@@ -377,6 +379,7 @@ pub async fn reconcile(
         }
         return Ok(Reconciliation {
             epoch: None,
+            source_duplicates: 0,
             keys: 0,
             mismatched: 0,
             source_orders: 0,
@@ -417,8 +420,8 @@ pub async fn reconcile(
         usize::try_from(config.job.max_record_bytes).unwrap_or(usize::MAX),
     );
     let starts: BTreeMap<_, _> = ranges.iter().map(|(p, (s, _))| (*p, *s)).collect();
-    let source_view =
-        tokio::task::spawn_blocking(move || -> Result<BTreeMap<ViewKey, ViewTotals>> {
+    let (source_view, source_duplicates) =
+        tokio::task::spawn_blocking(move || -> Result<(BTreeMap<ViewKey, ViewTotals>, u64)> {
             let mut op = RevenueOperator::restore(rules, decoder, Epoch(0), &BTreeMap::new());
             for (p, s) in &starts {
                 op.add_partition(*p, *s);
@@ -427,12 +430,14 @@ pub async fn reconcile(
             let mut view: BTreeMap<(i32, ViewKey), ViewTotals> = BTreeMap::new();
             let flush = |op: &mut RevenueOperator,
                          store: &mut MemStore,
-                         view: &mut BTreeMap<(i32, ViewKey), ViewTotals>| {
+                         view: &mut BTreeMap<(i32, ViewKey), ViewTotals>|
+             -> u64 {
                 let cp = op.handle_checkpoint(CheckpointBarrier {
                     epoch: op.current_epoch(),
                     is_final: false,
                 });
                 store.apply(&cp);
+                let duplicates = cp.accounting().duplicates;
                 for row in cp.rows {
                     view.insert(
                         (
@@ -446,8 +451,10 @@ pub async fn reconcile(
                         (row.value.orders, row.value.revenue.units()),
                     );
                 }
+                duplicates
             };
             let mut n = 0u64;
+            let mut duplicates = 0u64;
             tally_kafka::read_committed_range(
                 &settings,
                 &topic,
@@ -464,18 +471,18 @@ pub async fn reconcile(
                     let Ok(_) = op.process(&store, record);
                     n += 1;
                     if n.is_multiple_of(100_000) {
-                        flush(&mut op, &mut store, &mut view);
+                        duplicates += flush(&mut op, &mut store, &mut view);
                     }
                 },
             )?;
-            flush(&mut op, &mut store, &mut view);
+            duplicates += flush(&mut op, &mut store, &mut view);
             let mut summed: BTreeMap<ViewKey, ViewTotals> = BTreeMap::new();
             for ((_, k), (o, r)) in view {
                 let e = summed.entry(k).or_default();
                 e.0 += o;
                 e.1 += r;
             }
-            Ok(summed)
+            Ok((summed, duplicates))
         })
         .await
         .context("reconcile thread")??;
@@ -495,6 +502,7 @@ pub async fn reconcile(
         keys: keys.len(),
         mismatched: diff.missing.len() + diff.extra.len() + diff.different.len() + gaps.len(),
         source_orders: source.values().map(|v| v.0).sum(),
+        source_duplicates,
         sink_orders: found.values().map(|v| v.0).sum(),
         source_revenue: source.values().map(|v| i128::from(v.1)).sum(),
         sink_revenue: found.values().map(|v| i128::from(v.1)).sum(),
