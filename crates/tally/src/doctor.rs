@@ -175,6 +175,12 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let dead = prove::read_dead_letters(config)?;
     let in_dlq: usize = dead.values().map(Vec::len).sum();
     let repeated = dead.values().filter(|v| v.len() > 1).count();
+    // tally's own topic must be as durable as the cluster allows: a committed dead letter on
+    // one disk of a larger cluster is one disk failure from lost.
+    let dlq = tally_kafka::topic_durability(&kafka, &config.dlq_topic()).await;
+    let dlq_fragile = dlq.as_ref().is_ok_and(|d| {
+        d.brokers > 1 && (d.replication_factor < 2 || d.min_insync_replicas.unwrap_or(1) < 2)
+    });
     let mut problems = gaps.clone();
     if in_dlq as u64 != committed_dead {
         problems.push(format!(
@@ -186,21 +192,38 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             "{repeated} source records are dead-lettered more than once"
         ));
     }
+    let dlq_evidence = match &dlq {
+        Ok(d) => format!(
+            "; {} has replication factor {}, min.insync.replicas {} on {} broker(s){}",
+            config.dlq_topic(),
+            d.replication_factor,
+            d.min_insync_replicas.unwrap_or(1),
+            d.brokers,
+            if dlq_fragile {
+                ": raise them (kafka-configs, kafka-reassign-partitions)"
+            } else {
+                ""
+            }
+        ),
+        Err(e) => format!("; the dead-letter topic cannot be described: {e}"),
+    };
     rows.push(row(
         "Processed → Written",
         "every epoch is written once, contiguous per partition; dead letters match the commit log",
-        if problems.is_empty() {
-            Status::Pass
-        } else {
+        if !problems.is_empty() {
             Status::Fail
+        } else if dlq_fragile {
+            Status::Warn
+        } else {
+            Status::Pass
         },
         if problems.is_empty() {
             format!(
-                "{} batches, contiguous; {in_dlq} dead letters = commit log",
+                "{} batches, contiguous; {in_dlq} dead letters = commit log{dlq_evidence}",
                 batches.len()
             )
         } else {
-            problems.join("; ")
+            problems.join("; ") + &dlq_evidence
         },
     ));
 
