@@ -245,3 +245,84 @@ async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
         "{report}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_every_reads_only_what_was_committed_since_the_last_round() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let records = generate(29, 2, 1_600);
+    let mut manifest = tally::loadgen::Manifest::default();
+    let job = Job::new(&topic, "");
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    produce_into(&topic, &records[..1_000], &mut manifest).await;
+    wait_for_view(&job, &manifest, Duration::from_secs(60)).await;
+
+    let out_path = job.dir.path().join("reconcile.out");
+    let out = std::fs::File::create(&out_path).unwrap();
+    let mut reconciler = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["reconcile", "--config", job.config.to_str().unwrap()])
+        .args(["--every", "500ms", "--full-every", "1000"])
+        .stdout(out)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let rounds = |text: &str, kind: &str| -> Vec<(u64, u64)> {
+        text.lines()
+            .filter(|l| l.contains(&format!("({kind})")))
+            .map(|l| {
+                let num = |after: &str| -> u64 {
+                    l.split(after)
+                        .next()
+                        .unwrap_or("")
+                        .split_whitespace()
+                        .last()
+                        .unwrap_or("0")
+                        .parse()
+                        .unwrap_or(0)
+                };
+                (num(" records read"), num(" differ"))
+            })
+            .collect()
+    };
+    let until = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < until
+        && rounds(&std::fs::read_to_string(&out_path).unwrap(), "full").is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    produce_into(&topic, &records[1_000..], &mut manifest).await;
+    wait_for_view(&job, &manifest, Duration::from_secs(60)).await;
+    let mut text = String::new();
+    let until = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < until {
+        text = std::fs::read_to_string(&out_path).unwrap();
+        if rounds(&text, "incremental")
+            .iter()
+            .map(|r| r.0)
+            .sum::<u64>()
+            >= 600
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = reconciler.kill();
+    let _ = reconciler.wait();
+    sigterm(&worker);
+    assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
+    let full = rounds(&text, "full");
+    let incremental = rounds(&text, "incremental");
+    assert_eq!(full.len(), 1, "{text}");
+    assert_eq!(
+        full[0].0, 1_000,
+        "the first round reads everything committed: {text}"
+    );
+    // Later rounds read the new records once, however they fall on rounds.
+    assert_eq!(incremental.iter().map(|r| r.0).sum::<u64>(), 600, "{text}");
+    assert!(
+        full.iter().chain(&incremental).all(|r| r.1 == 0),
+        "every round matches: {text}"
+    );
+}

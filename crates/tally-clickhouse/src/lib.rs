@@ -438,7 +438,23 @@ impl ClickHouseSink {
     ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         let frontier = self.frontier().await?;
         self.collect_rows(
-            &self.names.read_view_at_sql(frontier, epoch.0),
+            &self.names.read_view_at_sql(frontier, epoch.0, None),
+            "reading the view at an epoch",
+        )
+        .await
+    }
+
+    /// [`read_view_at`](Self::read_view_at) for windows starting in `[from_ms, to_ms]` only.
+    pub async fn read_view_at_windows(
+        &self,
+        epoch: Epoch,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
+        let frontier = self.frontier().await?;
+        let range = (seconds(from_ms)?, seconds(to_ms)?);
+        self.collect_rows(
+            &self.names.read_view_at_sql(frontier, epoch.0, Some(range)),
             "reading the view at an epoch",
         )
         .await
@@ -469,8 +485,13 @@ impl ClickHouseSink {
 
     /// The commit log, one entry per epoch, in epoch order.
     pub async fn committed_batches(&self) -> Result<Vec<CommittedBatch>> {
+        self.committed_batches_after(Epoch(0)).await
+    }
+
+    /// The commit log's entries after `epoch`, in epoch order.
+    pub async fn committed_batches_after(&self, epoch: Epoch) -> Result<Vec<CommittedBatch>> {
         self.client
-            .query(&self.names.committed_batches_sql())
+            .query(&self.names.committed_batches_sql(epoch.0))
             .fetch_all()
             .await
             .map_err(self.err("reading the commit log"))

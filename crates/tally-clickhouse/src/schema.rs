@@ -334,22 +334,33 @@ impl TableNames {
         )
     }
 
-    /// The view's rows as of committed epoch `epoch`, for the logged `frontier`.
-    pub fn read_view_at_sql(&self, frontier: Frontier, epoch: u64) -> String {
+    /// The view's rows as of committed epoch `epoch`, for the logged `frontier`, for windows
+    /// starting in `[from_seconds, to_seconds]` when given.
+    pub fn read_view_at_sql(
+        &self,
+        frontier: Frontier,
+        epoch: u64,
+        window_range: Option<(u32, u32)>,
+    ) -> String {
+        let range = window_range.map_or(String::new(), |(from, to)| {
+            format!(
+                " WHERE window_start >= toDateTime({from}) AND window_start <= toDateTime({to})"
+            )
+        });
         format!(
             "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM \
              (SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
-              UNION ALL {versions})",
+              UNION ALL {versions}){range}",
             final_rows = self.final_rows,
             f = frontier.seconds,
             versions = self.versions_sql(frontier, None, Some(epoch)),
         )
     }
 
-    /// The commit log, one entry per epoch, in epoch order.
-    pub fn committed_batches_sql(&self) -> String {
+    /// The commit log, one entry per epoch after `after_epoch`, in epoch order.
+    pub fn committed_batches_sql(&self, after_epoch: u64) -> String {
         format!(
-            "SELECT epoch, any(partitions) AS ps, any(from_offsets) AS fs, any(to_offsets) AS ts FROM {} GROUP BY epoch ORDER BY epoch",
+            "SELECT epoch, any(partitions) AS ps, any(from_offsets) AS fs, any(to_offsets) AS ts FROM {} WHERE epoch > {after_epoch} GROUP BY epoch ORDER BY epoch",
             self.commits
         )
     }
@@ -373,8 +384,8 @@ impl TableNames {
         }
         let reads = [
             ("read.view", self.read_view_sql()),
-            ("read.view_at", self.read_view_at_sql(from, as_of)),
-            ("read.committed_batches", self.committed_batches_sql()),
+            ("read.view_at", self.read_view_at_sql(from, as_of, None)),
+            ("read.committed_batches", self.committed_batches_sql(0)),
             (
                 "read.committed_watermark",
                 self.committed_watermark_sql(from.first_epoch),

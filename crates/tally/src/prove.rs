@@ -575,9 +575,25 @@ pub async fn reconcile(
 /// Breaks in the commit log's chain: epochs are numbered 1, 2, … and each batch starts, per
 /// partition, where the previous one ended. A missing or foreign batch shows as a break.
 pub fn commit_log_gaps(batches: &[tally_clickhouse::CommittedBatch]) -> Vec<String> {
+    chain_gaps(None, batches)
+}
+
+/// [`commit_log_gaps`] for `batches` that continue after `previous` (checked before).
+fn chain_gaps(
+    previous: Option<&tally_clickhouse::CommittedBatch>,
+    batches: &[tally_clickhouse::CommittedBatch],
+) -> Vec<String> {
     let mut gaps = Vec::new();
-    let mut expected_epoch = 1u64;
-    let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut expected_epoch = previous.map_or(1, |b| b.epoch + 1);
+    let mut ends: BTreeMap<i32, i64> = previous
+        .map(|b| {
+            b.partitions
+                .iter()
+                .copied()
+                .zip(b.to_offsets.iter().copied())
+                .collect()
+        })
+        .unwrap_or_default();
     for b in batches {
         if b.epoch != expected_epoch {
             gaps.push(format!(
@@ -706,6 +722,181 @@ pub async fn probe(
         tokio::time::sleep(interval).await;
     }
     Ok(report)
+}
+
+/// One round of [`IncrementalReconciler`].
+pub struct Round {
+    pub result: Reconciliation,
+    /// Whether this round started over from the beginning of the committed ranges.
+    pub full: bool,
+    /// Source records read in this round.
+    pub records_read: u64,
+}
+
+/// `reconcile --every`: each round reads from the source only what was committed since the
+/// previous round, recomputes the windows that input changed, and compares just those with the
+/// sink, so a round costs what the new input costs, not what the topic holds. Every
+/// `full_every` rounds it starts over from the beginning, which also checks windows that no new
+/// input touched.
+pub struct IncrementalReconciler {
+    config: Config,
+    full_every: u64,
+    rounds: u64,
+    op: RevenueOperator,
+    store: MemStore,
+    /// Recomputed value per window key and source partition; final windows are let go.
+    source: BTreeMap<ViewKey, BTreeMap<i32, ViewTotals>>,
+    read_to: BTreeMap<i32, i64>,
+    last: Option<tally_clickhouse::CommittedBatch>,
+}
+
+impl IncrementalReconciler {
+    pub fn new(config: &Config, full_every: u64) -> IncrementalReconciler {
+        IncrementalReconciler {
+            config: config.clone(),
+            full_every: full_every.max(1),
+            rounds: 0,
+            op: Self::operator(config),
+            store: MemStore::default(),
+            source: BTreeMap::new(),
+            read_to: BTreeMap::new(),
+            last: None,
+        }
+    }
+
+    fn operator(config: &Config) -> RevenueOperator {
+        let decoder = RecordDecoder::new(
+            config.field_mapping(),
+            usize::try_from(config.job.max_record_bytes).unwrap_or(usize::MAX),
+        );
+        RevenueOperator::restore(config.operator(), decoder, Epoch(0), &BTreeMap::new())
+    }
+
+    pub async fn round(&mut self, filter: &ReconcileFilter) -> Result<Round> {
+        let full = self.rounds.is_multiple_of(self.full_every);
+        if full {
+            let rounds = self.rounds;
+            *self = IncrementalReconciler::new(&self.config.clone(), self.full_every);
+            self.rounds = rounds;
+        }
+        self.rounds += 1;
+        let sink = ClickHouseSink::connect(&self.config.sink_settings()).await?;
+        let after = Epoch(self.last.as_ref().map_or(0, |b| b.epoch));
+        let batches = sink.committed_batches_after(after).await?;
+        let mut result = Reconciliation {
+            epoch: Some(after),
+            source_duplicates: 0,
+            keys: 0,
+            mismatched: 0,
+            source_orders: 0,
+            sink_orders: 0,
+            source_revenue: 0,
+            sink_revenue: 0,
+        };
+        let Some(newest) = batches.last().cloned() else {
+            return Ok(Round {
+                result,
+                full,
+                records_read: 0,
+            });
+        };
+        let gaps = chain_gaps(self.last.as_ref(), &batches);
+        let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
+        for b in &batches {
+            for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
+                let start = self.read_to.get(p).copied().unwrap_or(*from);
+                let e = ranges.entry(*p).or_insert((start, Some(*to)));
+                e.1 = Some(e.1.unwrap_or(*to).max(*to));
+            }
+        }
+        for p in ranges.keys() {
+            if !self.read_to.contains_key(p) {
+                self.op.add_partition(*p, ranges[p].0);
+            }
+        }
+        let settings = self.config.kafka_settings();
+        let topic = self.config.kafka.source_topic.clone();
+        let (op, store) = (&mut self.op, &mut self.store);
+        let mut read = 0u64;
+        tokio::task::block_in_place(|| {
+            tally_kafka::read_committed_range(
+                &settings,
+                &topic,
+                &ranges,
+                Duration::from_secs(120),
+                |m| {
+                    let record = Record {
+                        partition: m.partition(),
+                        offset: m.offset(),
+                        timestamp_ms: m.timestamp().to_millis(),
+                        key: m.key(),
+                        value: m.payload(),
+                    };
+                    let Ok(_) = op.process(store, record);
+                    read += 1;
+                },
+            )
+        })?;
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: op.current_epoch(),
+            is_final: false,
+        });
+        store.apply(&cp);
+        result.source_duplicates = cp.accounting().duplicates;
+        let mut changed = BTreeSet::new();
+        for row in cp.rows {
+            let key = (
+                row.key.window_start_ms,
+                row.key.customer_id,
+                row.key.currency,
+            );
+            self.source
+                .entry(key.clone())
+                .or_default()
+                .insert(row.partition, (row.value.orders, row.value.revenue.units()));
+            if filter.keeps(&key) {
+                changed.insert(key);
+            }
+        }
+        for (p, (_, end)) in &ranges {
+            if let Some(end) = end {
+                self.read_to.insert(*p, *end);
+            }
+        }
+        self.last = Some(newest.clone());
+        let epoch = Epoch(newest.epoch);
+        result.epoch = Some(epoch);
+        result.keys = changed.len();
+        result.mismatched = gaps.len();
+        if let (Some(first), Some(last)) = (changed.first(), changed.last()) {
+            let found = sink.read_view_at_windows(epoch, first.0, last.0).await?;
+            for key in &changed {
+                let expected = self.source.get(key).map_or((0, 0), |per_partition| {
+                    per_partition
+                        .values()
+                        .fold((0, 0), |(o, r), v| (o + v.0, r + v.1))
+                });
+                let seen = found.get(key).copied().unwrap_or((0, 0));
+                result.source_orders += expected.0;
+                result.source_revenue += i128::from(expected.1);
+                result.sink_orders += seen.0;
+                result.sink_revenue += i128::from(seen.1);
+                if seen != expected {
+                    result.mismatched += 1;
+                }
+            }
+        }
+        // Final windows cannot change any more: let them go, so memory stays bounded.
+        let frontier_ms = i64::from(sink.frontier().await?.seconds) * 1000;
+        self.source = self
+            .source
+            .split_off(&(frontier_ms, String::new(), String::new()));
+        Ok(Round {
+            result,
+            full,
+            records_read: read,
+        })
+    }
 }
 
 #[cfg(test)]
