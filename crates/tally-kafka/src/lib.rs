@@ -19,7 +19,7 @@ pub use dlq::{
     HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC, epoch_from_metadata,
 };
 pub use reader::{read_committed_range, topic_extent};
-pub use source::{Source, SourceRecord, StartFrom};
+pub use source::{Source, SourceRecord, StartFrom, record_of};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

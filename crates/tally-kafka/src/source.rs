@@ -32,13 +32,18 @@ pub struct SourceRecord<'a> {
 
 impl SourceRecord<'_> {
     pub fn as_record(&self) -> Record<'_> {
-        Record {
-            partition: self.message.partition(),
-            offset: self.message.offset(),
-            timestamp_ms: self.message.timestamp().to_millis(),
-            key: self.message.key(),
-            value: self.message.payload(),
-        }
+        record_of(&self.message)
+    }
+}
+
+/// The operator's view of a Kafka message.
+pub fn record_of<'a>(message: &'a BorrowedMessage<'_>) -> Record<'a> {
+    Record {
+        partition: message.partition(),
+        offset: message.offset(),
+        timestamp_ms: message.timestamp().to_millis(),
+        key: message.key(),
+        value: message.payload(),
     }
 }
 

@@ -11,7 +11,7 @@ use rdkafka::message::Headers;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
 use tally_core::amount::format_units_i128;
-use tally_core::{CheckpointBarrier, Epoch, MemStore, Record, RecordDecoder, RevenueOperator};
+use tally_core::{CheckpointBarrier, Epoch, MemStore, RecordDecoder, RevenueOperator};
 use tally_kafka::{HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION};
 
 use crate::config::Config;
@@ -334,6 +334,7 @@ impl ReconcileFilter {
 }
 
 /// Result of one reconciliation.
+#[derive(Debug, Default)]
 pub struct Reconciliation {
     pub epoch: Option<Epoch>,
     /// Records of the committed range whose event id was seen before: what the producers re-sent.
@@ -377,16 +378,7 @@ pub async fn reconcile(
         if print {
             println!("reconcile: nothing committed yet");
         }
-        return Ok(Reconciliation {
-            epoch: None,
-            source_duplicates: 0,
-            keys: 0,
-            mismatched: 0,
-            source_orders: 0,
-            sink_orders: 0,
-            source_revenue: 0,
-            sink_revenue: 0,
-        });
+        return Ok(Reconciliation::default());
     };
     let epoch = Epoch(last.epoch);
     let mut gaps = commit_log_gaps(&batches);
@@ -461,14 +453,7 @@ pub async fn reconcile(
                 &ranges,
                 Duration::from_secs(120),
                 |m| {
-                    let record = Record {
-                        partition: m.partition(),
-                        offset: m.offset(),
-                        timestamp_ms: m.timestamp().to_millis(),
-                        key: m.key(),
-                        value: m.payload(),
-                    };
-                    let Ok(_) = op.process(&store, record);
+                    let Ok(_) = op.process(&store, tally_kafka::record_of(m));
                     n += 1;
                     if n.is_multiple_of(100_000) {
                         duplicates += flush(&mut op, &mut store, &mut view);
@@ -785,13 +770,7 @@ impl IncrementalReconciler {
         let batches = sink.committed_batches_after(after).await?;
         let mut result = Reconciliation {
             epoch: Some(after),
-            source_duplicates: 0,
-            keys: 0,
-            mismatched: 0,
-            source_orders: 0,
-            sink_orders: 0,
-            source_revenue: 0,
-            sink_revenue: 0,
+            ..Reconciliation::default()
         };
         let Some(newest) = batches.last().cloned() else {
             return Ok(Round {
@@ -825,14 +804,7 @@ impl IncrementalReconciler {
                 &ranges,
                 Duration::from_secs(120),
                 |m| {
-                    let record = Record {
-                        partition: m.partition(),
-                        offset: m.offset(),
-                        timestamp_ms: m.timestamp().to_millis(),
-                        key: m.key(),
-                        value: m.payload(),
-                    };
-                    let Ok(_) = op.process(store, record);
+                    let Ok(_) = op.process(store, tally_kafka::record_of(m));
                     read += 1;
                 },
             )
