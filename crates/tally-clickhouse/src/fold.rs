@@ -266,12 +266,15 @@ impl ClickHouseSink {
                 seconds,
                 first_epoch: self.first_epoch_from(seconds, logged.first_epoch).await?,
             };
-            let count = self.names.count_final_sql(None);
-            let before: u64 = self.fetch(&count, "counting folded rows").await?;
             self.exec(&self.names.fold_insert_sql(logged, seconds))
                 .await?;
-            let after: u64 = self.fetch(&count, "counting folded rows").await?;
-            outcome.folded_rows = after.saturating_sub(before);
+            // The repair above left no rows at or after the logged frontier: these are all new.
+            outcome.folded_rows = self
+                .fetch(
+                    &self.names.count_final_sql(Some(logged.seconds)),
+                    "counting folded rows",
+                )
+                .await?;
             fault(FoldStep::Inserted);
             self.exec(&self.names.fold_log_sql(next, outcome.folded_rows))
                 .await?;
