@@ -13,6 +13,21 @@
 #        KRaft combined mode on 127.0.0.1:9092 (controller 9093).
 # ClickHouse: Debian's clickhouse-server (18.16 on bookworm), HTTP 127.0.0.1:8123, native 127.0.0.1:9000.
 #
+# TLS endpoints (beside the plaintext ones above, for tests of TLS and passwords):
+#   Kafka      SASL_SSL://127.0.0.1:9094, SASL mechanism PLAIN, user tally / password tally-secret
+#              (librdkafka: security.protocol=sasl_ssl sasl.mechanism=PLAIN sasl.username=tally
+#               sasl.password=tally-secret ssl.ca.location=<tls>/ca.pem; Java CLI: --command-config
+#               <tls>/kafka-client.properties)
+#   ClickHouse https://127.0.0.1:8443 (and https://localhost:8443), user tally_secure / tally-secret
+#   Material in <state>/tls/, made once per state dir with openssl before the first start:
+#     ca.pem, ca.key                  self-signed test CA (10 years)
+#     server.pem, server.key          server cert signed by it, SAN IP:127.0.0.1, DNS:localhost
+#     server.p12                      the same as a PKCS12 keystore for Kafka, password tally-test
+#     other-ca.pem                    an unrelated CA that signed nothing, for "wrong CA" tests
+#     kafka-client.properties         Java client settings for the SASL_SSL listener
+#   All of these are test-only secrets. Delete <state>/tls and restart both services to regenerate;
+#   'down --wipe' keeps it (it is not service data).
+#
 # Environment:
 #   TALLY_SERVICES_DIR   state (data, logs, PID files); default <repo>/.state/services
 #   TALLY_CACHE_DIR      Kafka jars; default ~/.cache/tally (outside the clone so fresh clones start fast)
@@ -27,6 +42,10 @@ CACHE_DIR="${TALLY_CACHE_DIR:-$HOME/.cache/tally}"
 READY_TIMEOUT="${TALLY_SERVICES_TIMEOUT:-120}"
 STOP_TIMEOUT="${TALLY_SERVICES_STOP_TIMEOUT:-30}"
 KAFKA_HEAP_OPTS="${TALLY_KAFKA_HEAP_OPTS:--Xms512m -Xmx1g}"
+
+TLS_DIR="$STATE_DIR/tls"
+# Test-only secrets, documented in the header above.
+TLS_STORE_PASSWORD="tally-test"
 
 KAFKA_SRC="$REPO_ROOT/scripts/kafka"
 KAFKA_POM="$KAFKA_SRC/pom.xml"
@@ -120,7 +139,7 @@ svc_pid() {
 
 pidfile_of() { case $1 in kafka) echo "$KAFKA_PIDFILE" ;; clickhouse) echo "$CH_PIDFILE" ;; esac; }
 marker_of() { case $1 in kafka) echo "$KAFKA_PROPS" ;; clickhouse) echo "$CH_CONF" ;; esac; }
-ports_of() { case $1 in kafka) echo "9092 9093" ;; clickhouse) echo "8123 9000" ;; esac; }
+ports_of() { case $1 in kafka) echo "9092 9093 9094" ;; clickhouse) echo "8123 9000 8443" ;; esac; }
 
 port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
@@ -176,6 +195,109 @@ stop_svc() {
   log "$svc: stopped"
 }
 
+# --- TLS material -------------------------------------------------------------------------------
+
+TLS_FILES=(ca.pem ca.key server.pem server.key server.p12 keystore.password other-ca.pem
+  kafka-client.properties)
+
+# tls_pair_ok DIR -- DIR holds a CA and a server key+cert it signed, the cert valid 30+ more days.
+tls_pair_ok() {
+  local d="$1" f
+  for f in ca.pem ca.key server.pem server.key; do [[ -s $d/$f ]] || return 1; done
+  openssl verify -CAfile "$d/ca.pem" "$d/server.pem" >/dev/null 2>&1 || return 1
+  openssl x509 -checkend $((30 * 86400)) -noout -in "$d/server.pem" >/dev/null 2>&1 || return 1
+  [[ "$(openssl x509 -noout -pubkey -in "$d/server.pem" 2>/dev/null)" == \
+    "$(openssl pkey -pubout -in "$d/server.key" 2>/dev/null)" ]]
+}
+
+tls_complete() {
+  local f
+  for f in "${TLS_FILES[@]}"; do [[ -s $TLS_DIR/$f ]] || return 1; done
+  tls_pair_ok "$TLS_DIR"
+}
+
+# tls_new_ca KEY CERT CN -- a self-signed CA, 10 years.
+tls_new_ca() {
+  openssl req -x509 -newkey rsa:2048 -nodes -sha256 -days 3650 -keyout "$1" -out "$2" \
+    -subj "/O=tally/CN=$3" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+}
+
+# tls_ensure -- the test CA, the server key+cert it signed, Kafka's keystore and an unrelated second
+# CA, once per state dir. Called from each service's prepare step, i.e. before either starts and
+# under the up/down lock. Only missing or unusable pieces are made (a valid CA + server cert is kept,
+# so a service still running keeps matching it); the set is built in a temp dir and swapped in, so an
+# interrupted run never leaves a half-made set that looks complete.
+tls_ensure() {
+  tls_complete && return 0
+  ensure_cmds openssl:openssl
+  local tmp="$TLS_DIR.tmp.$$" new_pair=0 svc
+  tls_pair_ok "$TLS_DIR" || new_pair=1
+  mkdir -p "$STATE_DIR"
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  if [[ -d $TLS_DIR ]]; then cp -pR "$TLS_DIR"/. "$tmp"/; fi
+  if [[ $new_pair == 1 ]]; then
+    log "tls: generating a test CA and server certificate in $TLS_DIR"
+    rm -f "$tmp/server.p12"
+  else
+    log "tls: completing $TLS_DIR"
+  fi
+  (
+    set -e
+    cd "$tmp"
+    umask 077
+    if [[ $new_pair == 1 ]]; then
+      tls_new_ca ca.key ca.pem "tally test CA"
+      openssl req -new -newkey rsa:2048 -nodes -sha256 \
+        -keyout server.key -out server.csr -subj "/O=tally/CN=localhost"
+      printf '%s\n' "basicConstraints=critical,CA:FALSE" \
+        "keyUsage=critical,digitalSignature,keyEncipherment" "extendedKeyUsage=serverAuth" \
+        "subjectAltName=IP:127.0.0.1,DNS:localhost" >server.ext
+      openssl x509 -req -sha256 -days 3650 -in server.csr -CA ca.pem -CAkey ca.key \
+        -set_serial "0x$(openssl rand -hex 16)" -extfile server.ext -out server.pem
+      rm -f server.csr server.ext
+      openssl verify -CAfile ca.pem server.pem
+    fi
+    printf '%s\n' "$TLS_STORE_PASSWORD" >keystore.password
+    if [[ ! -s server.p12 ]]; then
+      openssl pkcs12 -export -name tally -in server.pem -inkey server.key -certfile ca.pem \
+        -passout "pass:$TLS_STORE_PASSWORD" -out server.p12
+    fi
+    # Unrelated CA: signs nothing; its key is thrown away.
+    if [[ ! -s other-ca.pem ]]; then
+      tls_new_ca other-ca.key other-ca.pem "tally unrelated test CA"
+      rm -f other-ca.key
+    fi
+    cat >kafka-client.properties <<PROPS
+# Java client settings for the local broker's SASL_SSL listener (127.0.0.1:9094). Test-only secrets.
+security.protocol=SASL_SSL
+sasl.mechanism=PLAIN
+sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="tally" password="tally-secret";
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS_DIR/ca.pem
+PROPS
+    # Certificates are public; keys and the keystore stay owner-only.
+    chmod 644 ca.pem server.pem other-ca.pem kafka-client.properties
+  ) >"$tmp.log" 2>&1 || {
+    cat "$tmp.log" >&2
+    rm -rf "$tmp" "$tmp.log"
+    die "tls: generating certificates failed"
+  }
+  rm -f "$tmp.log"
+  chmod 755 "$tmp"
+  if [[ -d $TLS_DIR ]]; then mv "$TLS_DIR" "$TLS_DIR.old.$$"; fi
+  mv "$tmp" "$TLS_DIR"
+  rm -rf "$TLS_DIR.old.$$"
+  if [[ $new_pair == 1 ]]; then
+    for svc in "${ALL_SERVICES[@]}"; do
+      if svc_pid "$svc" >/dev/null 2>&1; then
+        log "tls: $svc is running with the old certificate; 'services.sh restart $svc' to serve the new one"
+      fi
+    done
+  fi
+}
+
 # --- Kafka --------------------------------------------------------------------------------------
 
 kafka_version() { sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$KAFKA_POM"; }
@@ -215,9 +337,11 @@ kafka_prepare() {
   ensure_cmds java:openjdk-17-jre-headless
   check_java
   kafka_fetch
+  tls_ensure
   mkdir -p "$KAFKA_DATA" "$KAFKA_LOGS"
   # Rendered on every start so template edits apply; node/cluster ids stay, so data stays valid.
-  sed "s#@KAFKA_DATA_DIR@#$KAFKA_DATA#g" "$KAFKA_SRC/server.properties.in" >"$KAFKA_PROPS.tmp"
+  sed -e "s#@KAFKA_DATA_DIR@#$KAFKA_DATA#g" -e "s#@TLS_DIR@#$TLS_DIR#g" \
+    "$KAFKA_SRC/server.properties.in" >"$KAFKA_PROPS.tmp"
   mv "$KAFKA_PROPS.tmp" "$KAFKA_PROPS"
   cp "$KAFKA_SRC/log4j2.xml" "$KAFKA_DIR/log4j2.xml"
   # KRaft log dirs must be formatted once with a cluster id; --standalone makes this node the
@@ -266,9 +390,10 @@ ch_bin() { command -v clickhouse-server 2>/dev/null || echo /usr/sbin/clickhouse
 
 clickhouse_prepare() {
   ensure_cmds curl:curl clickhouse-server:clickhouse-server clickhouse-client:clickhouse-client
+  tls_ensure
   mkdir -p "$CH_DIR/etc" "$CH_DIR/data" "$CH_DIR/tmp" "$CH_DIR/user_files" "$CH_DIR/format_schemas" "$CH_LOGS"
   # 18.16 can't take paths from env vars: render the template with the state dir substituted.
-  sed "s#@CH_STATE_DIR@#$CH_DIR#g" "$CH_SRC/config.xml" >"$CH_CONF.tmp"
+  sed -e "s#@CH_STATE_DIR@#$CH_DIR#g" -e "s#@TLS_DIR@#$TLS_DIR#g" "$CH_SRC/config.xml" >"$CH_CONF.tmp"
   mv "$CH_CONF.tmp" "$CH_CONF"
   cp "$CH_SRC/users.xml" "$CH_DIR/etc/users.xml"
 }

@@ -322,6 +322,7 @@ pub async fn view(
         table: table.into(),
         user: "default".into(),
         password: tally_clickhouse::Secret::default(),
+        ca_file: None,
         request_timeout: Duration::from_secs(10),
     };
     tally_clickhouse::ClickHouseSink::connect(&settings)

@@ -15,6 +15,7 @@
 
 mod fold;
 mod schema;
+mod tls;
 
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ pub use schema::{Frontier, TableNames};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    #[error("clickhouse {url}: {context}: {source}")]
+    #[error("clickhouse {url}: {context}: {}", tls::describe(source))]
     Server {
         url: String,
         context: String,
@@ -69,6 +70,8 @@ pub struct SinkSettings {
     pub table: String,
     pub user: String,
     pub password: Secret,
+    /// PEM certificates trusted for `https://` besides the system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
     pub request_timeout: Duration,
 }
 
@@ -166,7 +169,7 @@ fn seconds(ms: i64) -> Result<u32> {
 impl ClickHouseSink {
     /// Connects and detects the server version.
     pub async fn connect(settings: &SinkSettings) -> Result<ClickHouseSink> {
-        let client = Client::default()
+        let client = tls::client(settings.ca_file.as_deref())?
             .with_url(&settings.url)
             .with_user(&settings.user)
             .with_password(settings.password.expose())
@@ -182,7 +185,17 @@ impl ClickHouseSink {
             request_timeout: settings.request_timeout,
             installed: std::sync::Mutex::new(None),
         };
-        sink.version = sink.fetch_version().await?;
+        // The first request: a failure no retry can cure becomes `Refused`, naming the cause.
+        sink.version = sink.fetch_version().await.map_err(|e| match &e {
+            SinkError::Server { source, .. } => match tls::permanent_cause(source) {
+                Some(cause) => SinkError::Refused(format!(
+                    "{} as user {}: {cause}",
+                    settings.url, settings.user
+                )),
+                None => e,
+            },
+            _ => e,
+        })?;
         // A batch of a catch-up can span days of event time, and so many partitions; current
         // servers refuse an insert into more than 100 partitions unless told otherwise.
         let limit: u64 = sink

@@ -234,6 +234,9 @@ pub struct ClickHouseConfig {
     pub user: String,
     #[serde(default)]
     pub password: Secret,
+    /// PEM file of CA certificates trusted for an `https://` url, besides the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
     #[serde(default = "default_request_timeout")]
     pub request_timeout: Millis,
     /// How often final windows are folded into one row each; "0s" turns folding off.
@@ -420,6 +423,21 @@ impl Config {
                 return Err((key, "must not be empty".into()));
             }
         }
+        let url = self.clickhouse.url.trim();
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err((
+                "clickhouse.url",
+                format!(
+                    "{url:?} must start with http:// or https:// (the HTTP interface, e.g. port 8123, or 8443 for TLS)"
+                ),
+            ));
+        }
+        if self.clickhouse.ca_file.is_some() && !url.starts_with("https://") {
+            return Err((
+                "clickhouse.ca_file",
+                "is only used with an https:// clickhouse.url".into(),
+            ));
+        }
         if self.kafka.topic_replication_factor.is_some_and(|r| r < 1) {
             return Err((
                 "kafka.topic_replication_factor",
@@ -510,6 +528,7 @@ impl Config {
             table: self.clickhouse.table.clone(),
             user: self.clickhouse.user.clone(),
             password: self.clickhouse.password.clone(),
+            ca_file: self.clickhouse.ca_file.clone(),
             request_timeout: self.clickhouse.request_timeout.as_duration(),
         }
     }

@@ -54,6 +54,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let kafka = config.kafka_settings();
     let topic = &config.kafka.source_topic;
+    tally_kafka::check_connection(&kafka, Duration::from_secs(10))?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let batches = sink.committed_batches().await?;
     let ranges = committed_ranges(&batches);

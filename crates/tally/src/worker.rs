@@ -33,6 +33,8 @@ const MAX_EPOCH_RECORDS: u64 = 250_000;
 const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
 const POLL: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// How long one attempt to reach the brokers may take before it is retried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where an epoch is in the commit protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,9 +93,13 @@ impl Worker {
         let kafka = config.kafka_settings();
         let settings = config.sink_settings();
         let sink = wait_for("clickhouse", &shutdown, || {
-            rt.block_on(ClickHouseSink::connect(&settings))
-                .map_err(|e| e.to_string())
-        })?;
+            match rt.block_on(ClickHouseSink::connect(&settings)) {
+                Ok(sink) => Ok(Ok(sink)),
+                // A bad certificate or password: retrying cannot help.
+                Err(e @ tally_clickhouse::SinkError::Refused(_)) => Ok(Err(e)),
+                Err(e) => Err(e.to_string()),
+            }
+        })??;
         tracing::info!(version = sink.version(), url = %config.clickhouse.url, "connected to clickhouse");
         rt.block_on(sink.ensure_schema())?;
         if !rt.block_on(sink.pushes_predicates_into_views())? {
@@ -109,8 +115,13 @@ impl Worker {
             &config.kafka.consumer_group,
         )?;
         let partitions = wait_for("kafka", &shutdown, || {
-            source.partitions().map_err(|e| e.to_string())
-        })?;
+            match tally_kafka::check_connection(&kafka, CONNECT_TIMEOUT) {
+                Err(e @ tally_kafka::Error::Refused(_)) => return Ok(Err(e)),
+                Err(e) => return Err(e.to_string()),
+                Ok(()) => {}
+            }
+            source.partitions().map(Ok).map_err(|e| e.to_string())
+        })??;
         let dlq_topic = config.dlq_topic();
         let created = wait_for("kafka", &shutdown, || {
             match rt.block_on(tally_kafka::ensure_topic(
