@@ -69,7 +69,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| run(&MemStore::default(), &values))
     });
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut store = StateStore::open(dir.path(), "bench").expect("store");
+    let store = StateStore::open(dir.path(), "bench").expect("store");
     // Warm state: one epoch already checkpointed, so lookups hit RocksDB.
     let mut op = run(&store, &values);
     store
@@ -83,7 +83,7 @@ fn bench(c: &mut Criterion) {
         b.iter_batched(
             || tempfile::tempdir().expect("tempdir"),
             |dir| {
-                let mut store = StateStore::open(dir.path(), "bench").expect("store");
+                let store = StateStore::open(dir.path(), "bench").expect("store");
                 let mut op = run(&store, &values);
                 store
                     .pre_commit(&op.handle_checkpoint(CheckpointBarrier {

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# End-to-end throughput and memory of `tally run` (release build) on the local services:
-# produce N orders, start the worker, and time it until every record is checkpointed and committed.
-# Prints one table; then checks the result with `tally verify`.
-#   scripts/bench.sh [--events N] [--partitions P]
+# End-to-end throughput of `tally run` (release build) against the machine's ceiling, on the local
+# services: produce N orders once, then per run (--repeat R, default 3) read the whole topic with a
+# bare consumer (benches/ceiling.rs, tally's client settings, nothing else: the ceiling), and let a
+# fresh tally job catch up to its last committed checkpoint; restart it on the same state to time the
+# restore; check each run with `tally verify`. Prints medians over the runs (benches/summarize.py):
+# ceiling, tally, ratio=0.NN, checkpoint pause p50/p99, commit latency p50/p99, restore, peak RSS.
+#   scripts/bench.sh [--events N] [--partitions P] [--repeat R]
+#   TALLY_BENCH_BIN=/path/to/tally [TALLY_BENCH_CONFIG=file] scripts/bench.sh ...   another build of tally
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
 #       read cost of the view vs. an ideal table, before and after folding (see read_bench below)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
-events="" partitions=4 mode=throughput days=7 live_seconds=180
+events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
     --partitions) partitions=$2; shift 2 ;;
+    --repeat) repeat=$2; shift 2 ;;
     --read) mode=read; shift ;;
     --days) days=$2; shift 2 ;;
     --live-seconds) live_seconds=$2; shift 2 ;;
@@ -77,45 +82,67 @@ events=${events:-1000000}
 
 scripts/bootstrap.sh
 scripts/services.sh up >&2
-cargo build --release --locked -p tally >&2
-bin="$CARGO_TARGET_DIR/release/tally"
+if [ -n "${TALLY_BENCH_BIN:-}" ]; then
+  bin="$TALLY_BENCH_BIN"   # e.g. an earlier build, for before/after figures with the same script
+else
+  cargo build --release --locked -p tally >&2
+  bin="$CARGO_TARGET_DIR/release/tally"
+fi
+cargo bench --locked -p tally --bench ceiling --no-run >&2
 
-run="bench_$(date +%s)"
-dir=".state/bench/$run"
+topic="bench_$(date +%s)"
+dir=".state/bench/$topic"
 mkdir -p "$dir"
-export TALLY_JOB__NAME="$run" TALLY_JOB__STATE_DIR="$dir/state" TALLY_JOB__MAX_RECORD_BYTES=4096
-export TALLY_KAFKA__SOURCE_TOPIC="$run" TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
-export TALLY_CLICKHOUSE__DATABASE="$run" TALLY_METRICS__ADDRESS=""
-config=config/revenue_agg.toml
+config=${TALLY_BENCH_CONFIG:-config/revenue_agg.toml}
+export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY_METRICS__ADDRESS=""
 
+# One pre-loaded topic for every run below.
 "$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers 10000 \
   --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
 
-start_ns=$(date +%s%N)
-"$bin" run --config "$config" >"$dir/worker.log" 2>&1 &
-pid=$!
-trap 'kill -9 $pid 2>/dev/null || true' EXIT
-consumed=0 peak_kib=0
-while [ "$consumed" -lt "$events" ]; do
-  sleep 0.2
-  kill -0 "$pid" 2>/dev/null || { echo "worker exited" >&2; tail -20 "$dir/worker.log" >&2; exit 1; }
-  consumed=$(sum_field consumed "$dir/worker.log")
-  kib=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
-  [ "${kib:-0}" -gt "$peak_kib" ] && peak_kib=$kib
+# Per run: its own job (state, group, transactional id), dead-letter topic and database.
+run_env() {
+  export TALLY_JOB__NAME="$topic-r$1" TALLY_JOB__STATE_DIR="$dir/r$1/state"
+  export TALLY_KAFKA__CONSUMER_GROUP="tally-$topic-r$1" TALLY_KAFKA__DLQ_TOPIC="$topic-r$1.dlq"
+  export TALLY_CLICKHOUSE__DATABASE="${topic}_r$1"
+}
+
+# tally_run R -- catch-up of the whole topic; then a restart of the same state to time restore.
+tally_run() {
+  local r=$1 log="$dir/r$1/worker.log" consumed=0 peak_kib=0 kib pid
+  mkdir -p "$dir/r$r"
+  run_env "$r"
+  date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/started"
+  "$bin" run --config "$config" >"$log" 2>&1 &
+  pid=$!
+  trap "kill -9 $pid 2>/dev/null || true" EXIT
+  while [ "$consumed" -lt "$events" ]; do
+    sleep 0.2
+    kill -0 "$pid" 2>/dev/null || { echo "worker exited" >&2; tail -20 "$log" >&2; exit 1; }
+    consumed=$(sum_field consumed "$log")
+    kib=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
+    [ "${kib:-0}" -gt "$peak_kib" ] && peak_kib=$kib
+  done
+  echo "$peak_kib" >"$dir/r$r/peak_kib"
+  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+  # Restore: start again on the same state until it consumes, then stop.
+  date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/restarted"
+  "$bin" run --config "$config" >"$dir/r$r/restore.log" 2>&1 &
+  pid=$!
+  until grep -q 'resuming partition from checkpoint' "$dir/r$r/restore.log"; do
+    kill -0 "$pid" 2>/dev/null || { echo "restart exited" >&2; tail -20 "$dir/r$r/restore.log" >&2; exit 1; }
+    sleep 0.05
+  done
+  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+  trap - EXIT
+  "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' >"$dir/r$r/verify"
+}
+
+for r in $(seq 1 "$repeat"); do
+  # cargo runs benches in the package's directory: give it an absolute path.
+  cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+  tally_run "$r"
+  echo "run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
 done
-end_ns=$(date +%s%N)
-kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
-trap - EXIT
-secs=$(awk -v a="$start_ns" -v b="$end_ns" 'BEGIN {printf "%.2f", (b - a) / 1e9}')
-checkpoints=$(grep -c 'checkpoint committed' "$dir/worker.log")
-p50=$(grep -o 'millis=[0-9]*' "$dir/worker.log" | cut -d= -f2 | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
-p_max=$(grep -o 'millis=[0-9]*' "$dir/worker.log" | cut -d= -f2 | sort -n | tail -1)
-rows=$(sum_field rows "$dir/worker.log")
-printf '\n%-38s %s\n' "records" "$events"
-printf '%-38s %s s (start, catch-up, every epoch committed)\n' "wall time" "$secs"
-printf '%-38s %s records/s\n' "throughput" "$(awk -v n="$events" -v s="$secs" 'BEGIN {printf "%.0f", n / s}')"
-printf '%-38s %s MiB\n' "peak RSS (VmHWM)" "$((peak_kib / 1024))"
-printf '%-38s %s\n' "checkpoints" "$checkpoints"
-printf '%-38s %s ms / %s ms\n' "checkpoint+commit median / max" "$p50" "$p_max"
-printf '%-38s %s\n' "ClickHouse rows written" "$rows"
-"$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify'
+
+python3 benches/summarize.py "$dir" "$events" "$repeat"

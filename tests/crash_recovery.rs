@@ -147,6 +147,35 @@ async fn crash_after_pre_commit() {
     crash_at("after_precommit", &[]).await;
 }
 
+/// Pipelined checkpoints: the worker dies when an epoch is pre-committed while the one before
+/// it is still on its way to the sinks. The restart completes both, oldest first.
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_with_two_epochs_in_flight_recovers_both() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    // A backlog and short epochs: barriers come faster than the sinks commit.
+    let manifest = produce_generated(&topic, 2, 14, 40_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[
+        ("TALLY_FAULT", "two_in_flight"),
+        ("TALLY_JOB__CHECKPOINT_INTERVAL", "20ms"),
+    ]);
+    let status =
+        wait_exit(&mut worker, Duration::from_secs(90)).expect("the fault kills the worker");
+    assert_eq!(status.signal(), Some(9), "log:\n{}", job.log());
+    assert!(job.log().contains("two_in_flight"), "two_in_flight reached");
+    let before = job.log().len();
+    finish_and_check(&job, &manifest).await;
+    let restart = &job.log()[before..];
+    let recovered = restart
+        .matches("completed the commit of a pre-committed epoch")
+        .count();
+    assert!(
+        recovered >= 2,
+        "the restart completes both epochs in flight, got {recovered}; log:\n{restart}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_after_dead_letter_commit() {
     crash_at("after_dlq_commit", &[]).await;

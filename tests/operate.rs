@@ -187,8 +187,8 @@ async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
 
     // A checkpoint whose accounting does not balance.
     {
-        let mut store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
-        let meta = store.meta().cloned().unwrap();
+        let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+        let meta = store.meta().unwrap();
         let mut partitions = meta.partitions.clone();
         for c in partitions.values_mut() {
             c.totals.aggregated += 1;

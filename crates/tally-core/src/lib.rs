@@ -14,7 +14,8 @@ pub use amount::{Amount, AmountError};
 pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
 pub use mem::MemStore;
 pub use operator::{
-    Checkpoint, OperatorConfig, PartitionCheckpoint, Record, RevenueOperator, StateReader,
+    Checkpoint, EpochCut, OperatorConfig, PartitionCheckpoint, Record, RevenueOperator,
+    StateReader, WithInFlight,
 };
 pub use types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,

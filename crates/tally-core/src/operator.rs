@@ -6,7 +6,8 @@
 //! made durable in one atomic write. Every decision is a function of each partition's record
 //! sequence alone, so where barriers fall never changes the final results.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -117,7 +118,8 @@ pub struct RevenueOperator {
     decoder: RecordDecoder,
     epoch: Epoch,
     partitions: BTreeMap<PartitionId, PartitionState>,
-    dirty_windows: HashMap<(PartitionId, WindowKey), WindowAgg>,
+    /// Per partition, so that a lookup by `&WindowKey` needs no owned key.
+    dirty_windows: HashMap<PartitionId, HashMap<WindowKey, WindowAgg>>,
     dirty_seen: HashMap<PartitionId, HashMap<String, i64>>,
     dead_letters: Vec<DeadLetter>,
     dead_letter_bytes: usize,
@@ -263,12 +265,13 @@ impl RevenueOperator {
             customer_id: event.customer_id,
             currency: event.currency,
         };
-        let map_key = (record.partition, key);
-        let current = match self.dirty_windows.get(&map_key) {
+        let current = match self
+            .dirty_windows
+            .get(&record.partition)
+            .and_then(|windows| windows.get(&key))
+        {
             Some(agg) => *agg,
-            None => store
-                .window(record.partition, &map_key.1)?
-                .unwrap_or_default(),
+            None => store.window(record.partition, &key)?.unwrap_or_default(),
         };
         let updated = current
             .revenue
@@ -288,7 +291,10 @@ impl RevenueOperator {
                 },
             ));
         };
-        self.dirty_windows.insert(map_key, updated);
+        self.dirty_windows
+            .entry(record.partition)
+            .or_default()
+            .insert(key, updated);
         self.dirty_seen
             .entry(record.partition)
             .or_default()
@@ -350,35 +356,28 @@ impl RevenueOperator {
 
     /// Ends the current epoch: drains its changes into a [`Checkpoint`] and starts the next one.
     pub fn handle_checkpoint(&mut self, barrier: CheckpointBarrier) -> Checkpoint {
+        self.cut(barrier).to_checkpoint()
+    }
+
+    /// Ends the current epoch without sorting or copying anything: the changes move into an
+    /// [`EpochCut`] as they are, so the barrier costs the same however large the epoch. Until
+    /// the cut is durable the operator reads through it ([`WithInFlight`]).
+    pub fn cut(&mut self, barrier: CheckpointBarrier) -> EpochCut {
         debug_assert_eq!(barrier.epoch, self.epoch);
         let cfg = self.config;
-        let mut rows: Vec<OutputRow> = self
-            .dirty_windows
-            .drain()
-            .map(|((partition, key), value)| OutputRow {
-                partition,
-                window_end_ms: key.window_start_ms + cfg.window.size_ms,
-                key,
-                value,
-            })
-            .collect();
-        rows.sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
-        let mut seen: Vec<(PartitionId, String, i64)> = self
-            .dirty_seen
-            .drain()
-            .flat_map(|(p, ids)| ids.into_iter().map(move |(id, t)| (p, id, t)))
-            .collect();
-        seen.sort();
-        let mut checkpoint = Checkpoint {
+        let mut cut = EpochCut {
             epoch: self.epoch,
-            rows,
-            seen,
+            window_size_ms: cfg.window.size_ms,
+            windows: std::mem::take(&mut self.dirty_windows),
+            seen: std::mem::take(&mut self.dirty_seen),
             dead_letters: std::mem::take(&mut self.dead_letters),
-            ..Checkpoint::default()
+            partitions: BTreeMap::new(),
+            close_windows_before: Vec::new(),
+            expire_seen_before: Vec::new(),
         };
         self.dead_letter_bytes = 0;
         for (&p, state) in &mut self.partitions {
-            checkpoint.partitions.insert(
+            cut.partitions.insert(
                 p,
                 PartitionCheckpoint {
                     epoch_start_offset: state.epoch_start_offset,
@@ -393,15 +392,109 @@ impl RevenueOperator {
                 let close = wm
                     .saturating_sub(cfg.window.size_ms + cfg.allowed_lateness_ms)
                     .saturating_add(1);
-                checkpoint.close_windows_before.push((p, close));
+                cut.close_windows_before.push((p, close));
                 let expire = wm.saturating_sub(cfg.dedup_horizon_ms).saturating_add(1);
-                checkpoint.expire_seen_before.push((p, expire));
+                cut.expire_seen_before.push((p, expire));
             }
             state.epoch_start_offset = state.next_offset;
             state.epoch = Accounting::default();
         }
         self.epoch = self.epoch.next();
-        checkpoint
+        cut
+    }
+}
+
+/// An epoch's changes as the operator held them at the barrier: what a [`Checkpoint`] is made
+/// of, before sorting.
+#[derive(Debug, Default)]
+pub struct EpochCut {
+    pub epoch: Epoch,
+    window_size_ms: i64,
+    windows: HashMap<PartitionId, HashMap<WindowKey, WindowAgg>>,
+    seen: HashMap<PartitionId, HashMap<String, i64>>,
+    pub dead_letters: Vec<DeadLetter>,
+    pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
+    close_windows_before: Vec<(PartitionId, i64)>,
+    expire_seen_before: Vec<(PartitionId, i64)>,
+}
+
+impl EpochCut {
+    /// The checkpoint of this cut, rows and seen ids sorted so that it encodes the same
+    /// whatever the hash order.
+    pub fn to_checkpoint(&self) -> Checkpoint {
+        let mut rows: Vec<OutputRow> = self
+            .windows
+            .iter()
+            .flat_map(|(&partition, windows)| {
+                windows.iter().map(move |(key, value)| OutputRow {
+                    partition,
+                    window_end_ms: key.window_start_ms + self.window_size_ms,
+                    key: key.clone(),
+                    value: *value,
+                })
+            })
+            .collect();
+        rows.sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+        let mut seen: Vec<(PartitionId, String, i64)> = self
+            .seen
+            .iter()
+            .flat_map(|(&p, ids)| ids.iter().map(move |(id, t)| (p, id.clone(), *t)))
+            .collect();
+        seen.sort();
+        Checkpoint {
+            epoch: self.epoch,
+            partitions: self.partitions.clone(),
+            rows,
+            seen,
+            dead_letters: self.dead_letters.clone(),
+            close_windows_before: self.close_windows_before.clone(),
+            expire_seen_before: self.expire_seen_before.clone(),
+        }
+    }
+
+    /// Records consumed in this epoch.
+    pub fn consumed(&self) -> u64 {
+        self.partitions.values().map(|p| p.epoch.consumed).sum()
+    }
+}
+
+/// The durable state as it will be once the cuts in flight are written: the newest cut that
+/// changed a key wins, then the store. Windows a cut closed and dedup entries it expired can
+/// still be read here, and give the same decisions as their absence: a record for a closed
+/// window is late, and an expired entry is past the horizon either way.
+pub struct WithInFlight<'a, S> {
+    /// Oldest first.
+    pub cuts: &'a VecDeque<Arc<EpochCut>>,
+    pub store: &'a S,
+}
+
+impl<S: StateReader> StateReader for WithInFlight<'_, S> {
+    type Error = S::Error;
+
+    fn window(
+        &self,
+        partition: PartitionId,
+        key: &WindowKey,
+    ) -> Result<Option<WindowAgg>, S::Error> {
+        for cut in self.cuts.iter().rev() {
+            if let Some(agg) = cut.windows.get(&partition).and_then(|w| w.get(key)) {
+                return Ok(Some(*agg));
+            }
+        }
+        self.store.window(partition, key)
+    }
+
+    fn seen_event_time(
+        &self,
+        partition: PartitionId,
+        event_id: &str,
+    ) -> Result<Option<i64>, S::Error> {
+        for cut in self.cuts.iter().rev() {
+            if let Some(t) = cut.seen.get(&partition).and_then(|ids| ids.get(event_id)) {
+                return Ok(Some(*t));
+            }
+        }
+        self.store.seen_event_time(partition, event_id)
     }
 }
 

@@ -1,13 +1,14 @@
 //! Property tests over random streams with disorder, duplicates, poison and late events.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 
 use proptest::prelude::*;
 use tally_core::decode::FieldMapping;
 use tally_core::{
-    Accounting, CheckpointBarrier, MemStore, OperatorConfig, PartitionId, Record, RecordDecoder,
-    RevenueOperator, WindowAgg, WindowKey, WindowSpec,
+    Accounting, Checkpoint, CheckpointBarrier, EpochCut, MemStore, OperatorConfig, PartitionId,
+    Record, RecordDecoder, RevenueOperator, WindowAgg, WindowKey, WindowSpec, WithInFlight,
 };
 
 const CONFIG: OperatorConfig = OperatorConfig {
@@ -139,37 +140,91 @@ fn process(
             cp.dead_letters.len() as u64,
             cp.accounting().dead_lettered + cp.accounting().late
         );
-        store.apply(&cp);
-        for row in &cp.rows {
-            outputs
-                .view
-                .insert((row.partition, row.key.clone()), row.value);
-        }
-        for dl in &cp.dead_letters {
-            let previous = outputs
-                .dead_letters
-                .insert((dl.partition, dl.offset), dl.reason.to_string());
-            assert_eq!(previous, None, "dead letter repeated: {dl:?}");
-        }
-        for (p, pc) in &cp.partitions {
-            outputs.totals.insert(*p, pc.totals);
-        }
+        commit(store, outputs, &cp);
     };
     for (i, (p, offset, value)) in records.iter().enumerate() {
-        let record = Record {
-            partition: *p,
-            offset: *offset,
-            timestamp_ms: Some(0),
-            key: None,
-            value: Some(value),
-        };
-        let Ok(_) = op.process(&*store, record);
+        let Ok(_) = op.process(&*store, record(*p, *offset, value));
         if barriers.contains(&i) {
             checkpoint(&mut op, store, outputs);
             snapshots.push((store.clone(), clone_outputs(outputs)));
         }
     }
     checkpoint(&mut op, store, outputs);
+}
+
+fn record(partition: PartitionId, offset: i64, value: &[u8]) -> Record<'_> {
+    Record {
+        partition,
+        offset,
+        timestamp_ms: Some(0),
+        key: None,
+        value: Some(value),
+    }
+}
+
+/// What the committer does with a checkpoint: the store and the sinks take it.
+fn commit(store: &mut MemStore, outputs: &mut Outputs, cp: &Checkpoint) {
+    store.apply(cp);
+    for row in &cp.rows {
+        outputs
+            .view
+            .insert((row.partition, row.key.clone()), row.value);
+    }
+    for dl in &cp.dead_letters {
+        let previous = outputs
+            .dead_letters
+            .insert((dl.partition, dl.offset), dl.reason.to_string());
+        assert_eq!(previous, None, "dead letter repeated: {dl:?}");
+    }
+    for (p, pc) in &cp.partitions {
+        outputs.totals.insert(*p, pc.totals);
+    }
+}
+
+/// Like `run`, but each cut becomes durable only later (pipelined checkpoints): the operator
+/// goes on reading through the cuts in flight. After each record in `commit_at` the oldest cut
+/// in flight is committed; at most `max_in_flight` are held.
+fn run_pipelined(
+    records: &[(PartitionId, i64, Vec<u8>)],
+    barriers: &BTreeSet<usize>,
+    commit_at: &BTreeSet<usize>,
+    max_in_flight: usize,
+) -> (MemStore, Outputs) {
+    let mut store = MemStore::default();
+    let mut outputs = Outputs::default();
+    let mut in_flight: VecDeque<Arc<EpochCut>> = VecDeque::new();
+    let mut op = RevenueOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
+    let barrier = |op: &mut RevenueOperator| {
+        Arc::new(op.cut(CheckpointBarrier {
+            epoch: op.current_epoch(),
+            is_final: false,
+        }))
+    };
+    for (i, (p, offset, value)) in records.iter().enumerate() {
+        let reader = WithInFlight {
+            cuts: &in_flight,
+            store: &store,
+        };
+        let Ok(_) = op.process(&reader, record(*p, *offset, value));
+        if barriers.contains(&i) {
+            // Backpressure: a full pipeline commits its oldest cut first.
+            while in_flight.len() >= max_in_flight {
+                let cut = in_flight.pop_front().unwrap();
+                commit(&mut store, &mut outputs, &cut.to_checkpoint());
+            }
+            in_flight.push_back(barrier(&mut op));
+        }
+        if commit_at.contains(&i)
+            && let Some(cut) = in_flight.pop_front()
+        {
+            commit(&mut store, &mut outputs, &cut.to_checkpoint());
+        }
+    }
+    in_flight.push_back(barrier(&mut op));
+    for cut in in_flight {
+        commit(&mut store, &mut outputs, &cut.to_checkpoint());
+    }
+    (store, outputs)
 }
 
 fn clone_outputs(o: &Outputs) -> Outputs {
@@ -233,6 +288,22 @@ proptest! {
     ) {
         let records = records(&items);
         prop_assert_eq!(run(&records, &a).outputs, run(&records, &b).outputs);
+    }
+
+    /// Committing each epoch later, while the next ones are processed through the cuts in
+    /// flight, gives the same outputs and the same durable state as committing at the barrier.
+    #[test]
+    fn pipelined_commits_equal_stop_the_world(
+        items in stream(),
+        barriers in prop::collection::btree_set(0usize..160, 0..20),
+        commit_at in prop::collection::btree_set(0usize..160, 0..20),
+        max_in_flight in 1usize..4,
+    ) {
+        let records = records(&items);
+        let reference = run(&records, &barriers);
+        let (store, outputs) = run_pipelined(&records, &barriers, &commit_at, max_in_flight);
+        prop_assert_eq!(&outputs, &reference.outputs);
+        prop_assert_eq!(store, reference.store);
     }
 
     /// Revenue per window equals the sum of accepted amounts: the view and the accounting agree.

@@ -9,10 +9,11 @@ mod keys;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use rocksdb::{
     BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options,
-    WriteBatch, WriteOptions,
+    WriteBatch, WriteBufferManager, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
 use tally_core::{
@@ -29,6 +30,8 @@ const CF_SEEN_TIME: &str = "seen_by_time";
 const CF_PENDING: &str = "pending";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
+/// Memory for all memtables together (each column family's is 16 MiB at most).
+const MEMTABLE_BUDGET: usize = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -87,11 +90,13 @@ pub struct CheckpointMeta {
     pub closed_windows_before: BTreeMap<PartitionId, i64>,
 }
 
+/// Shared by the operator, which reads, and the committer, which writes: RocksDB is safe to use
+/// from several threads, and the metadata of the last checkpoint sits behind a lock.
 pub struct StateStore {
     db: DB,
     path: PathBuf,
     job: String,
-    meta: Option<CheckpointMeta>,
+    meta: Mutex<Option<CheckpointMeta>>,
 }
 
 fn bincode_config() -> bincode::config::Configuration {
@@ -123,7 +128,16 @@ impl StateStore {
         cf_opts.set_block_based_table_factory(&table);
         cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
         cf_opts.set_write_buffer_size(16 << 20);
+        // Most dedup lookups are for ids never seen: a bloom filter per memtable answers them
+        // without searching the memtable's skip list.
+        cf_opts.set_memtable_prefix_bloom_ratio(0.05);
+        cf_opts.set_memtable_whole_key_filtering(true);
         let mut db_opts = Options::default();
+        // One budget for the memtables of every column family, whatever the mix of writes.
+        db_opts.set_write_buffer_manager(&WriteBufferManager::new_write_buffer_manager(
+            MEMTABLE_BUDGET,
+            false,
+        ));
         db_opts.create_if_missing(true);
         db_opts.create_missing_column_families(true);
         db_opts.set_max_background_jobs(2);
@@ -132,15 +146,16 @@ impl StateStore {
             .into_iter()
             .map(|name| ColumnFamilyDescriptor::new(name, cf_opts.clone()));
         let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(rocks)?;
-        let mut store = StateStore {
+        let store = StateStore {
             db,
             path,
             job: job.to_owned(),
-            meta: None,
+            meta: Mutex::new(None),
         };
         store.check_format()?;
-        store.meta = store.read_meta()?;
-        if let Some(meta) = &store.meta
+        let meta = store.read_meta()?;
+        *store.meta_lock() = meta.clone();
+        if let Some(meta) = &meta
             && meta.job != job
         {
             return Err(StateError::JobMismatch {
@@ -157,8 +172,16 @@ impl StateStore {
     }
 
     /// The last checkpoint, or `None` for a new store.
-    pub fn meta(&self) -> Option<&CheckpointMeta> {
-        self.meta.as_ref()
+    pub fn meta(&self) -> Option<CheckpointMeta> {
+        self.meta_lock().clone()
+    }
+
+    fn meta_lock(&self) -> MutexGuard<'_, Option<CheckpointMeta>> {
+        // The guarded value is replaced whole, never left half-updated: a poisoned lock still
+        // holds a consistent value.
+        self.meta
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn rocks(&self, source: rocksdb::Error) -> StateError {
@@ -240,7 +263,13 @@ impl StateStore {
 
     /// Makes a checkpoint durable: state changes, offsets, accounting and the epoch's pending
     /// outputs in one synced write batch. After this returns, a crash resumes from here.
-    pub fn pre_commit(&mut self, checkpoint: &Checkpoint) -> Result<(), StateError> {
+    ///
+    /// Checkpoints are written by one thread, in epoch order. Only writes, no reads per entry
+    /// (a read per dedup id was half of this call's time and grew with the store): it relies on
+    /// the operator's dedup rule, under which an id already stored is recorded again only once
+    /// its stored time is past the horizon, i.e. below this checkpoint's expiry cutoff, so the
+    /// expiry below has removed (or removes first) its old entries.
+    pub fn pre_commit(&self, checkpoint: &Checkpoint) -> Result<(), StateError> {
         let (meta_cf, windows_cf, id_cf, time_cf, pending_cf) = (
             self.cf(CF_META)?,
             self.cf(CF_WINDOWS)?,
@@ -249,7 +278,7 @@ impl StateStore {
             self.cf(CF_PENDING)?,
         );
         let mut batch = WriteBatch::default();
-        let (mut expired_seen_before, mut closed_windows_before) = match &self.meta {
+        let (mut expired_seen_before, mut closed_windows_before) = match &self.meta() {
             Some(m) => (
                 m.expired_seen_before.clone(),
                 m.closed_windows_before.clone(),
@@ -277,12 +306,10 @@ impl StateStore {
                     break;
                 }
                 batch.delete_cf(time_cf, &key);
-                let (_, t, id) = keys::decode_seen_time(&key)
+                let (_, _, id) = keys::decode_seen_time(&key)
                     .ok_or_else(|| self.corrupt_key("dedup time index"))?;
-                let by_id = keys::seen_id(p, id);
-                if self.seen_at(id_cf, &by_id)? == Some(t) {
-                    batch.delete_cf(id_cf, &by_id);
-                }
+                // Each id has one time-index entry (see above): this is its id entry.
+                batch.delete_cf(id_cf, keys::seen_id(p, id));
             }
             expired_seen_before.insert(p, cutoff);
         }
@@ -290,11 +317,6 @@ impl StateStore {
         let cutoffs = &expired_seen_before;
         for (p, id, t) in &checkpoint.seen {
             let by_id = keys::seen_id(*p, id.as_bytes());
-            if let Some(old) = self.seen_at(id_cf, &by_id)?
-                && old != *t
-            {
-                batch.delete_cf(time_cf, keys::seen_time(*p, old, id.as_bytes()));
-            }
             // Already past the horizon at this checkpoint: it expires with the others.
             if cutoffs.get(p).is_some_and(|cutoff| t < cutoff) {
                 batch.delete_cf(id_cf, &by_id);
@@ -348,30 +370,65 @@ impl StateStore {
             KEY_CHECKPOINT,
             self.encode(&meta, "checkpoint metadata")?,
         );
+        // Under the lock: a concurrent `mark_committed` of the previous epoch must not write
+        // its metadata over this one's.
+        let mut current = self.meta_lock();
         self.write(batch)?;
-        self.meta = Some(meta);
+        *current = Some(meta);
         Ok(())
     }
 
-    /// Records that every sink has `epoch`'s outputs and drops them from the store.
-    pub fn mark_committed(&mut self, epoch: Epoch) -> Result<(), StateError> {
-        let Some(mut meta) = self.meta.clone() else {
+    /// Records that every sink has `epoch`'s outputs and drops them from the store. With
+    /// checkpoints pipelined, a later epoch may be pre-committed already: the last checkpoint's
+    /// status changes only when `epoch` is that checkpoint.
+    pub fn mark_committed(&self, epoch: Epoch) -> Result<(), StateError> {
+        let mut current = self.meta_lock();
+        let Some(mut meta) = current.clone() else {
             return Err(StateError::MissingPending {
                 path: self.path.clone(),
                 epoch,
             });
         };
-        meta.status = EpochStatus::Committed;
         let mut batch = WriteBatch::default();
         batch.delete_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes());
-        batch.put_cf(
-            self.cf(CF_META)?,
-            KEY_CHECKPOINT,
-            self.encode(&meta, "checkpoint metadata")?,
-        );
+        if meta.epoch == epoch {
+            meta.status = EpochStatus::Committed;
+            batch.put_cf(
+                self.cf(CF_META)?,
+                KEY_CHECKPOINT,
+                self.encode(&meta, "checkpoint metadata")?,
+            );
+        }
         self.write(batch)?;
-        self.meta = Some(meta);
+        if meta.epoch == epoch {
+            *current = Some(meta);
+        }
         Ok(())
+    }
+
+    /// Writes the memtables to files, so that the next open does not replay the write-ahead
+    /// log: a clean stop then restores in the time it takes to open the files.
+    pub fn flush(&self) -> Result<(), StateError> {
+        for name in [CF_META, CF_WINDOWS, CF_SEEN_ID, CF_SEEN_TIME, CF_PENDING] {
+            self.db
+                .flush_cf(self.cf(name)?)
+                .map_err(|e| self.rocks(e))?;
+        }
+        Ok(())
+    }
+
+    /// Epochs pre-committed and not yet marked committed, oldest first: what a restart must
+    /// complete before reading new input.
+    pub fn pending_epochs(&self) -> Result<Vec<Epoch>, StateError> {
+        let cf = self.cf(CF_PENDING)?;
+        let mut epochs = Vec::new();
+        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
+            let (key, _) = item.map_err(|e| self.rocks(e))?;
+            let bytes =
+                <[u8; 8]>::try_from(key.as_ref()).map_err(|_| self.corrupt_key("pending epoch"))?;
+            epochs.push(Epoch(u64::from_be_bytes(bytes)));
+        }
+        Ok(epochs)
     }
 
     /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`].

@@ -129,6 +129,10 @@ pub struct JobConfig {
     pub start_from: StartFrom,
     #[serde(default = "default_max_record_bytes", deserialize_with = "de_u64")]
     pub max_record_bytes: u64,
+    /// Epochs handed to the committer and not yet committed while the operator goes on
+    /// consuming; the operator waits at a barrier when this many are in flight.
+    #[serde(default = "default_max_epochs_in_flight", deserialize_with = "de_u64")]
+    pub max_epochs_in_flight: u64,
 }
 
 fn default_checkpoint_interval() -> Millis {
@@ -139,6 +143,9 @@ fn default_start_from() -> StartFrom {
 }
 fn default_max_record_bytes() -> u64 {
     1 << 20
+}
+fn default_max_epochs_in_flight() -> u64 {
+    2
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -407,6 +414,15 @@ impl Config {
                 format!(
                     "{retention} is shorter than window.size + window.allowed_lateness ({}): windows would be dropped before they are final",
                     Millis(w.size.0 + w.allowed_lateness.0)
+                ),
+            ));
+        }
+        if !(1..=4).contains(&self.job.max_epochs_in_flight) {
+            return Err((
+                "job.max_epochs_in_flight",
+                format!(
+                    "{} is outside 1..=4 (each epoch in flight holds its changes in memory)",
+                    self.job.max_epochs_in_flight
                 ),
             ));
         }

@@ -17,7 +17,10 @@ pub struct CommitPhases {
 /// An epoch whose outputs every sink now has.
 pub struct CheckpointCommitted<'a> {
     pub checkpoint: &'a Checkpoint,
-    pub duration: Duration,
+    /// From the barrier to committed in every sink.
+    pub latency: Duration,
+    /// How long the operator stopped consuming at the barrier.
+    pub pause: Duration,
     pub phases: CommitPhases,
     pub recovered: bool,
 }
@@ -34,7 +37,8 @@ impl CheckpointCommitted<'_> {
             late = acc.late,
             dead_lettered = acc.dead_lettered,
             rows = cp.rows.len(),
-            millis = self.duration.as_millis() as u64,
+            millis = self.latency.as_millis() as u64,
+            pause_us = self.pause.as_micros() as u64,
             pre_commit_ms = self.phases.pre_commit.as_millis() as u64,
             dead_letters_ms = self.phases.dead_letters.as_millis() as u64,
             clickhouse_ms = self.phases.clickhouse.as_millis() as u64,
@@ -58,7 +62,7 @@ impl CheckpointCommitted<'_> {
         }
         counter!("tally_sink_rows_written_total").increment(cp.rows.len() as u64);
         counter!("tally_checkpoints_committed_total").increment(1);
-        histogram!("tally_checkpoint_duration_seconds").record(self.duration.as_secs_f64());
+        histogram!("tally_checkpoint_duration_seconds").record(self.latency.as_secs_f64());
         for (phase, d) in [
             ("pre_commit", self.phases.pre_commit),
             ("dead_letters", self.phases.dead_letters),
@@ -91,6 +95,21 @@ impl SinkRetry<'_> {
     pub fn emit(&self) {
         tracing::warn!(sink = self.sink, epoch = %self.epoch, attempt = self.attempt, backoff_ms = self.backoff.as_millis() as u64, error = self.error, "sink write failed; retrying");
         counter!("tally_sink_retries_total", "sink" => self.sink).increment(1);
+    }
+}
+
+/// An epoch cut at a barrier and handed to the committer; the operator goes on consuming.
+pub struct CheckpointCut {
+    pub epoch: Epoch,
+    pub records: u64,
+    /// How long the operator stopped consuming: the cut, plus any wait for the committer.
+    pub pause: Duration,
+}
+
+impl CheckpointCut {
+    pub fn emit(&self) {
+        tracing::debug!(epoch = %self.epoch, records = self.records, pause_us = self.pause.as_micros() as u64, "epoch cut");
+        histogram!("tally_checkpoint_pause_seconds").record(self.pause.as_secs_f64());
     }
 }
 

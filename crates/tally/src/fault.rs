@@ -9,6 +9,8 @@ use tally_core::Epoch;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultPoint {
     AfterPreCommit,
+    /// Pre-committed while an earlier epoch is pre-committed and not yet committed.
+    TwoInFlight,
     AfterDeadLetterCommit,
     MidClickHouseInsert,
     AfterClickHouseInsert,
@@ -19,8 +21,9 @@ pub enum FaultPoint {
 }
 
 impl FaultPoint {
-    pub const ALL: [FaultPoint; 8] = [
+    pub const ALL: [FaultPoint; 9] = [
         FaultPoint::AfterPreCommit,
+        FaultPoint::TwoInFlight,
         FaultPoint::AfterDeadLetterCommit,
         FaultPoint::MidClickHouseInsert,
         FaultPoint::AfterClickHouseInsert,
@@ -33,6 +36,7 @@ impl FaultPoint {
     pub fn name(self) -> &'static str {
         match self {
             FaultPoint::AfterPreCommit => "after_precommit",
+            FaultPoint::TwoInFlight => "two_in_flight",
             FaultPoint::AfterDeadLetterCommit => "after_dlq_commit",
             FaultPoint::MidClickHouseInsert => "mid_clickhouse_insert",
             FaultPoint::AfterClickHouseInsert => "after_clickhouse_insert",

@@ -4,25 +4,34 @@
 //! in one synced RocksDB batch) → commit the dead letters and the group offsets in one Kafka
 //! transaction → write the ClickHouse batch and its commit-log row → **mark committed**. Every
 //! sink step is idempotent and checkable, so a process that dies anywhere restarts by finishing
-//! the pre-committed epoch before it reads new input.
+//! the pre-committed epochs, oldest first, before it reads new input.
+//!
+//! Pipelined: at a barrier the operator only cuts the epoch ([`EpochCut`], no copy) and goes on
+//! consuming, reading through the cuts not yet durable. Two threads commit behind it, in epoch
+//! order: the persister pre-commits each cut, the sink thread commits it to Kafka and
+//! ClickHouse and marks it committed. At most `job.max_epochs_in_flight` epochs are between
+//! barrier and committed; at the limit the operator waits (backpressure).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, WriteOutcome, WriteStep};
 use tally_core::{
-    Checkpoint, CheckpointBarrier, Epoch, PartitionId, RecordDecoder, RevenueOperator,
+    Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
+    WithInFlight,
 };
 use tally_kafka::{DeadLetterProducer, KafkaSettings, Source, StartFrom, epoch_from_metadata};
-use tally_state::{EpochStatus, StateStore};
+use tally_state::StateStore;
 use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
 use crate::events::{
-    CheckpointCommitted, CommitPhases, EpochRecovered, Folded, LagMeasured, SinkRetry,
+    CheckpointCommitted, CheckpointCut, CommitPhases, EpochRecovered, Folded, LagMeasured,
+    SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
@@ -52,23 +61,53 @@ enum CommitStep {
 #[error("stopped while waiting for {0}")]
 pub struct Interrupted(&'static str);
 
+/// A job's worker: the operator thread's part and the committing part.
 pub struct Worker {
+    consumer: Consumer,
+    sinks: Sinks,
+}
+
+/// The commit side: completes epochs in both sinks and marks them committed; folds.
+struct Sinks {
     config: Config,
     rt: Handle,
     shutdown: Arc<AtomicBool>,
     fault: FaultPlan,
-    store: StateStore,
+    store: Arc<StateStore>,
     sink: ClickHouseSink,
-    source: Source,
     dlq: Option<DeadLetterProducer>,
     kafka: KafkaSettings,
+    /// A consumer of the job's group that is never assigned anything: it reads the group's
+    /// committed offsets and gives the group metadata for the transactions.
+    group: Source,
     partitions: Vec<PartitionId>,
     phases: CommitPhases,
     /// When the next fold step is due; `None` when folding is off.
     next_fold: Option<Instant>,
-    /// When consumer lag was last measured.
-    last_lag: Option<Instant>,
     readiness: Arc<Readiness>,
+}
+
+/// An epoch on its way from the barrier to committed.
+struct Handoff {
+    cut: Arc<EpochCut>,
+    barrier_at: Instant,
+    pause: Duration,
+}
+
+/// A pre-committed epoch on its way to the sinks.
+struct Persisted {
+    checkpoint: Checkpoint,
+    barrier_at: Instant,
+    pause: Duration,
+    pre_commit: Duration,
+}
+
+/// What the committing threads tell the operator.
+enum Progress {
+    /// Durable in RocksDB: the operator stops reading through its cut.
+    Persisted(Epoch),
+    /// In every sink.
+    Committed,
 }
 
 impl Worker {
@@ -89,7 +128,16 @@ impl Worker {
                 config.job.state_dir.display()
             )
         })?;
-        let store = StateStore::open(&config.job.state_dir, &config.state_identity())?;
+        let opening = Instant::now();
+        let store = Arc::new(StateStore::open(
+            &config.job.state_dir,
+            &config.state_identity(),
+        )?);
+        tracing::info!(
+            millis = opening.elapsed().as_millis() as u64,
+            path = %config.job.state_dir.display(),
+            "opened state store"
+        );
         let kafka = config.kafka_settings();
         let settings = config.sink_settings();
         let sink = wait_for("clickhouse", &shutdown, || {
@@ -141,50 +189,158 @@ impl Worker {
             tracing::info!(topic = %dlq_topic, "created dead-letter topic");
         }
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
-        Ok(Worker {
-            config,
+        let group = Source::connect(
+            &kafka,
+            &config.kafka.source_topic,
+            &config.kafka.consumer_group,
+        )?;
+        let sinks = Sinks {
+            config: config.clone(),
             rt,
-            shutdown,
+            shutdown: shutdown.clone(),
             fault,
-            store,
+            store: store.clone(),
             sink,
-            source,
             dlq: None,
             kafka,
-            partitions,
+            group,
+            partitions: partitions.clone(),
             phases: CommitPhases::default(),
             next_fold: None,
-            last_lag: None,
-            readiness,
+            readiness: readiness.clone(),
+        };
+        Ok(Worker {
+            consumer: Consumer {
+                config,
+                shutdown,
+                store,
+                source,
+                partitions,
+                last_lag: None,
+                readiness,
+            },
+            sinks,
         })
     }
 
+    /// Runs until SIGTERM/SIGINT, then takes a final checkpoint.
+    pub fn run(self) -> Result<()> {
+        let Worker {
+            mut consumer,
+            mut sinks,
+        } = self;
+        sinks.check_sink_matches_state()?;
+        sinks.recover()?;
+        if sinks.dlq.is_none() {
+            // Fence any earlier instance now, not at the first checkpoint.
+            let producer = wait_for("kafka", &sinks.shutdown, || {
+                sinks.connect_dead_letters().map_err(|e| e.to_string())
+            })?;
+            sinks.dlq = Some(producer);
+        }
+        if consumer.config.clickhouse.fold_interval.0 > 0 {
+            // Fold as soon as the sink thread starts: it also repairs a fold step that a crash
+            // interrupted. The view is whole at every step, so consumption need not wait for it.
+            sinks.next_fold = Some(Instant::now());
+        }
+        let mut operator = consumer.restore_operator()?;
+        consumer.source.assign(&operator.next_offsets())?;
+        consumer.readiness.set_restored();
+
+        let (handoff_tx, handoff_rx) = mpsc::channel::<Handoff>();
+        let (persisted_tx, persisted_rx) = mpsc::channel::<Persisted>();
+        let (progress_tx, progress_rx) = mpsc::channel::<Progress>();
+        let persister = Persister {
+            store: consumer.store.clone(),
+            fault: sinks.fault,
+        };
+        let progress = progress_tx.clone();
+        let persister = std::thread::Builder::new()
+            .name("tally-persist".into())
+            .spawn(move || persister.run(handoff_rx, persisted_tx, progress))
+            .context("starting the persister thread")?;
+        let sink_thread = std::thread::Builder::new()
+            .name("tally-sinks".into())
+            .spawn(move || sinks.run(persisted_rx, progress_tx))
+            .context("starting the sink thread")?;
+
+        let consumed = consumer.consume(&mut operator, handoff_tx, progress_rx);
+        // The committing threads finish what was handed to them (or stop at a shutdown).
+        let persisted = persister
+            .join()
+            .map_err(|_| anyhow!("the persister thread panicked"))?;
+        let committed = sink_thread
+            .join()
+            .map_err(|_| anyhow!("the sink thread panicked"))?;
+        let outcome = match (consumed, persisted.and(committed)) {
+            (Ok(stop), Ok(())) => Ok(stop),
+            (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+        };
+        if outcome.is_ok()
+            && let Err(e) = consumer.store.flush()
+        {
+            // Only the next start's speed depends on it.
+            tracing::warn!(error = %e, "could not flush the state store at stop");
+        }
+        match outcome {
+            Err(e) if e.is::<Interrupted>() => {
+                tracing::warn!(
+                    "stopping with epochs pre-committed or not yet cut; the next start completes them"
+                );
+                Ok(())
+            }
+            Err(e) => Err(e),
+            Ok(Stop::Idle) => {
+                tracing::info!("nothing consumed since the last checkpoint; stopping");
+                Ok(())
+            }
+            Ok(Stop::Final(epoch)) => {
+                tracing::info!(%epoch, "final checkpoint committed; stopping");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// How the consume loop ended.
+enum Stop {
+    /// Nothing was consumed since the last committed checkpoint.
+    Idle,
+    /// The last epoch cut, committed by the time the threads are joined.
+    Final(Epoch),
+}
+
+/// The operator side: consumes, processes, cuts epochs.
+struct Consumer {
+    config: Config,
+    shutdown: Arc<AtomicBool>,
+    store: Arc<StateStore>,
+    source: Source,
+    partitions: Vec<PartitionId>,
+    /// When consumer lag was last measured.
+    last_lag: Option<Instant>,
+    readiness: Arc<Readiness>,
+}
+
+impl Consumer {
     fn stopping(&self) -> bool {
         self.shutdown.load(Ordering::SeqCst)
     }
 
-    /// Runs until SIGTERM/SIGINT, then takes a final checkpoint.
-    pub fn run(mut self) -> Result<()> {
-        self.check_sink_matches_state()?;
-        self.recover()?;
-        if self.dlq.is_none() {
-            // Fence any earlier instance now, not at the first checkpoint.
-            let producer = wait_for("kafka", &self.shutdown, || {
-                self.connect_dead_letters().map_err(|e| e.to_string())
-            })?;
-            self.dlq = Some(producer);
-        }
-        if self.config.clickhouse.fold_interval.0 > 0 {
-            // Fold once at start: it also repairs a fold step that a crash interrupted.
-            self.next_fold = Some(Instant::now());
-            self.maybe_fold(self.store.meta().map_or(Epoch(0), |m| m.epoch));
-        }
-        let mut operator = self.restore_operator()?;
-        self.source.assign(&operator.next_offsets())?;
-        self.readiness.set_restored();
+    /// Consumes and cuts epochs until a stop; hands every cut to the persister.
+    fn consume(
+        &mut self,
+        operator: &mut RevenueOperator,
+        handoff: Sender<Handoff>,
+        progress: Receiver<Progress>,
+    ) -> Result<Stop> {
         let interval = self.config.job.checkpoint_interval.as_duration();
+        let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
         let mut next_barrier = Instant::now() + interval;
         let mut consume_errors = 0u64;
+        // Cut but not yet durable: read through them, oldest first.
+        let mut not_durable: VecDeque<Arc<EpochCut>> = VecDeque::new();
+        let mut uncommitted = 0usize;
         // Partitions that started from `start_from` have no checkpoint yet: take one even if idle,
         // so a restart resumes at the resolved offset instead of resolving `latest` again.
         let mut must_checkpoint = self.store.meta().is_none_or(|m| {
@@ -192,51 +348,89 @@ impl Worker {
                 .iter()
                 .any(|p| !m.partitions.contains_key(p))
         });
+        // Applies what the committing threads report.
+        let apply = |event: Progress,
+                     not_durable: &mut VecDeque<Arc<EpochCut>>,
+                     uncommitted: &mut usize| match event {
+            Progress::Persisted(epoch) => {
+                while not_durable.front().is_some_and(|c| c.epoch <= epoch) {
+                    not_durable.pop_front();
+                }
+            }
+            Progress::Committed => *uncommitted = uncommitted.saturating_sub(1),
+        };
         loop {
+            loop {
+                match progress.try_recv() {
+                    Ok(event) => apply(event, &mut not_durable, &mut uncommitted),
+                    Err(TryRecvError::Empty) => break,
+                    // A committing thread stopped: its error comes from joining it.
+                    Err(TryRecvError::Disconnected) => return Ok(Stop::Idle),
+                }
+            }
             // An idle epoch changes nothing: skip it rather than commit empty batches.
             let idle = operator.pending_records() == 0 && !must_checkpoint;
-            if self.stopping() && idle {
-                tracing::info!("nothing consumed since the last checkpoint; stopping");
-                return Ok(());
+            let stopping = self.stopping();
+            if stopping && idle {
+                return Ok(Stop::Idle);
             }
             if idle && Instant::now() >= next_barrier {
                 next_barrier = Instant::now() + interval;
-                // Input has stopped, but the last epochs' versions still get folded and dropped.
-                self.maybe_fold(operator.current_epoch());
                 self.maybe_report_lag(&operator.next_offsets());
             }
-            let stopping = self.stopping();
             let full = operator.pending_records() >= MAX_EPOCH_RECORDS
                 || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES;
-            if stopping || full || Instant::now() >= next_barrier {
+            if !idle && (stopping || full || Instant::now() >= next_barrier) {
+                let barrier_at = Instant::now();
+                // Backpressure: the committer is `max_in_flight` epochs behind.
+                while uncommitted >= max_in_flight {
+                    match progress.recv_timeout(POLL) {
+                        Ok(event) => apply(event, &mut not_durable, &mut uncommitted),
+                        Err(RecvTimeoutError::Timeout) => {}
+                        Err(RecvTimeoutError::Disconnected) => return Ok(Stop::Idle),
+                    }
+                }
                 let epoch = operator.current_epoch();
-                let barrier = CheckpointBarrier {
+                let cut = Arc::new(operator.cut(CheckpointBarrier {
                     epoch,
                     is_final: stopping,
-                };
-                match self.checkpoint(&mut operator, barrier) {
-                    Ok(()) if stopping => {
-                        tracing::info!(%epoch, "final checkpoint committed; stopping");
-                        return Ok(());
-                    }
-                    Ok(()) => {}
-                    Err(e) if e.is::<Interrupted>() => {
-                        tracing::warn!(%epoch, "stopping with epoch pre-committed; the next start completes it");
-                        return Ok(());
-                    }
-                    Err(e) => return Err(e),
+                }));
+                let pause = barrier_at.elapsed();
+                CheckpointCut {
+                    epoch,
+                    records: cut.consumed(),
+                    pause,
+                }
+                .emit();
+                not_durable.push_back(cut.clone());
+                uncommitted += 1;
+                if handoff
+                    .send(Handoff {
+                        cut,
+                        barrier_at,
+                        pause,
+                    })
+                    .is_err()
+                {
+                    return Ok(Stop::Idle);
                 }
                 next_barrier = Instant::now() + interval;
                 must_checkpoint = false;
-                self.maybe_fold(epoch);
                 self.maybe_report_lag(&operator.next_offsets());
+                if stopping {
+                    return Ok(Stop::Final(epoch));
+                }
                 continue;
             }
             match self.source.poll(POLL) {
                 Ok(None) => {}
                 Ok(Some(record)) => {
+                    let state = WithInFlight {
+                        cuts: &not_durable,
+                        store: &*self.store,
+                    };
                     operator
-                        .process(&self.store, record.as_record())
+                        .process(&state, record.as_record())
                         .context("processing a record")?;
                 }
                 Err(e) => {
@@ -253,36 +447,6 @@ impl Worker {
                 }
             }
         }
-    }
-
-    /// Runs a fold step when one is due. Folding only tidies what readers read (the view's
-    /// result is the same before and after), so a failure is logged and retried next time.
-    fn maybe_fold(&mut self, epoch: Epoch) {
-        let Some(due) = self.next_fold else {
-            return;
-        };
-        if Instant::now() < due {
-            return;
-        }
-        let started = Instant::now();
-        let fault = self.fault;
-        let hook = move |step: FoldStep| {
-            let point = match step {
-                FoldStep::Inserted => FaultPoint::FoldAfterInsert,
-                FoldStep::Logged => FaultPoint::FoldAfterLog,
-                FoldStep::Installed => FaultPoint::FoldAfterInstall,
-            };
-            fault.hit(point, epoch);
-        };
-        let result = self
-            .rt
-            .block_on(self.sink.fold(self.config.fold_rules(), hook));
-        Folded {
-            result: &result,
-            duration: started.elapsed(),
-        }
-        .emit();
-        self.next_fold = Some(Instant::now() + self.config.clickhouse.fold_interval.as_duration());
     }
 
     /// Exports the records each partition has on the broker beyond what tally consumed, at
@@ -307,76 +471,6 @@ impl Worker {
                 }
             }
         }
-    }
-
-    /// Refuses to run when ClickHouse already holds later epochs than the state directory:
-    /// epochs would be reused and the view would mix two histories.
-    fn check_sink_matches_state(&self) -> Result<()> {
-        let sink_max = self.rt.block_on(self.sink.max_committed_epoch())?;
-        let state_epoch = self.store.meta().map(|m| m.epoch);
-        if let Some(sink_max) = sink_max
-            && state_epoch.is_none_or(|e| e < sink_max)
-        {
-            bail!(
-                "ClickHouse commit log {} has epochs up to {sink_max}, but the state directory {} is at {}. \
-                 The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
-                 Restore the matching state directory, or drop the job's tables ({}, {}, {}) to start over.",
-                self.sink.names().commits_q(),
-                self.store.path().display(),
-                state_epoch.map_or("no checkpoint".to_string(), |e| format!("epoch {e}")),
-                self.sink.names().view_q(),
-                self.sink.names().data_q(),
-                self.sink.names().commits_q()
-            );
-        }
-        Ok(())
-    }
-
-    /// Completes a pre-committed epoch left by a previous run before any new input.
-    fn recover(&mut self) -> Result<()> {
-        let Some(meta) = self.store.meta().cloned() else {
-            return Ok(());
-        };
-        if meta.status == EpochStatus::Committed {
-            tracing::info!(epoch = %meta.epoch, "restored checkpoint");
-            return Ok(());
-        }
-        self.fault.hit(FaultPoint::DuringRestore, meta.epoch);
-        let checkpoint = self.store.pending(meta.epoch)?;
-        let started = Instant::now();
-        let clickhouse_already_committed = self.rt.block_on(self.sink.is_committed(meta.epoch))?;
-        // Whether the dead-letter transaction committed is checked by the producer step itself,
-        // after its init_transactions has fenced and settled any transaction of the dead process.
-        EpochRecovered {
-            epoch: meta.epoch,
-            clickhouse_already_committed,
-        }
-        .emit();
-        self.commit(&checkpoint, CommitStep::PreCommitted)?;
-        self.store.mark_committed(checkpoint.epoch)?;
-        CheckpointCommitted {
-            checkpoint: &checkpoint,
-            duration: started.elapsed(),
-            phases: self.phases,
-            recovered: true,
-        }
-        .emit();
-        Ok(())
-    }
-
-    /// Whether the Kafka transaction of `epoch` committed: the group's offsets carry the epoch
-    /// of the last transaction that committed them.
-    fn dead_letters_committed(&self, epoch: Epoch) -> Result<bool> {
-        let committed = wait_for("kafka", &self.shutdown, || {
-            self.source
-                .committed(&self.partitions)
-                .map_err(|e| e.to_string())
-        })?;
-        let last = committed
-            .values()
-            .filter_map(|(_, metadata)| epoch_from_metadata(metadata))
-            .max();
-        Ok(last.is_some_and(|e| e >= epoch))
     }
 
     fn restore_operator(&self) -> Result<RevenueOperator> {
@@ -424,27 +518,147 @@ impl Worker {
         }
         Ok(operator)
     }
+}
 
-    fn checkpoint(
-        &mut self,
-        operator: &mut RevenueOperator,
-        barrier: CheckpointBarrier,
-    ) -> Result<()> {
+impl Sinks {
+    /// Refuses to run when ClickHouse already holds later epochs than the state directory:
+    /// epochs would be reused and the view would mix two histories.
+    fn check_sink_matches_state(&self) -> Result<()> {
+        let sink_max = self.rt.block_on(self.sink.max_committed_epoch())?;
+        let state_epoch = self.store.meta().map(|m| m.epoch);
+        if let Some(sink_max) = sink_max
+            && state_epoch.is_none_or(|e| e < sink_max)
+        {
+            bail!(
+                "ClickHouse commit log {} has epochs up to {sink_max}, but the state directory {} is at {}. \
+                 The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
+                 Restore the matching state directory, or drop the job's tables ({}, {}, {}) to start over.",
+                self.sink.names().commits_q(),
+                self.store.path().display(),
+                state_epoch.map_or("no checkpoint".to_string(), |e| format!("epoch {e}")),
+                self.sink.names().view_q(),
+                self.sink.names().data_q(),
+                self.sink.names().commits_q()
+            );
+        }
+        Ok(())
+    }
+
+    /// Completes the pre-committed epochs a previous run left, oldest first, before any new
+    /// input. With pipelined checkpoints there can be several.
+    fn recover(&mut self) -> Result<()> {
+        let pending = self.store.pending_epochs()?;
+        if pending.is_empty() {
+            if let Some(meta) = self.store.meta() {
+                tracing::info!(epoch = %meta.epoch, "restored checkpoint");
+            }
+            return Ok(());
+        }
+        for epoch in pending {
+            self.fault.hit(FaultPoint::DuringRestore, epoch);
+            let checkpoint = self.store.pending(epoch)?;
+            let started = Instant::now();
+            let clickhouse_already_committed = self.rt.block_on(self.sink.is_committed(epoch))?;
+            // Whether the dead-letter transaction committed is checked by the producer step
+            // itself, after its init_transactions has fenced and settled any transaction of the
+            // dead process.
+            EpochRecovered {
+                epoch,
+                clickhouse_already_committed,
+            }
+            .emit();
+            self.commit(&checkpoint, CommitStep::PreCommitted)?;
+            self.store.mark_committed(epoch)?;
+            CheckpointCommitted {
+                checkpoint: &checkpoint,
+                latency: started.elapsed(),
+                pause: Duration::ZERO,
+                phases: self.phases,
+                recovered: true,
+            }
+            .emit();
+        }
+        Ok(())
+    }
+
+    /// Commits each pre-committed epoch the persister hands over, in order, then marks it
+    /// committed; folds between epochs and while idle. Returns when the persister is done, or
+    /// with [`Interrupted`] when a shutdown comes while a sink is failing.
+    fn run(mut self, persisted: Receiver<Persisted>, progress: Sender<Progress>) -> Result<()> {
+        let tick = Duration::from_secs(1);
+        self.maybe_fold(self.store.meta().map_or(Epoch(0), |m| m.epoch));
+        loop {
+            let next = match persisted.recv_timeout(tick) {
+                Ok(next) => next,
+                Err(RecvTimeoutError::Timeout) => {
+                    // Input has stopped, but the last epochs' versions still get folded.
+                    let epoch = self.store.meta().map_or(Epoch(0), |m| m.epoch);
+                    self.maybe_fold(epoch);
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            };
+            let checkpoint = &next.checkpoint;
+            self.phases.pre_commit = next.pre_commit;
+            self.commit(checkpoint, CommitStep::PreCommitted)?;
+            self.store.mark_committed(checkpoint.epoch)?;
+            CheckpointCommitted {
+                checkpoint,
+                latency: next.barrier_at.elapsed(),
+                pause: next.pause,
+                phases: self.phases,
+                recovered: false,
+            }
+            .emit();
+            // The operator may have stopped already; the epoch is committed either way.
+            let _ = progress.send(Progress::Committed);
+            self.maybe_fold(checkpoint.epoch);
+        }
+    }
+
+    /// Whether the Kafka transaction of `epoch` committed: the group's offsets carry the epoch
+    /// of the last transaction that committed them.
+    fn dead_letters_committed(&self, epoch: Epoch) -> Result<bool> {
+        let committed = wait_for("kafka", &self.shutdown, || {
+            self.group
+                .committed(&self.partitions)
+                .map_err(|e| e.to_string())
+        })?;
+        let last = committed
+            .values()
+            .filter_map(|(_, metadata)| epoch_from_metadata(metadata))
+            .max();
+        Ok(last.is_some_and(|e| e >= epoch))
+    }
+
+    /// Runs a fold step when one is due. Folding only tidies what readers read (the view's
+    /// result is the same before and after), so a failure is logged and retried next time.
+    fn maybe_fold(&mut self, epoch: Epoch) {
+        let Some(due) = self.next_fold else {
+            return;
+        };
+        if Instant::now() < due {
+            return;
+        }
         let started = Instant::now();
-        let checkpoint = operator.handle_checkpoint(barrier);
-        self.store.pre_commit(&checkpoint)?;
-        self.phases.pre_commit = started.elapsed();
-        self.fault.hit(FaultPoint::AfterPreCommit, checkpoint.epoch);
-        self.commit(&checkpoint, CommitStep::PreCommitted)?;
-        self.store.mark_committed(checkpoint.epoch)?;
-        CheckpointCommitted {
-            checkpoint: &checkpoint,
+        let fault = self.fault;
+        let hook = move |step: FoldStep| {
+            let point = match step {
+                FoldStep::Inserted => FaultPoint::FoldAfterInsert,
+                FoldStep::Logged => FaultPoint::FoldAfterLog,
+                FoldStep::Installed => FaultPoint::FoldAfterInstall,
+            };
+            fault.hit(point, epoch);
+        };
+        let result = self
+            .rt
+            .block_on(self.sink.fold(self.config.fold_rules(), hook));
+        Folded {
+            result: &result,
             duration: started.elapsed(),
-            phases: self.phases,
-            recovered: false,
         }
         .emit();
-        Ok(())
+        self.next_fold = Some(Instant::now() + self.config.clickhouse.fold_interval.as_duration());
     }
 
     /// Drives one epoch from `step` to written, retrying each sink until it succeeds. Never
@@ -531,7 +745,7 @@ impl Worker {
                 return Ok(());
             }
         }
-        let group = tally_kafka_group(&self.source).map_err(|e| kafka_err(&e))?;
+        let group = tally_kafka_group(&self.group).map_err(|e| kafka_err(&e))?;
         let Some(dlq) = &self.dlq else {
             return Err(("kafka", "no producer".into()));
         };
@@ -588,6 +802,45 @@ impl Worker {
                     .write_batch(&batch, &self.config.kafka.source_topic, hook),
             )
             .map_err(|e| ("clickhouse", e.to_string()))
+    }
+}
+
+/// Pre-commits each cut in order, as soon as it is handed over: the operator can stop reading
+/// through it, and a crash from then on resumes after it.
+struct Persister {
+    store: Arc<StateStore>,
+    fault: FaultPlan,
+}
+
+impl Persister {
+    fn run(
+        self,
+        handoffs: Receiver<Handoff>,
+        persisted: Sender<Persisted>,
+        progress: Sender<Progress>,
+    ) -> Result<()> {
+        for handoff in handoffs {
+            let started = Instant::now();
+            let checkpoint = handoff.cut.to_checkpoint();
+            self.store.pre_commit(&checkpoint)?;
+            let epoch = checkpoint.epoch;
+            self.fault.hit(FaultPoint::AfterPreCommit, epoch);
+            if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
+                self.fault.hit(FaultPoint::TwoInFlight, epoch);
+            }
+            let _ = progress.send(Progress::Persisted(epoch));
+            let next = Persisted {
+                checkpoint,
+                barrier_at: handoff.barrier_at,
+                pause: handoff.pause,
+                pre_commit: started.elapsed(),
+            };
+            if persisted.send(next).is_err() {
+                // The sink thread stopped (shutdown or error); the epoch stays pre-committed.
+                break;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -1,0 +1,92 @@
+"""Summarises the runs of `scripts/bench.sh` (throughput mode): per run and medians.
+
+Usage: summarize.py DIR EVENTS RUNS, where DIR holds ceiling_rN and rN/{worker.log, restore.log,
+started, restarted, peak_kib, verify} as bench.sh writes them.
+"""
+
+import re
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+
+TS = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z")
+
+
+def ts(text):
+    m = TS.match(text.strip())
+    if not m:
+        raise ValueError(f"no timestamp in {text[:60]!r}")
+    return datetime.fromisoformat(m.group(1)[:26])
+
+
+def field(line, name):
+    m = re.search(rf" {name}=(\d+)", line)
+    return int(m.group(1)) if m else None
+
+
+def pct(values, p):
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, round((len(values) - 1) * p))]
+
+
+def run(d, r, events):
+    base = d / f"r{r}"
+    started = ts((base / "started").read_text())
+    lines = (base / "worker.log").read_text().splitlines()
+    committed = [l for l in lines if "checkpoint committed" in l and " millis=" in l]
+    consumed, done = 0, None
+    pauses, latencies = [], []
+    for line in committed:
+        consumed += field(line, "consumed") or 0
+        latency = field(line, "millis")
+        pause_us = field(line, "pause_us")
+        latencies.append(latency)
+        # A build without pipelined checkpoints stops consuming for the whole commit.
+        pauses.append(pause_us / 1000 if pause_us is not None else latency)
+        if done is None and consumed >= events:
+            done = ts(line)
+    if done is None:
+        raise SystemExit(f"run {r}: only {consumed} of {events} records committed")
+    seconds = (done - started).total_seconds()
+    restarted = ts((base / "restarted").read_text())
+    resumed = next(l for l in (base / "restore.log").read_text().splitlines() if "resuming partition from checkpoint" in l)
+    ceiling = float(re.search(r"records_per_s=(\d+)", (d / f"ceiling_r{r}").read_text()).group(1))
+    tally = events / seconds
+    return {
+        "ceiling": ceiling,
+        "tally": tally,
+        "ratio": tally / ceiling,
+        "pause_p50": pct(pauses, 0.5),
+        "pause_p99": pct(pauses, 0.99),
+        "commit_p50": pct(latencies, 0.5),
+        "commit_p99": pct(latencies, 0.99),
+        "restore_s": (ts(resumed) - restarted).total_seconds(),
+        "rss_mib": int((base / "peak_kib").read_text()) / 1024,
+        "checkpoints": len(committed),
+        "verify": (base / "verify").read_text().strip().replace("\n", "; "),
+    }
+
+
+def main():
+    d, events, runs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    rows = [run(d, r, events) for r in range(1, runs + 1)]
+    print(f"\n{events} records, {runs} runs")
+    print(f"{'run':>4} {'ceiling/s':>10} {'tally/s':>9} {'ratio':>6} {'pause p50/p99 ms':>19} "
+          f"{'commit p50/p99 ms':>18} {'restore s':>9} {'RSS MiB':>8} {'ckpts':>6}")
+    for i, x in enumerate(rows, 1):
+        print(f"{i:>4} {x['ceiling']:>10.0f} {x['tally']:>9.0f} {x['ratio']:>6.2f} "
+              f"{x['pause_p50']:>9.3f}/{x['pause_p99']:<9.3f} {x['commit_p50']:>9}/{x['commit_p99']:<8} "
+              f"{x['restore_s']:>9.2f} {x['rss_mib']:>8.0f} {x['checkpoints']:>6}")
+    med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "verify"}
+    print(f"median: ceiling={med['ceiling']:.0f}/s tally={med['tally']:.0f}/s ratio={med['ratio']:.2f} "
+          f"pause_p50={med['pause_p50']:.3f}ms pause_p99={med['pause_p99']:.3f}ms "
+          f"commit_p50={med['commit_p50']:.0f}ms commit_p99={med['commit_p99']:.0f}ms "
+          f"restore={med['restore_s']:.2f}s peak_rss={med['rss_mib']:.0f}MiB")
+    for i, x in enumerate(rows, 1):
+        print(f"run {i}: {x['verify']}")
+
+
+main()
