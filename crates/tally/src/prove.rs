@@ -41,6 +41,9 @@ pub async fn loadgen(config: &Config, opts: LoadOptions) -> Result<Manifest> {
     let mut client = settings.client_config();
     client
         .set("enable.idempotence", "true")
+        // A message whose delivery is unknown cannot go into the manifest or be sent again
+        // (the ground truth would be wrong): wait through broker restarts instead of timing out.
+        .set("message.timeout.ms", "0")
         .set("linger.ms", "20")
         .set("batch.num.messages", "10000")
         .set("compression.type", "lz4");
