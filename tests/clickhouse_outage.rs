@@ -58,7 +58,12 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
         view(&job.database, &job.table).await.is_err(),
         "ClickHouse still answers after `services.sh down clickhouse`: it was not started by this checkout's scripts/services.sh, so this test cannot stop it"
     );
-    produce_into(&topic, &records[3_000..], &mut manifest).await;
+    // In three bursts a few barriers apart: one epoch stuck at the sink, one more pre-committed
+    // behind it, and records of a third the operator cannot cut (the pipeline is full).
+    for (from, to) in [(3_000, 10_000), (10_000, 16_000), (16_000, 23_000)] {
+        produce_into(&topic, &records[from..to], &mut manifest).await;
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+    }
     let mut peak = 0;
     for _ in 0..30 {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -69,11 +74,25 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
         );
         peak = peak.max(rss_kib(worker.id()));
     }
-    services(&["up", "clickhouse"]);
     assert!(
         peak > 0 && peak < 400 * 1024,
         "RSS while ClickHouse is down: {peak} KiB"
     );
+    // By now the epochs in flight are at their limit and the operator waits at a barrier: a
+    // SIGTERM still stops it, leaving epochs pre-committed for the next start.
+    sigterm(&worker);
+    assert!(
+        wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()),
+        "a stop during the outage, with the pipeline full; log:\n{}",
+        job.log()
+    );
+    assert!(
+        job.log().contains("stopping with epochs pre-committed"),
+        "log:\n{}",
+        job.log()
+    );
+    services(&["up", "clickhouse"]);
+    let mut worker = job.spawn(&[]);
     let found = wait_for_view(&job, &manifest, Duration::from_secs(120)).await;
     sigterm(&worker);
     assert!(

@@ -259,12 +259,20 @@ impl Worker {
             .name("tally-persist".into())
             .spawn(move || persister.run(handoff_rx, persisted_tx, progress))
             .context("starting the persister thread")?;
+        // Set when the sink thread ends (error or shutdown): the persister still holds a sender
+        // of `progress`, so the channel alone does not tell.
+        let sinks_done = Arc::new(AtomicBool::new(false));
+        let done = sinks_done.clone();
         let sink_thread = std::thread::Builder::new()
             .name("tally-sinks".into())
-            .spawn(move || sinks.run(persisted_rx, progress_tx))
+            .spawn(move || {
+                let result = sinks.run(persisted_rx, progress_tx);
+                done.store(true, Ordering::SeqCst);
+                result
+            })
             .context("starting the sink thread")?;
 
-        let consumed = consumer.consume(&mut operator, handoff_tx, progress_rx);
+        let consumed = consumer.consume(&mut operator, handoff_tx, progress_rx, &sinks_done);
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -333,6 +341,7 @@ impl Consumer {
         operator: &mut RevenueOperator,
         handoff: Sender<Handoff>,
         progress: Receiver<Progress>,
+        sinks_done: &AtomicBool,
     ) -> Result<Stop> {
         let interval = self.config.job.checkpoint_interval.as_duration();
         let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
@@ -368,6 +377,9 @@ impl Consumer {
                     Err(TryRecvError::Disconnected) => return Ok(Stop::Idle),
                 }
             }
+            if sinks_done.load(Ordering::SeqCst) {
+                return Ok(Stop::Idle);
+            }
             // An idle epoch changes nothing: skip it rather than commit empty batches.
             let idle = operator.pending_records() == 0 && !must_checkpoint;
             let stopping = self.stopping();
@@ -384,6 +396,11 @@ impl Consumer {
                 let barrier_at = Instant::now();
                 // Backpressure: the committer is `max_in_flight` epochs behind.
                 while uncommitted >= max_in_flight {
+                    // A stop, or a sink thread that has ended, cannot wait for a commit: what is
+                    // not cut yet is read again from the last pre-committed offsets.
+                    if self.stopping() || sinks_done.load(Ordering::SeqCst) {
+                        return Ok(Stop::Idle);
+                    }
                     match progress.recv_timeout(POLL) {
                         Ok(event) => apply(event, &mut not_durable, &mut uncommitted),
                         Err(RecvTimeoutError::Timeout) => {}
