@@ -29,6 +29,17 @@ fn records() -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// One epoch of `values`, processed and pre-committed as its first checkpoint.
+fn process_and_pre_commit(store: &StateStore, values: &[Vec<u8>]) {
+    let mut op = run(store, values);
+    store
+        .pre_commit(&op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(1),
+            is_final: false,
+        }))
+        .expect("pre-commit");
+}
+
 fn rules() -> OperatorConfig {
     OperatorConfig {
         window: WindowSpec { size_ms: 60_000 },
@@ -71,26 +82,14 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = StateStore::open(dir.path(), "bench").expect("store");
     // Warm state: one epoch already checkpointed, so lookups hit RocksDB.
-    let mut op = run(&store, &values);
-    store
-        .pre_commit(&op.handle_checkpoint(CheckpointBarrier {
-            epoch: Epoch(1),
-            is_final: false,
-        }))
-        .expect("pre-commit");
+    process_and_pre_commit(&store, &values);
     group.bench_function("process_rocksdb_store", |b| b.iter(|| run(&store, &values)));
     group.bench_function("process_and_pre_commit_rocksdb", |b| {
         b.iter_batched(
             || tempfile::tempdir().expect("tempdir"),
             |dir| {
                 let store = StateStore::open(dir.path(), "bench").expect("store");
-                let mut op = run(&store, &values);
-                store
-                    .pre_commit(&op.handle_checkpoint(CheckpointBarrier {
-                        epoch: Epoch(1),
-                        is_final: false,
-                    }))
-                    .expect("pre-commit");
+                process_and_pre_commit(&store, &values);
             },
             BatchSize::PerIteration,
         )

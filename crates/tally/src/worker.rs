@@ -7,7 +7,7 @@
 //! the pre-committed epochs, oldest first, before it reads new input.
 //!
 //! Pipelined: at a barrier the operator only cuts the epoch ([`EpochCut`], no copy) and goes on
-//! consuming, reading through the cuts not yet durable. Two threads commit behind it, in epoch
+//! consuming, reading through the cuts not yet committed. Two threads commit behind it, in epoch
 //! order: the persister pre-commits each cut, the sink thread commits it to Kafka and
 //! ClickHouse and marks it committed. At most `job.max_epochs_in_flight` epochs are between
 //! barrier and committed; at the limit the operator waits (backpressure).
@@ -100,14 +100,6 @@ struct Persisted {
     barrier_at: Instant,
     pause: Duration,
     pre_commit: Duration,
-}
-
-/// What the committing threads tell the operator.
-enum Progress {
-    /// Durable in RocksDB: the operator stops reading through its cut.
-    Persisted(Epoch),
-    /// In every sink.
-    Committed,
 }
 
 impl Worker {
@@ -249,30 +241,23 @@ impl Worker {
 
         let (handoff_tx, handoff_rx) = mpsc::channel::<Handoff>();
         let (persisted_tx, persisted_rx) = mpsc::channel::<Persisted>();
-        let (progress_tx, progress_rx) = mpsc::channel::<Progress>();
+        // Epochs committed in every sink, from the sink thread only: when it ends, for whatever
+        // reason, the operator sees the channel close.
+        let (committed_tx, committed_rx) = mpsc::channel::<Epoch>();
         let persister = Persister {
             store: consumer.store.clone(),
             fault: sinks.fault,
         };
-        let progress = progress_tx.clone();
         let persister = std::thread::Builder::new()
             .name("tally-persist".into())
-            .spawn(move || persister.run(handoff_rx, persisted_tx, progress))
+            .spawn(move || persister.run(handoff_rx, persisted_tx))
             .context("starting the persister thread")?;
-        // Set when the sink thread ends (error or shutdown): the persister still holds a sender
-        // of `progress`, so the channel alone does not tell.
-        let sinks_done = Arc::new(AtomicBool::new(false));
-        let done = sinks_done.clone();
         let sink_thread = std::thread::Builder::new()
             .name("tally-sinks".into())
-            .spawn(move || {
-                let result = sinks.run(persisted_rx, progress_tx);
-                done.store(true, Ordering::SeqCst);
-                result
-            })
+            .spawn(move || sinks.run(persisted_rx, committed_tx))
             .context("starting the sink thread")?;
 
-        let consumed = consumer.consume(&mut operator, handoff_tx, progress_rx, &sinks_done);
+        let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx);
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -340,16 +325,15 @@ impl Consumer {
         &mut self,
         operator: &mut RevenueOperator,
         handoff: Sender<Handoff>,
-        progress: Receiver<Progress>,
-        sinks_done: &AtomicBool,
+        committed: Receiver<Epoch>,
     ) -> Result<Stop> {
         let interval = self.config.job.checkpoint_interval.as_duration();
         let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
         let mut next_barrier = Instant::now() + interval;
         let mut consume_errors = 0u64;
-        // Cut but not yet durable: read through them, oldest first.
-        let mut not_durable: VecDeque<Arc<EpochCut>> = VecDeque::new();
-        let mut uncommitted = 0usize;
+        // Cut but not yet committed, oldest first: the operator reads through them (those
+        // already pre-committed give the same answers as the store).
+        let mut in_flight: VecDeque<Arc<EpochCut>> = VecDeque::new();
         // Partitions that started from `start_from` have no checkpoint yet: take one even if idle,
         // so a restart resumes at the resolved offset instead of resolving `latest` again.
         let mut must_checkpoint = self.store.meta().is_none_or(|m| {
@@ -357,28 +341,20 @@ impl Consumer {
                 .iter()
                 .any(|p| !m.partitions.contains_key(p))
         });
-        // Applies what the committing threads report.
-        let apply = |event: Progress,
-                     not_durable: &mut VecDeque<Arc<EpochCut>>,
-                     uncommitted: &mut usize| match event {
-            Progress::Persisted(epoch) => {
-                while not_durable.front().is_some_and(|c| c.epoch <= epoch) {
-                    not_durable.pop_front();
-                }
+        let retire = |epoch: Epoch, in_flight: &mut VecDeque<Arc<EpochCut>>| {
+            while in_flight.front().is_some_and(|c| c.epoch <= epoch) {
+                in_flight.pop_front();
             }
-            Progress::Committed => *uncommitted = uncommitted.saturating_sub(1),
         };
         loop {
             loop {
-                match progress.try_recv() {
-                    Ok(event) => apply(event, &mut not_durable, &mut uncommitted),
+                match committed.try_recv() {
+                    Ok(epoch) => retire(epoch, &mut in_flight),
                     Err(TryRecvError::Empty) => break,
-                    // A committing thread stopped: its error comes from joining it.
+                    // The sink thread ended (a shutdown while a sink failed, or an error that
+                    // joining it returns): nothing more can commit.
                     Err(TryRecvError::Disconnected) => return Ok(Stop::Idle),
                 }
-            }
-            if sinks_done.load(Ordering::SeqCst) {
-                return Ok(Stop::Idle);
             }
             // An idle epoch changes nothing: skip it rather than commit empty batches.
             let idle = operator.pending_records() == 0 && !must_checkpoint;
@@ -394,15 +370,11 @@ impl Consumer {
                 || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES;
             if !idle && (stopping || full || Instant::now() >= next_barrier) {
                 let barrier_at = Instant::now();
-                // Backpressure: the committer is `max_in_flight` epochs behind.
-                while uncommitted >= max_in_flight {
-                    // A stop, or a sink thread that has ended, cannot wait for a commit: what is
-                    // not cut yet is read again from the last pre-committed offsets.
-                    if self.stopping() || sinks_done.load(Ordering::SeqCst) {
-                        return Ok(Stop::Idle);
-                    }
-                    match progress.recv_timeout(POLL) {
-                        Ok(event) => apply(event, &mut not_durable, &mut uncommitted),
+                // Backpressure: the committer is `max_in_flight` epochs behind. A shutdown
+                // while a sink fails ends the sink thread, which closes the channel.
+                while in_flight.len() >= max_in_flight {
+                    match committed.recv_timeout(POLL) {
+                        Ok(epoch) => retire(epoch, &mut in_flight),
                         Err(RecvTimeoutError::Timeout) => {}
                         Err(RecvTimeoutError::Disconnected) => return Ok(Stop::Idle),
                     }
@@ -419,8 +391,7 @@ impl Consumer {
                     pause,
                 }
                 .emit();
-                not_durable.push_back(cut.clone());
-                uncommitted += 1;
+                in_flight.push_back(cut.clone());
                 if handoff
                     .send(Handoff {
                         cut,
@@ -443,7 +414,7 @@ impl Consumer {
                 Ok(None) => {}
                 Ok(Some(record)) => {
                     let state = WithInFlight {
-                        cuts: &not_durable,
+                        cuts: &in_flight,
                         store: &*self.store,
                     };
                     operator
@@ -601,7 +572,7 @@ impl Sinks {
     /// Commits each pre-committed epoch the persister hands over, in order, then marks it
     /// committed; folds between epochs and while idle. Returns when the persister is done, or
     /// with [`Interrupted`] when a shutdown comes while a sink is failing.
-    fn run(mut self, persisted: Receiver<Persisted>, progress: Sender<Progress>) -> Result<()> {
+    fn run(mut self, persisted: Receiver<Persisted>, committed: Sender<Epoch>) -> Result<()> {
         let tick = Duration::from_secs(1);
         self.maybe_fold(self.store.meta().map_or(Epoch(0), |m| m.epoch));
         loop {
@@ -628,7 +599,7 @@ impl Sinks {
             }
             .emit();
             // The operator may have stopped already; the epoch is committed either way.
-            let _ = progress.send(Progress::Committed);
+            let _ = committed.send(checkpoint.epoch);
             self.maybe_fold(checkpoint.epoch);
         }
     }
@@ -822,20 +793,15 @@ impl Sinks {
     }
 }
 
-/// Pre-commits each cut in order, as soon as it is handed over: the operator can stop reading
-/// through it, and a crash from then on resumes after it.
+/// Pre-commits each cut in order, as soon as it is handed over: a crash from then on resumes
+/// after it.
 struct Persister {
     store: Arc<StateStore>,
     fault: FaultPlan,
 }
 
 impl Persister {
-    fn run(
-        self,
-        handoffs: Receiver<Handoff>,
-        persisted: Sender<Persisted>,
-        progress: Sender<Progress>,
-    ) -> Result<()> {
+    fn run(self, handoffs: Receiver<Handoff>, persisted: Sender<Persisted>) -> Result<()> {
         for handoff in handoffs {
             let started = Instant::now();
             let checkpoint = handoff.cut.to_checkpoint();
@@ -845,7 +811,6 @@ impl Persister {
             if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
                 self.fault.hit(FaultPoint::TwoInFlight, epoch);
             }
-            let _ = progress.send(Progress::Persisted(epoch));
             let next = Persisted {
                 checkpoint,
                 barrier_at: handoff.barrier_at,
