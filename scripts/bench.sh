@@ -5,7 +5,10 @@
 # fresh tally job catch up to its last committed checkpoint; restart it on the same state to time the
 # restore; check each run with `tally verify`. Prints medians over the runs (benches/summarize.py):
 # ceiling, tally, ratio=0.NN, checkpoint pause p50/p99, commit latency p50/p99, restore, peak RSS.
-#   scripts/bench.sh [--events N] [--partitions P] [--repeat R]
+#   scripts/bench.sh [--events N] [--partitions P] [--repeat R] [--customers C] [--skew S] [--step-ms MS] [--no-verify]
+#   scale: 1M+ live keys and 20M ids within the dedup horizon (see BENCHMARKS.md):
+#     TALLY_WINDOW__ALLOWED_LATENESS=180s TALLY_WINDOW__DEDUP_HORIZON=2h \
+#       scripts/bench.sh --events 20000000 --customers 1000000 --skew 0 --step-ms 1 --repeat 1 --no-verify
 #   TALLY_BENCH_BIN=/path/to/tally [TALLY_BENCH_CONFIG=file] scripts/bench.sh ...   another build of tally
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
 #       read cost of the view vs. an ideal table, before and after folding (see read_bench below)
@@ -13,11 +16,16 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
+customers=10000 skew=1.1 step_ms=10 verify=1
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
     --partitions) partitions=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
+    --customers) customers=$2; shift 2 ;;
+    --skew) skew=$2; shift 2 ;;
+    --step-ms) step_ms=$2; shift 2 ;;
+    --no-verify) verify=0; shift ;;
     --read) mode=read; shift ;;
     --days) days=$2; shift 2 ;;
     --live-seconds) live_seconds=$2; shift 2 ;;
@@ -97,8 +105,8 @@ config=${TALLY_BENCH_CONFIG:-config/revenue_agg.toml}
 export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY_METRICS__ADDRESS=""
 
 # One pre-loaded topic for every run below.
-"$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers 10000 \
-  --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
+"$bin" loadgen --config "$config" --events "$events"  --partitions "$partitions" --customers "$customers" \
+  --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
 
 # Per run: its own job (state, group, transactional id), dead-letter topic and database.
 run_env() {
@@ -135,7 +143,12 @@ tally_run() {
   done
   kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
   trap - EXIT
-  "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' >"$dir/r$r/verify"
+  grep 'rebuilt the dedup id filter' "$dir/r$r/restore.log" | sed 's/.*rebuilt/restore: rebuilt/' >&2 || true
+  if [ "$verify" = 1 ]; then
+    "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' >"$dir/r$r/verify"
+  else
+    echo "verify skipped (--no-verify)" >"$dir/r$r/verify"
+  fi
 }
 
 for r in $(seq 1 "$repeat"); do

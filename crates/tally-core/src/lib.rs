@@ -6,6 +6,7 @@ pub mod amount;
 pub mod decode;
 pub mod mem;
 pub mod operator;
+pub mod seen_filter;
 pub mod time;
 pub mod types;
 pub mod window;
@@ -17,6 +18,7 @@ pub use operator::{
     Checkpoint, EpochCut, OperatorConfig, PartitionCheckpoint, Record, RevenueOperator,
     StateReader, WithInFlight,
 };
+pub use seen_filter::SeenIdFilter;
 pub use types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,
     WindowKey,

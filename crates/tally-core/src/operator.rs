@@ -13,11 +13,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
+use crate::seen_filter::{self, SeenIdFilter};
 use crate::types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,
     WindowKey,
 };
 use crate::window::{Watermark, WindowSpec};
+
+/// The maps every record touches: a fast hash, seeded per process.
+type FastMap<K, V> = HashMap<K, V, foldhash::quality::RandomState>;
+
+/// Heap bytes of a changed id or window besides its strings: the map entry, its share of the
+/// table and the allocator's overhead (an estimate: peak RSS in BENCHMARKS.md is the check).
+const SEEN_ENTRY_BYTES: usize = 72;
+const WINDOW_ENTRY_BYTES: usize = 144;
 
 /// Event-time rules of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,10 +128,23 @@ pub struct RevenueOperator {
     epoch: Epoch,
     partitions: BTreeMap<PartitionId, PartitionState>,
     /// Per partition, so that a lookup by `&WindowKey` needs no owned key.
-    dirty_windows: HashMap<PartitionId, HashMap<WindowKey, WindowAgg>>,
-    dirty_seen: HashMap<PartitionId, HashMap<String, i64>>,
+    dirty_windows: HashMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
+    dirty_seen: HashMap<PartitionId, FastMap<String, i64>>,
     dead_letters: Vec<DeadLetter>,
     dead_letter_bytes: usize,
+    /// Estimated heap bytes of the epoch's changed windows and ids.
+    state_bytes: usize,
+    /// Per partition, the ids of its dedup set: a new id skips the store lookup.
+    seen_filters: HashMap<PartitionId, PartitionFilter>,
+    seen_filter_capacity: usize,
+}
+
+/// A partition's id filter. Until it is `complete` (it holds every id the store holds, which
+/// for a restored partition takes a scan of the store) every lookup still goes to the store.
+#[derive(Debug)]
+struct PartitionFilter {
+    ids: SeenIdFilter,
+    complete: bool,
 }
 
 impl RevenueOperator {
@@ -133,7 +155,7 @@ impl RevenueOperator {
         last_epoch: Epoch,
         partitions: &BTreeMap<PartitionId, PartitionCheckpoint>,
     ) -> RevenueOperator {
-        let partitions = partitions
+        let partitions: BTreeMap<PartitionId, PartitionState> = partitions
             .iter()
             .map(|(&p, c)| {
                 (
@@ -148,6 +170,20 @@ impl RevenueOperator {
                 )
             })
             .collect();
+        let capacity = seen_filter::DEFAULT_FIRST_CAPACITY;
+        let seen_filters = partitions
+            .keys()
+            .map(|&p| {
+                let ids = SeenIdFilter::new(config.dedup_horizon_ms, capacity);
+                (
+                    p,
+                    PartitionFilter {
+                        ids,
+                        complete: false,
+                    },
+                )
+            })
+            .collect();
         RevenueOperator {
             config,
             decoder,
@@ -157,7 +193,22 @@ impl RevenueOperator {
             dirty_seen: HashMap::new(),
             dead_letters: Vec::new(),
             dead_letter_bytes: 0,
+            state_bytes: 0,
+            seen_filters,
+            seen_filter_capacity: capacity,
         }
+    }
+
+    /// Sizes the first id-filter generation of the partitions that have no ids yet (tests use
+    /// tiny filters, which give many false positives).
+    pub fn with_seen_filter_capacity(mut self, ids: usize) -> RevenueOperator {
+        self.seen_filter_capacity = ids;
+        for filter in self.seen_filters.values_mut() {
+            if filter.ids.is_empty() {
+                filter.ids = SeenIdFilter::new(self.config.dedup_horizon_ms, ids);
+            }
+        }
+        self
     }
 
     /// Adds a partition that has no checkpoint yet, starting at `offset`.
@@ -169,6 +220,55 @@ impl RevenueOperator {
             epoch: Accounting::default(),
             totals: Accounting::default(),
         });
+        self.new_filter(partition);
+    }
+
+    /// A partition with no checkpoint has nothing in the store: its filter is complete at once.
+    fn new_filter(&mut self, partition: PartitionId) {
+        let ids = SeenIdFilter::new(self.config.dedup_horizon_ms, self.seen_filter_capacity);
+        self.seen_filters
+            .entry(partition)
+            .or_insert(PartitionFilter {
+                ids,
+                complete: true,
+            });
+    }
+
+    /// Partitions whose id filter still waits for the ids the store held at restore.
+    pub fn partitions_awaiting_seen_filter(&self) -> Vec<PartitionId> {
+        let mut waiting: Vec<PartitionId> = self
+            .seen_filters
+            .iter()
+            .filter(|(_, f)| !f.complete)
+            .map(|(&p, _)| p)
+            .collect();
+        waiting.sort_unstable();
+        waiting
+    }
+
+    /// Takes over a filter built from every id the store held for `partition` (at or after
+    /// restore): from now on an id the filter does not know skips the store.
+    pub fn adopt_seen_filter(&mut self, partition: PartitionId, restored: SeenIdFilter) {
+        match self.seen_filters.get_mut(&partition) {
+            Some(filter) => {
+                filter.ids.absorb(restored);
+                filter.complete = true;
+            }
+            None => {
+                self.seen_filters.insert(
+                    partition,
+                    PartitionFilter {
+                        ids: restored,
+                        complete: true,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Bytes held by the id filters.
+    pub fn seen_filter_bytes(&self) -> usize {
+        self.seen_filters.values().map(|f| f.ids.bytes()).sum()
     }
 
     /// The epoch the records being processed now belong to.
@@ -193,22 +293,24 @@ impl RevenueOperator {
         self.dead_letter_bytes
     }
 
+    /// Estimated heap bytes of the windows and ids changed since the last barrier: each epoch
+    /// in flight holds about twice this until it is committed.
+    pub fn pending_state_bytes(&self) -> usize {
+        self.state_bytes
+    }
+
     pub fn process<S: StateReader>(
         &mut self,
         store: &S,
         record: Record<'_>,
     ) -> Result<Outcome, S::Error> {
         let cfg = self.config;
-        let state = self
-            .partitions
-            .entry(record.partition)
-            .or_insert(PartitionState {
-                epoch_start_offset: record.offset,
-                next_offset: record.offset,
-                watermark: Watermark::default(),
-                epoch: Accounting::default(),
-                totals: Accounting::default(),
-            });
+        if !self.partitions.contains_key(&record.partition) {
+            self.add_partition(record.partition, record.offset);
+        }
+        let Some(state) = self.partitions.get_mut(&record.partition) else {
+            return Ok(Outcome::AlreadyProcessed);
+        };
         if record.offset < state.next_offset {
             return Ok(Outcome::AlreadyProcessed);
         }
@@ -226,7 +328,9 @@ impl RevenueOperator {
             .current(cfg.out_of_orderness_ms)
             .unwrap_or(i64::MIN);
 
-        if let Some(seen_at) = self.seen_event_time(store, record.partition, &event.event_id)?
+        let id_hash = seen_filter::id_hash(event.event_id.as_bytes());
+        if let Some(seen_at) =
+            self.seen_event_time(store, record.partition, &event.event_id, id_hash)?
             && seen_at.saturating_add(cfg.dedup_horizon_ms) > watermark
         {
             self.count(record.partition, |a| a.duplicates += 1);
@@ -251,7 +355,7 @@ impl RevenueOperator {
             ));
         }
 
-        self.aggregate(store, record, event)
+        self.aggregate(store, record, event, id_hash)
     }
 
     fn aggregate<S: StateReader>(
@@ -259,6 +363,7 @@ impl RevenueOperator {
         store: &S,
         record: Record<'_>,
         event: OrderEvent,
+        id_hash: u64,
     ) -> Result<Outcome, S::Error> {
         let key = WindowKey {
             window_start_ms: self.config.window.start_of(event.event_time_ms),
@@ -291,14 +396,29 @@ impl RevenueOperator {
                 },
             ));
         };
-        self.dirty_windows
+        let key_bytes = key.customer_id.len() + key.currency.len() + WINDOW_ENTRY_BYTES;
+        if self
+            .dirty_windows
             .entry(record.partition)
             .or_default()
-            .insert(key, updated);
-        self.dirty_seen
+            .insert(key, updated)
+            .is_none()
+        {
+            self.state_bytes += key_bytes;
+        }
+        if let Some(filter) = self.seen_filters.get_mut(&record.partition) {
+            filter.ids.insert(id_hash, event.event_time_ms);
+        }
+        let id_bytes = event.event_id.len() + SEEN_ENTRY_BYTES;
+        if self
+            .dirty_seen
             .entry(record.partition)
             .or_default()
-            .insert(event.event_id, event.event_time_ms);
+            .insert(event.event_id, event.event_time_ms)
+            .is_none()
+        {
+            self.state_bytes += id_bytes;
+        }
         let amount: Amount = event.amount;
         self.count(record.partition, |a| {
             a.aggregated += 1;
@@ -312,6 +432,7 @@ impl RevenueOperator {
         store: &S,
         partition: PartitionId,
         event_id: &str,
+        id_hash: u64,
     ) -> Result<Option<i64>, S::Error> {
         if let Some(t) = self
             .dirty_seen
@@ -319,6 +440,15 @@ impl RevenueOperator {
             .and_then(|ids| ids.get(event_id))
         {
             return Ok(Some(*t));
+        }
+        // Every id in the cuts in flight and the store went through the filter (or the scan
+        // that completed it).
+        if self
+            .seen_filters
+            .get(&partition)
+            .is_some_and(|f| f.complete && !f.ids.maybe_contains(id_hash))
+        {
+            return Ok(None);
         }
         store.seen_event_time(partition, event_id)
     }
@@ -376,6 +506,7 @@ impl RevenueOperator {
             expire_seen_before: Vec::new(),
         };
         self.dead_letter_bytes = 0;
+        self.state_bytes = 0;
         for (&p, state) in &mut self.partitions {
             cut.partitions.insert(
                 p,
@@ -395,6 +526,9 @@ impl RevenueOperator {
                 cut.close_windows_before.push((p, close));
                 let expire = wm.saturating_sub(cfg.dedup_horizon_ms).saturating_add(1);
                 cut.expire_seen_before.push((p, expire));
+                if let Some(filter) = self.seen_filters.get_mut(&p) {
+                    filter.ids.expire(wm);
+                }
             }
             state.epoch_start_offset = state.next_offset;
             state.epoch = Accounting::default();
@@ -410,8 +544,8 @@ impl RevenueOperator {
 pub struct EpochCut {
     pub epoch: Epoch,
     window_size_ms: i64,
-    windows: HashMap<PartitionId, HashMap<WindowKey, WindowAgg>>,
-    seen: HashMap<PartitionId, HashMap<String, i64>>,
+    windows: HashMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
+    seen: HashMap<PartitionId, FastMap<String, i64>>,
     pub dead_letters: Vec<DeadLetter>,
     pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
     close_windows_before: Vec<(PartitionId, i64)>,
@@ -535,6 +669,99 @@ mod tests {
             Ok(outcome) => outcome,
             Err(never) => match never {},
         }
+    }
+
+    /// Counts dedup lookups that reach the store.
+    #[derive(Default)]
+    struct CountingStore {
+        inner: MemStore,
+        seen_lookups: std::cell::Cell<u64>,
+    }
+
+    impl StateReader for CountingStore {
+        type Error = std::convert::Infallible;
+        fn window(
+            &self,
+            p: PartitionId,
+            key: &WindowKey,
+        ) -> Result<Option<WindowAgg>, Self::Error> {
+            self.inner.window(p, key)
+        }
+        fn seen_event_time(&self, p: PartitionId, id: &str) -> Result<Option<i64>, Self::Error> {
+            self.seen_lookups.set(self.seen_lookups.get() + 1);
+            self.inner.seen_event_time(p, id)
+        }
+    }
+
+    #[test]
+    fn new_ids_skip_the_store_once_the_filter_is_complete() {
+        let mut store = CountingStore::default();
+        let mut op = operator();
+        let mut offset = 0;
+        let mut run =
+            |op: &mut RevenueOperator, store: &CountingStore, ids: std::ops::Range<u32>| {
+                for n in ids {
+                    let record = order(&format!("id-{n}"), "1", 1_000_000 + i64::from(n));
+                    let value = Some(record.as_slice());
+                    let r = Record {
+                        partition: 0,
+                        offset,
+                        timestamp_ms: None,
+                        key: None,
+                        value,
+                    };
+                    offset += 1;
+                    let Ok(outcome) = op.process(store, r);
+                    assert_eq!(outcome, Outcome::Aggregated);
+                }
+            };
+        // A partition without a checkpoint: its filter is complete from the start.
+        run(&mut op, &store, 0..2_000);
+        assert!(
+            store.seen_lookups.get() < 60,
+            "{} lookups",
+            store.seen_lookups.get()
+        );
+        store.inner.apply(&op.handle_checkpoint(CheckpointBarrier {
+            epoch: op.current_epoch(),
+            is_final: false,
+        }));
+        // Restored from the store: every lookup goes to the store until the filter is adopted.
+        let mut op = RevenueOperator::restore(
+            op.config,
+            RecordDecoder::new(FieldMapping::default(), 4096),
+            store.inner.epoch,
+            &store.inner.partitions,
+        );
+        assert_eq!(op.partitions_awaiting_seen_filter(), vec![0]);
+        store.seen_lookups.set(0);
+        run(&mut op, &store, 2_000..3_000);
+        assert_eq!(store.seen_lookups.get(), 1_000);
+        let mut restored = SeenIdFilter::new(op.config.dedup_horizon_ms, 4_096);
+        for ((_, id), t) in &store.inner.seen {
+            restored.insert(seen_filter::id_hash(id.as_bytes()), *t);
+        }
+        op.adopt_seen_filter(0, restored);
+        assert!(op.partitions_awaiting_seen_filter().is_empty());
+        store.seen_lookups.set(0);
+        run(&mut op, &store, 3_000..5_000);
+        assert!(
+            store.seen_lookups.get() < 60,
+            "{} lookups",
+            store.seen_lookups.get()
+        );
+        // An id the store holds is still found.
+        let Ok(outcome) = op.process(
+            &store,
+            Record {
+                partition: 0,
+                offset,
+                timestamp_ms: None,
+                key: None,
+                value: Some(&order("id-7", "1", 1_000_007)),
+            },
+        );
+        assert_eq!(outcome, Outcome::Duplicate);
     }
 
     #[test]

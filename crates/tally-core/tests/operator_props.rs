@@ -6,9 +6,11 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use tally_core::decode::FieldMapping;
+use tally_core::seen_filter::id_hash;
 use tally_core::{
     Accounting, Checkpoint, CheckpointBarrier, EpochCut, MemStore, OperatorConfig, PartitionId,
-    Record, RecordDecoder, RevenueOperator, WindowAgg, WindowKey, WindowSpec, WithInFlight,
+    Record, RecordDecoder, RevenueOperator, SeenIdFilter, WindowAgg, WindowKey, WindowSpec,
+    WithInFlight,
 };
 
 const CONFIG: OperatorConfig = OperatorConfig {
@@ -105,14 +107,42 @@ fn decoder() -> RecordDecoder {
     RecordDecoder::new(FieldMapping::default(), 512)
 }
 
+/// How a restored operator's dedup id filter is completed.
+#[derive(Debug, Clone, Copy)]
+enum Filter {
+    /// Never: every lookup of a restored partition goes to the store.
+    StoreOnly,
+    /// From the store's ids, with this first capacity (1 saturates it: many false positives).
+    Adopted(usize),
+}
+
+fn restore(store: &MemStore, filter: Filter) -> RevenueOperator {
+    let op = RevenueOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
+    let Filter::Adopted(capacity) = filter else {
+        return op;
+    };
+    let mut op = op.with_seen_filter_capacity(capacity);
+    for p in op.partitions_awaiting_seen_filter() {
+        let mut ids = SeenIdFilter::new(CONFIG.dedup_horizon_ms, capacity);
+        for ((sp, id), t) in &store.seen {
+            if *sp == p {
+                ids.insert(id_hash(id.as_bytes()), *t);
+            }
+        }
+        op.adopt_seen_filter(p, ids);
+    }
+    op
+}
+
 fn process(
     store: &mut MemStore,
     outputs: &mut Outputs,
     records: &[(PartitionId, i64, Vec<u8>)],
     barriers: &BTreeSet<usize>,
     snapshots: &mut Vec<(MemStore, Outputs)>,
+    filter: Filter,
 ) {
-    let mut op = RevenueOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
+    let mut op = restore(store, filter);
     let checkpoint = |op: &mut RevenueOperator, store: &mut MemStore, outputs: &mut Outputs| {
         let cp = op.handle_checkpoint(CheckpointBarrier {
             epoch: op.current_epoch(),
@@ -239,7 +269,14 @@ fn run(records: &[(PartitionId, i64, Vec<u8>)], barriers: &BTreeSet<usize>) -> R
     let mut store = MemStore::default();
     let mut outputs = Outputs::default();
     let mut snapshots = vec![(MemStore::default(), Outputs::default())];
-    process(&mut store, &mut outputs, records, barriers, &mut snapshots);
+    process(
+        &mut store,
+        &mut outputs,
+        records,
+        barriers,
+        &mut snapshots,
+        Filter::StoreOnly,
+    );
     Run {
         store,
         outputs,
@@ -251,13 +288,16 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// (a) Restoring from any checkpoint and replaying the rest of the input gives the same
-    /// final aggregates, dead letters and counts as a run without a restart.
+    /// final aggregates, dead letters and counts as a run without a restart, whether the
+    /// restored operator's id filter is rebuilt from the store (tiny and saturated or not) or
+    /// every lookup goes to the store.
     #[test]
     fn restore_from_any_checkpoint_is_equivalent(
         items in stream(),
         barriers in prop::collection::btree_set(0usize..160, 0..12),
         replay_barriers in prop::collection::btree_set(0usize..160, 0..12),
         pick in any::<prop::sample::Index>(),
+        filter in prop_oneof![Just(Filter::StoreOnly), Just(Filter::Adopted(1)), Just(Filter::Adopted(1 << 16))],
     ) {
         let records = records(&items);
         let reference = run(&records, &barriers);
@@ -271,7 +311,7 @@ proptest! {
             .filter(|(p, offset, _)| store.partitions.get(p).is_none_or(|c| *offset >= c.next_offset))
             .cloned()
             .collect();
-        process(&mut store, &mut outputs, &rest, &replay_barriers, &mut Vec::new());
+        process(&mut store, &mut outputs, &rest, &replay_barriers, &mut Vec::new(), filter);
         prop_assert_eq!(&outputs, &reference.outputs);
         prop_assert_eq!(store.windows, reference.store.windows);
         // Every record is accounted for once.

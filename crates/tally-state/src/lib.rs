@@ -90,6 +90,34 @@ pub struct CheckpointMeta {
     pub closed_windows_before: BTreeMap<PartitionId, i64>,
 }
 
+/// What a restart needs of a pre-committed epoch to complete it in the sinks: the checkpoint
+/// without its dedup ids, which are in their own column families already (they were a third
+/// of the bytes). Encoded as a [`Checkpoint`] is, so it decodes as one with no ids.
+#[derive(Serialize)]
+struct PendingOutputs<'a> {
+    epoch: Epoch,
+    partitions: &'a BTreeMap<PartitionId, PartitionCheckpoint>,
+    rows: &'a [tally_core::OutputRow],
+    seen: &'a [(PartitionId, String, i64)],
+    dead_letters: &'a [tally_core::DeadLetter],
+    close_windows_before: &'a [(PartitionId, i64)],
+    expire_seen_before: &'a [(PartitionId, i64)],
+}
+
+impl<'a> PendingOutputs<'a> {
+    fn of(c: &'a Checkpoint) -> PendingOutputs<'a> {
+        PendingOutputs {
+            epoch: c.epoch,
+            partitions: &c.partitions,
+            rows: &c.rows,
+            seen: &[],
+            dead_letters: &c.dead_letters,
+            close_windows_before: &c.close_windows_before,
+            expire_seen_before: &c.expire_seen_before,
+        }
+    }
+}
+
 /// Shared by the operator, which reads, and the committer, which writes: RocksDB is safe to use
 /// from several threads, and the metadata of the last checkpoint sits behind a lock.
 pub struct StateStore {
@@ -363,7 +391,7 @@ impl StateStore {
         batch.put_cf(
             pending_cf,
             checkpoint.epoch.0.to_be_bytes(),
-            self.encode(checkpoint, "pending outputs")?,
+            self.encode(&PendingOutputs::of(checkpoint), "pending outputs")?,
         );
         batch.put_cf(
             meta_cf,
@@ -431,7 +459,8 @@ impl StateStore {
         Ok(epochs)
     }
 
-    /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`].
+    /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`]: the
+    /// checkpoint without its dedup ids.
     pub fn pending(&self, epoch: Epoch) -> Result<Checkpoint, StateError> {
         match self
             .db
@@ -467,6 +496,44 @@ impl StateStore {
             what,
             detail: "undecodable key or value".into(),
         }
+    }
+
+    /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, oldest
+    /// first, from a consistent snapshot (the operator rebuilds its id filter from it).
+    pub fn scan_seen(
+        &self,
+        partition: PartitionId,
+        mut f: impl FnMut(&[u8], i64),
+    ) -> Result<u64, StateError> {
+        let time_cf = self.cf(CF_SEEN_TIME)?;
+        let from = self
+            .meta()
+            .and_then(|m| m.expired_seen_before.get(&partition).copied())
+            .unwrap_or(i64::MIN);
+        let start = keys::seen_time_prefix(partition, from);
+        let mut opts = rocksdb::ReadOptions::default();
+        if let Some(next) = partition.checked_add(1) {
+            opts.set_iterate_upper_bound(keys::seen_time_prefix(next, i64::MIN));
+        }
+        // A one-off walk: leave the cache to the lookups.
+        opts.fill_cache(false);
+        let iter = self.db.iterator_cf_opt(
+            time_cf,
+            opts,
+            IteratorMode::From(&start, Direction::Forward),
+        );
+        let mut count = 0;
+        for item in iter {
+            let (key, _) = item.map_err(|e| self.rocks(e))?;
+            let (p, t, id) =
+                keys::decode_seen_time(&key).ok_or_else(|| self.corrupt_key("dedup time index"))?;
+            if p != partition {
+                break;
+            }
+            f(id, t);
+            count += 1;
+        }
+        Ok(count)
     }
 
     /// Every stored window, in key order (tests, `doctor`).

@@ -175,18 +175,21 @@ fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
     let store = StateStore::open(dir.path(), "job").unwrap();
     let cp = checkpoint(
         1,
-        &[Op::Row {
-            p: 0,
-            start: 1,
-            customer: 1,
-            orders: 3,
-        }],
+        &[
+            Op::Row {
+                p: 0,
+                start: 1,
+                customer: 1,
+                orders: 3,
+            },
+            Op::Seen { p: 0, id: 9, t: 1 },
+        ],
     );
     store.pre_commit(&cp).unwrap();
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::PreCommitted);
-    assert_eq!(store.pending(Epoch(1)).unwrap(), cp);
+    assert_eq!(store.pending(Epoch(1)).unwrap(), without_ids(&cp));
     store.mark_committed(Epoch(1)).unwrap();
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
@@ -287,9 +290,18 @@ fn two_epochs_in_flight_are_completed_oldest_first() {
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.pending_epochs().unwrap(), vec![Epoch(2)]);
-    assert_eq!(store.pending(Epoch(2)).unwrap(), two);
+    assert_eq!(store.pending(Epoch(2)).unwrap(), without_ids(&two));
     store.mark_committed(Epoch(2)).unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::Committed);
     assert!(store.pending_epochs().unwrap().is_empty());
     assert_eq!(store.seen_event_time(0, "e2").unwrap(), Some(6));
+}
+
+/// A pending epoch keeps what the sinks need: the checkpoint without its dedup ids.
+fn without_ids(cp: &Checkpoint) -> Checkpoint {
+    assert!(!cp.seen.is_empty(), "the test checkpoint should carry ids");
+    Checkpoint {
+        seen: Vec::new(),
+        ..cp.clone()
+    }
 }

@@ -22,7 +22,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, WriteOutcome, WriteStep};
 use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
-    WithInFlight,
+    SeenIdFilter, WithInFlight,
 };
 use tally_kafka::{DeadLetterProducer, KafkaSettings, Source, StartFrom, epoch_from_metadata};
 use tally_state::StateStore;
@@ -40,6 +40,10 @@ use crate::health::Readiness;
 /// ends, bounding the memory an epoch holds (changed windows, dead letters).
 const MAX_EPOCH_RECORDS: u64 = 250_000;
 const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
+/// Estimated heap of an epoch's changed windows and ids: with many distinct keys (a million
+/// customers) an epoch reaches it long before `MAX_EPOCH_RECORDS`, and the epochs in flight
+/// hold about twice it each.
+const MAX_EPOCH_STATE_BYTES: usize = 24 << 20;
 const POLL: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// How long one attempt to reach the brokers may take before it is retried.
@@ -236,6 +240,11 @@ impl Worker {
             sinks.next_fold = Some(Instant::now());
         }
         let mut operator = consumer.restore_operator()?;
+        let filters = rebuild_seen_filters(
+            consumer.store.clone(),
+            operator.partitions_awaiting_seen_filter(),
+            consumer.config.operator().dedup_horizon_ms,
+        )?;
         consumer.source.assign(&operator.next_offsets())?;
         consumer.readiness.set_restored();
 
@@ -257,7 +266,7 @@ impl Worker {
             .spawn(move || sinks.run(persisted_rx, committed_tx))
             .context("starting the sink thread")?;
 
-        let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx);
+        let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx, filters);
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -326,6 +335,7 @@ impl Consumer {
         operator: &mut RevenueOperator,
         handoff: Sender<Handoff>,
         committed: Receiver<Epoch>,
+        mut filters: Option<Receiver<(PartitionId, SeenIdFilter)>>,
     ) -> Result<Stop> {
         let interval = self.config.job.checkpoint_interval.as_duration();
         let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
@@ -347,6 +357,14 @@ impl Consumer {
             }
         };
         loop {
+            if let Some(rx) = &filters {
+                match rx.try_recv() {
+                    Ok((partition, filter)) => operator.adopt_seen_filter(partition, filter),
+                    Err(TryRecvError::Empty) => {}
+                    // Done (or failed, which it logged): lookups go to the store meanwhile.
+                    Err(TryRecvError::Disconnected) => filters = None,
+                }
+            }
             loop {
                 match committed.try_recv() {
                     Ok(epoch) => retire(epoch, &mut in_flight),
@@ -367,7 +385,8 @@ impl Consumer {
                 self.maybe_report_lag(&operator.next_offsets());
             }
             let full = operator.pending_records() >= MAX_EPOCH_RECORDS
-                || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES;
+                || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES
+                || operator.pending_state_bytes() >= MAX_EPOCH_STATE_BYTES;
             if !idle && (stopping || full || Instant::now() >= next_barrier) {
                 let barrier_at = Instant::now();
                 // Backpressure: the committer is `max_in_flight` epochs behind. A shutdown
@@ -793,6 +812,50 @@ impl Sinks {
     }
 }
 
+/// Rebuilds, on a thread of its own, the id filters of the partitions restored from the store,
+/// so that consumption starts at once; until a partition's filter arrives its dedup lookups all
+/// go to the store.
+fn rebuild_seen_filters(
+    store: Arc<StateStore>,
+    partitions: Vec<PartitionId>,
+    horizon_ms: i64,
+) -> Result<Option<Receiver<(PartitionId, SeenIdFilter)>>> {
+    if partitions.is_empty() {
+        return Ok(None);
+    }
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("tally-idscan".into())
+        .spawn(move || {
+            for partition in partitions {
+                let started = Instant::now();
+                let mut filter =
+                    SeenIdFilter::new(horizon_ms, tally_core::seen_filter::DEFAULT_FIRST_CAPACITY);
+                let scanned = store.scan_seen(partition, |id, t| {
+                    filter.insert(tally_core::seen_filter::id_hash(id), t)
+                });
+                match scanned {
+                    Ok(ids) => tracing::info!(
+                        partition,
+                        ids,
+                        bytes = filter.bytes(),
+                        millis = started.elapsed().as_millis() as u64,
+                        "rebuilt the dedup id filter"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(partition, error = %e, "could not rebuild the dedup id filter; every lookup goes to the store");
+                        return;
+                    }
+                }
+                if tx.send((partition, filter)).is_err() {
+                    return;
+                }
+            }
+        })
+        .context("starting the id filter thread")?;
+    Ok(Some(rx))
+}
+
 /// Pre-commits each cut in order, as soon as it is handed over: a crash from then on resumes
 /// after it.
 struct Persister {
@@ -804,8 +867,10 @@ impl Persister {
     fn run(self, handoffs: Receiver<Handoff>, persisted: Sender<Persisted>) -> Result<()> {
         for handoff in handoffs {
             let started = Instant::now();
-            let checkpoint = handoff.cut.to_checkpoint();
+            let mut checkpoint = handoff.cut.to_checkpoint();
             self.store.pre_commit(&checkpoint)?;
+            // The sinks do not need the ids; they are a large part of an epoch's memory.
+            checkpoint.seen = Vec::new();
             let epoch = checkpoint.epoch;
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
