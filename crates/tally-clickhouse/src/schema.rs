@@ -171,15 +171,19 @@ impl TableNames {
         let up_to = as_of.map_or(String::new(), |e| format!(" AND epoch <= {e}"));
         // `+ 0` keeps the IN off the sorting key: 18.16 otherwise builds the set for index
         // analysis on every analysis pass of the query, which costs more than it prunes.
-        // window_end follows from window_start, so it is carried, not grouped by.
+        // The commit set is unnested with `arrayJoin` into one tuple column rather than with an
+        // ARRAY JOIN clause: the same set, but 18.16 analyzes this subquery on every pass over
+        // the nested query, and the clause costs it about 2 ms more per reader SELECT.
+        // window_end follows from window_start, so it is carried, not grouped by; the source
+        // partition is grouped by, not selected. sum(UInt64) is UInt64 on every server.
         format!(
-            "SELECT window_start, any(p_window_end) AS window_end, customer_id, currency, toUInt64(sum(p_orders)) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
-             FROM (SELECT source_partition, window_start, any(window_end) AS p_window_end, customer_id, currency, \
+            "SELECT window_start, any(p_window_end) AS window_end, customer_id, currency, sum(p_orders) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
+             FROM (SELECT window_start, any(window_end) AS p_window_end, customer_id, currency, \
                           argMax(orders, version) AS p_orders, argMax(revenue, version) AS p_revenue \
                    FROM {data} \
                    WHERE window_start >= toDateTime({f}){upper} \
                      AND (toInt32(source_partition + 0), version + 0) IN \
-                         (SELECT cp, cv FROM {commits} ARRAY JOIN partitions AS cp, arrayResize(to_offsets, length(partitions)) AS cv WHERE epoch >= {e}{up_to}) \
+                         (SELECT arrayJoin(arrayMap((cp, cv) -> (cp, cv), partitions, arrayResize(to_offsets, length(partitions)))) FROM {commits} WHERE epoch >= {e}{up_to}) \
                    GROUP BY source_partition, window_start, customer_id, currency) \
              GROUP BY window_start, customer_id, currency",
             data = self.data,

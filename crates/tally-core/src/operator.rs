@@ -6,6 +6,7 @@
 //! made durable in one atomic write. Every decision is a function of each partition's record
 //! sequence alone, so where barriers fall never changes the final results.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -128,14 +129,14 @@ pub struct RevenueOperator {
     epoch: Epoch,
     partitions: BTreeMap<PartitionId, PartitionState>,
     /// Per partition, so that a lookup by `&WindowKey` needs no owned key.
-    dirty_windows: HashMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
-    dirty_seen: HashMap<PartitionId, FastMap<String, i64>>,
+    dirty_windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
+    dirty_seen: FastMap<PartitionId, FastMap<String, i64>>,
     dead_letters: Vec<DeadLetter>,
     dead_letter_bytes: usize,
     /// Estimated heap bytes of the epoch's changed windows and ids.
     state_bytes: usize,
     /// Per partition, the ids of its dedup set: a new id skips the store lookup.
-    seen_filters: HashMap<PartitionId, PartitionFilter>,
+    seen_filters: FastMap<PartitionId, PartitionFilter>,
     seen_filter_capacity: usize,
 }
 
@@ -189,8 +190,8 @@ impl RevenueOperator {
             decoder,
             epoch: last_epoch.next(),
             partitions,
-            dirty_windows: HashMap::new(),
-            dirty_seen: HashMap::new(),
+            dirty_windows: FastMap::default(),
+            dirty_seen: FastMap::default(),
             dead_letters: Vec::new(),
             dead_letter_bytes: 0,
             state_bytes: 0,
@@ -370,20 +371,34 @@ impl RevenueOperator {
             customer_id: event.customer_id,
             currency: event.currency,
         };
-        let current = match self
-            .dirty_windows
-            .get(&record.partition)
-            .and_then(|windows| windows.get(&key))
-        {
-            Some(agg) => *agg,
-            None => store.window(record.partition, &key)?.unwrap_or_default(),
+        let window_bytes = key.customer_id.len() + key.currency.len() + WINDOW_ENTRY_BYTES;
+        let add = |current: WindowAgg| {
+            current
+                .revenue
+                .checked_add_decimal18(event.amount)
+                .zip(current.orders.checked_add(1))
+                .map(|(revenue, orders)| WindowAgg { orders, revenue })
+                .ok_or(current)
         };
-        let updated = current
-            .revenue
-            .checked_add_decimal18(event.amount)
-            .zip(current.orders.checked_add(1))
-            .map(|(revenue, orders)| WindowAgg { orders, revenue });
-        let Some(updated) = updated else {
+        // One hash of the key per record: the entry is looked up once and filled in place.
+        let added = match self
+            .dirty_windows
+            .entry(record.partition)
+            .or_default()
+            .entry(key)
+        {
+            Entry::Occupied(mut held) => add(*held.get()).map(|updated| *held.get_mut() = updated),
+            Entry::Vacant(slot) => {
+                let current = store
+                    .window(record.partition, slot.key())?
+                    .unwrap_or_default();
+                add(current).map(|updated| {
+                    slot.insert(updated);
+                    self.state_bytes += window_bytes;
+                })
+            }
+        };
+        if let Err(current) = added {
             let message = format!(
                 "adding {} to window revenue {} would exceed Decimal(18,4)",
                 event.amount, current.revenue
@@ -395,16 +410,6 @@ impl RevenueOperator {
                     message,
                 },
             ));
-        };
-        let key_bytes = key.customer_id.len() + key.currency.len() + WINDOW_ENTRY_BYTES;
-        if self
-            .dirty_windows
-            .entry(record.partition)
-            .or_default()
-            .insert(key, updated)
-            .is_none()
-        {
-            self.state_bytes += key_bytes;
         }
         if let Some(filter) = self.seen_filters.get_mut(&record.partition) {
             filter.ids.insert(id_hash, event.event_time_ms);
@@ -507,6 +512,20 @@ impl RevenueOperator {
         };
         self.dead_letter_bytes = 0;
         self.state_bytes = 0;
+        // The next epoch of a partition usually changes as many keys as this one: sized so,
+        // its maps do not rehash on the hot path as they grow.
+        for (&p, windows) in &cut.windows {
+            self.dirty_windows.insert(
+                p,
+                FastMap::with_capacity_and_hasher(windows.len(), Default::default()),
+            );
+        }
+        for (&p, ids) in &cut.seen {
+            self.dirty_seen.insert(
+                p,
+                FastMap::with_capacity_and_hasher(ids.len(), Default::default()),
+            );
+        }
         for (&p, state) in &mut self.partitions {
             cut.partitions.insert(
                 p,
@@ -544,8 +563,8 @@ impl RevenueOperator {
 pub struct EpochCut {
     pub epoch: Epoch,
     window_size_ms: i64,
-    windows: HashMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
-    seen: HashMap<PartitionId, FastMap<String, i64>>,
+    windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
+    seen: FastMap<PartitionId, FastMap<String, i64>>,
     pub dead_letters: Vec<DeadLetter>,
     pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
     close_windows_before: Vec<(PartitionId, i64)>,
@@ -556,6 +575,27 @@ impl EpochCut {
     /// The checkpoint of this cut, rows and seen ids sorted so that it encodes the same
     /// whatever the hash order.
     pub fn to_checkpoint(&self) -> Checkpoint {
+        let mut seen: Vec<(PartitionId, String, i64)> = self
+            .seen_ids()
+            .map(|(p, id, t)| (p, id.to_owned(), t))
+            .collect();
+        seen.sort();
+        Checkpoint {
+            seen,
+            ..self.to_checkpoint_without_ids()
+        }
+    }
+
+    /// The epoch's new dedup ids with their event times, in no particular order.
+    pub fn seen_ids(&self) -> impl Iterator<Item = (PartitionId, &str, i64)> {
+        self.seen
+            .iter()
+            .flat_map(|(&p, ids)| ids.iter().map(move |(id, &t)| (p, id.as_str(), t)))
+    }
+
+    /// [`EpochCut::to_checkpoint`] with `seen` left empty: what the sinks need, without a copy
+    /// of every id (the largest part of an epoch).
+    pub fn to_checkpoint_without_ids(&self) -> Checkpoint {
         let mut rows: Vec<OutputRow> = self
             .windows
             .iter()
@@ -569,17 +609,11 @@ impl EpochCut {
             })
             .collect();
         rows.sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
-        let mut seen: Vec<(PartitionId, String, i64)> = self
-            .seen
-            .iter()
-            .flat_map(|(&p, ids)| ids.iter().map(move |(id, t)| (p, id.clone(), *t)))
-            .collect();
-        seen.sort();
         Checkpoint {
             epoch: self.epoch,
             partitions: self.partitions.clone(),
             rows,
-            seen,
+            seen: Vec::new(),
             dead_letters: self.dead_letters.clone(),
             close_windows_before: self.close_windows_before.clone(),
             expire_seen_before: self.expire_seen_before.clone(),

@@ -14,8 +14,12 @@ use std::hash::BuildHasher;
 const BITS_PER_ID: usize = 10;
 const PROBES: u32 = 7;
 const BLOCK_BITS: u64 = 512;
-/// Capacity of a partition's first generation; later ones are sized from the previous one.
-pub const DEFAULT_FIRST_CAPACITY: usize = 1 << 16;
+/// Capacity of a partition's first generation (320 KiB); later ones are sized from the
+/// previous one.
+pub const DEFAULT_FIRST_CAPACITY: usize = 1 << 18;
+/// A full generation's successor is this many times larger: a lookup of a new id probes every
+/// generation, so a partition that grows should reach its size in few of them.
+const GROWTH: usize = 4;
 
 /// The hash the filter uses for an id: fixed, so a filter built by one thread answers for ids
 /// hashed by another.
@@ -120,10 +124,11 @@ impl SeenIdFilter {
                         > span)
         });
         if rotate {
-            // Full: twice the size. Spanning half the horizon: sized for as many ids again.
+            // Full: `GROWTH` times the size. Spanning half the horizon: sized for as many ids
+            // again.
             let capacity = self.generations.last().map_or(1, |g| {
                 if g.count >= g.capacity {
-                    g.capacity.saturating_mul(2)
+                    g.capacity.saturating_mul(GROWTH)
                 } else {
                     g.count.saturating_add(g.count / 4).max(1)
                 }

@@ -59,7 +59,7 @@ impl Source {
             // fail loudly rather than silently skip to another position.
             .set("auto.offset.reset", "error");
         // Bounds the prefetch buffer: the memory held while a sink is down.
-        set_default(&mut config, "queued.max.messages.kbytes", "32768");
+        set_default(&mut config, "queued.max.messages.kbytes", "16384");
         let consumer: BaseConsumer = config.create().map_err(kafka("creating consumer"))?;
         Ok(Source {
             consumer,

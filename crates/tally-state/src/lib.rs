@@ -30,8 +30,12 @@ const CF_SEEN_TIME: &str = "seen_by_time";
 const CF_PENDING: &str = "pending";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
-/// Memory for all memtables together (each column family's is 16 MiB at most).
-const MEMTABLE_BUDGET: usize = 64 << 20;
+/// Memory for all memtables together (each column family's is `MEMTABLE_BYTES` at most), and
+/// for the block cache: with the epochs in flight, the id filter and the consumer's prefetch
+/// they make up a worker's memory (256 MiB at 1M live keys and 20M ids, see BENCHMARKS.md).
+const MEMTABLE_BUDGET: usize = 32 << 20;
+const MEMTABLE_BYTES: usize = 8 << 20;
+const BLOCK_CACHE_BYTES: usize = 32 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -139,10 +143,9 @@ impl StateStore {
             path: path.clone(),
             source,
         };
-        let cache = Cache::new_lru_cache(64 << 20);
+        let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
         let mut table = BlockBasedOptions::default();
         table.set_block_cache(&cache);
-        table.set_bloom_filter(10.0, false);
         // Memory stays bounded by the cache as the dedup set grows: index and filters live in it,
         // partitioned into small blocks. (A whole-file index or filter of a large SST is bigger
         // than a cache shard, would never stay cached, and was re-read on every lookup.)
@@ -152,10 +155,16 @@ impl StateStore {
         table.set_metadata_block_size(4096);
         table.set_pin_top_level_index_and_filter(true);
         table.set_pin_l0_filter_and_index_blocks_in_cache(true);
-        let mut cf_opts = Options::default();
+        // Column families only ever scanned (the dedup time index, pending epochs) get no bloom
+        // filters: building them cost flush and compaction time, and holding them cost memory
+        // that grew with the dedup set, for lookups that never come.
+        let mut scan_cf_opts = Options::default();
+        scan_cf_opts.set_block_based_table_factory(&table);
+        scan_cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
+        scan_cf_opts.set_write_buffer_size(MEMTABLE_BYTES);
+        table.set_bloom_filter(10.0, false);
+        let mut cf_opts = scan_cf_opts.clone();
         cf_opts.set_block_based_table_factory(&table);
-        cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
-        cf_opts.set_write_buffer_size(16 << 20);
         // Most dedup lookups are for ids never seen: a bloom filter per memtable answers them
         // without searching the memtable's skip list.
         cf_opts.set_memtable_prefix_bloom_ratio(0.05);
@@ -172,7 +181,13 @@ impl StateStore {
         db_opts.set_keep_log_file_num(4);
         let cfs = [CF_META, CF_WINDOWS, CF_SEEN_ID, CF_SEEN_TIME, CF_PENDING]
             .into_iter()
-            .map(|name| ColumnFamilyDescriptor::new(name, cf_opts.clone()));
+            .map(|name| {
+                let opts = match name {
+                    CF_SEEN_TIME | CF_PENDING => scan_cf_opts.clone(),
+                    _ => cf_opts.clone(),
+                };
+                ColumnFamilyDescriptor::new(name, opts)
+            });
         let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(rocks)?;
         let store = StateStore {
             db,
@@ -298,6 +313,21 @@ impl StateStore {
     /// its stored time is past the horizon, i.e. below this checkpoint's expiry cutoff, so the
     /// expiry below has removed (or removes first) its old entries.
     pub fn pre_commit(&self, checkpoint: &Checkpoint) -> Result<(), StateError> {
+        let seen = checkpoint
+            .seen
+            .iter()
+            .map(|(p, id, t)| (*p, id.as_str(), *t));
+        self.pre_commit_with_seen(checkpoint, seen)
+    }
+
+    /// [`StateStore::pre_commit`] with the epoch's ids given apart from `checkpoint` (whose own
+    /// `seen` is ignored), in any order: the worker passes them straight from the epoch's cut
+    /// rather than copying and sorting them.
+    pub fn pre_commit_with_seen<'a>(
+        &self,
+        checkpoint: &Checkpoint,
+        seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
+    ) -> Result<(), StateError> {
         let (meta_cf, windows_cf, id_cf, time_cf, pending_cf) = (
             self.cf(CF_META)?,
             self.cf(CF_WINDOWS)?,
@@ -343,15 +373,15 @@ impl StateStore {
         }
         // Entries already past these cutoffs would be deleted right away: they are not stored.
         let cutoffs = &expired_seen_before;
-        for (p, id, t) in &checkpoint.seen {
-            let by_id = keys::seen_id(*p, id.as_bytes());
+        for (p, id, t) in seen {
+            let by_id = keys::seen_id(p, id.as_bytes());
             // Already past the horizon at this checkpoint: it expires with the others.
-            if cutoffs.get(p).is_some_and(|cutoff| t < cutoff) {
+            if cutoffs.get(&p).is_some_and(|cutoff| t < *cutoff) {
                 batch.delete_cf(id_cf, &by_id);
                 continue;
             }
             batch.put_cf(id_cf, &by_id, t.to_be_bytes());
-            batch.put_cf(time_cf, keys::seen_time(*p, *t, id.as_bytes()), []);
+            batch.put_cf(time_cf, keys::seen_time(p, t, id.as_bytes()), []);
         }
         let mut close_at = closed_windows_before.clone();
         for &(p, cutoff) in &checkpoint.close_windows_before {

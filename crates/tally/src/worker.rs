@@ -43,7 +43,7 @@ const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
 /// Estimated heap of an epoch's changed windows and ids: with many distinct keys (a million
 /// customers) an epoch reaches it long before `MAX_EPOCH_RECORDS`, and the epochs in flight
 /// hold about twice it each.
-const MAX_EPOCH_STATE_BYTES: usize = 24 << 20;
+const MAX_EPOCH_STATE_BYTES: usize = 8 << 20;
 const POLL: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// How long one attempt to reach the brokers may take before it is retried.
@@ -86,9 +86,18 @@ struct Sinks {
     group: Source,
     partitions: Vec<PartitionId>,
     phases: CommitPhases,
-    /// When the next fold step is due; `None` when folding is off.
-    next_fold: Option<Instant>,
     readiness: Arc<Readiness>,
+}
+
+/// Fold steps, on a thread of their own: a step can take seconds (it moves every final
+/// window's versions), and commits must not wait for it. Every step is driven by the commit
+/// log alone and leaves the view whole, so it needs no coordination with the commits.
+struct Folder {
+    config: Config,
+    rt: Handle,
+    fault: FaultPlan,
+    store: Arc<StateStore>,
+    shutdown: Arc<AtomicBool>,
 }
 
 /// An epoch on its way from the barrier to committed.
@@ -135,15 +144,7 @@ impl Worker {
             "opened state store"
         );
         let kafka = config.kafka_settings();
-        let settings = config.sink_settings();
-        let sink = wait_for("clickhouse", &shutdown, || {
-            match rt.block_on(ClickHouseSink::connect(&settings)) {
-                Ok(sink) => Ok(Ok(sink)),
-                // A bad certificate or password: retrying cannot help.
-                Err(e @ tally_clickhouse::SinkError::Refused(_)) => Ok(Err(e)),
-                Err(e) => Err(e.to_string()),
-            }
-        })??;
+        let sink = connect_clickhouse(&config, &rt, &shutdown)?;
         tracing::info!(version = sink.version(), url = %config.clickhouse.url, "connected to clickhouse");
         rt.block_on(sink.ensure_schema())?;
         if !rt.block_on(sink.pushes_predicates_into_views())? {
@@ -202,7 +203,6 @@ impl Worker {
             group,
             partitions: partitions.clone(),
             phases: CommitPhases::default(),
-            next_fold: None,
             readiness: readiness.clone(),
         };
         Ok(Worker {
@@ -234,10 +234,22 @@ impl Worker {
             })?;
             sinks.dlq = Some(producer);
         }
+        // Fold at once (which also repairs a step a crash interrupted), then every interval.
+        // The view is whole at every step, so consumption need not wait for it. Dropping
+        // `stop_folding` ends the thread after its current step.
+        let (stop_folding, fold_stop_rx) = mpsc::channel::<()>();
         if consumer.config.clickhouse.fold_interval.0 > 0 {
-            // Fold as soon as the sink thread starts: it also repairs a fold step that a crash
-            // interrupted. The view is whole at every step, so consumption need not wait for it.
-            sinks.next_fold = Some(Instant::now());
+            let folder = Folder {
+                config: consumer.config.clone(),
+                rt: sinks.rt.clone(),
+                fault: sinks.fault,
+                store: consumer.store.clone(),
+                shutdown: sinks.shutdown.clone(),
+            };
+            std::thread::Builder::new()
+                .name("tally-fold".into())
+                .spawn(move || folder.run(fold_stop_rx))
+                .context("starting the fold thread")?;
         }
         let mut operator = consumer.restore_operator()?;
         let filters = rebuild_seen_filters(
@@ -267,6 +279,8 @@ impl Worker {
             .context("starting the sink thread")?;
 
         let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx, filters);
+        // A step in progress is not waited for: an interrupted step is repaired by the next.
+        drop(stop_folding);
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -351,9 +365,17 @@ impl Consumer {
                 .iter()
                 .any(|p| !m.partitions.contains_key(p))
         });
+        // Freeing a committed cut (every key and id of an epoch) costs as much as processing
+        // thousands of records: it happens on a thread of its own, not on the consuming one.
+        let (retired_tx, retired_rx) = mpsc::channel::<Arc<EpochCut>>();
+        std::thread::Builder::new()
+            .name("tally-free".into())
+            .spawn(move || retired_rx.into_iter().for_each(drop))
+            .context("starting the thread that frees committed epochs")?;
         let retire = |epoch: Epoch, in_flight: &mut VecDeque<Arc<EpochCut>>| {
-            while in_flight.front().is_some_and(|c| c.epoch <= epoch) {
-                in_flight.pop_front();
+            while let Some(cut) = in_flight.pop_front_if(|c| c.epoch <= epoch) {
+                // A closed channel means the thread ended: the cut is freed here instead.
+                let _ = retired_tx.send(cut);
             }
         };
         loop {
@@ -527,6 +549,73 @@ impl Consumer {
     }
 }
 
+/// Connects to ClickHouse, waiting while it is unreachable.
+fn connect_clickhouse(
+    config: &Config,
+    rt: &Handle,
+    shutdown: &Arc<AtomicBool>,
+) -> Result<ClickHouseSink> {
+    let settings = config.sink_settings();
+    Ok(wait_for("clickhouse", shutdown, || {
+        match rt.block_on(ClickHouseSink::connect(&settings)) {
+            Ok(sink) => Ok(Ok(sink)),
+            // A bad certificate or password: retrying cannot help.
+            Err(e @ tally_clickhouse::SinkError::Refused(_)) => Ok(Err(e)),
+            Err(e) => Err(e.to_string()),
+        }
+    })??)
+}
+
+impl Folder {
+    /// Runs a fold step now and then every `fold_interval`, until `stop` closes. Folding only
+    /// tidies what readers read (the view's result is the same before and after), so a failed
+    /// step is logged and retried at the next.
+    fn run(self, stop: Receiver<()>) {
+        // A connection of its own (made here, off the start path): the fold frontier it
+        // installs is the folder's state, not the sink's.
+        let sink = match connect_clickhouse(&self.config, &self.rt, &self.shutdown) {
+            Ok(sink) => sink,
+            // A stop while ClickHouse was unreachable, or a refused connection, which the
+            // sink thread reports too.
+            Err(e) => {
+                if !self.shutdown.load(Ordering::SeqCst) {
+                    tracing::warn!(error = %format!("{e:#}"), "the fold thread cannot connect to clickhouse; folding is off until the next start");
+                }
+                return;
+            }
+        };
+        let interval = self.config.clickhouse.fold_interval.as_duration();
+        loop {
+            self.step(&sink);
+            match stop.recv_timeout(interval) {
+                Err(RecvTimeoutError::Timeout) => {}
+                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    fn step(&self, sink: &ClickHouseSink) {
+        let started = Instant::now();
+        let fault = self.fault;
+        // Fault points of a step are keyed by the newest epoch of the local state.
+        let epoch = self.store.meta().map_or(Epoch(0), |m| m.epoch);
+        let hook = move |step: FoldStep| {
+            let point = match step {
+                FoldStep::Inserted => FaultPoint::FoldAfterInsert,
+                FoldStep::Logged => FaultPoint::FoldAfterLog,
+                FoldStep::Installed => FaultPoint::FoldAfterInstall,
+            };
+            fault.hit(point, epoch);
+        };
+        let result = self.rt.block_on(sink.fold(self.config.fold_rules(), hook));
+        Folded {
+            result: &result,
+            duration: started.elapsed(),
+        }
+        .emit();
+    }
+}
+
 impl Sinks {
     /// Refuses to run when ClickHouse already holds later epochs than the state directory:
     /// epochs would be reused and the view would mix two histories.
@@ -589,22 +678,10 @@ impl Sinks {
     }
 
     /// Commits each pre-committed epoch the persister hands over, in order, then marks it
-    /// committed; folds between epochs and while idle. Returns when the persister is done, or
-    /// with [`Interrupted`] when a shutdown comes while a sink is failing.
+    /// committed. Returns when the persister is done, or with [`Interrupted`] when a shutdown
+    /// comes while a sink is failing.
     fn run(mut self, persisted: Receiver<Persisted>, committed: Sender<Epoch>) -> Result<()> {
-        let tick = Duration::from_secs(1);
-        self.maybe_fold(self.store.meta().map_or(Epoch(0), |m| m.epoch));
-        loop {
-            let next = match persisted.recv_timeout(tick) {
-                Ok(next) => next,
-                Err(RecvTimeoutError::Timeout) => {
-                    // Input has stopped, but the last epochs' versions still get folded.
-                    let epoch = self.store.meta().map_or(Epoch(0), |m| m.epoch);
-                    self.maybe_fold(epoch);
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => return Ok(()),
-            };
+        for next in persisted {
             let checkpoint = &next.checkpoint;
             self.phases.pre_commit = next.pre_commit;
             self.commit(checkpoint, CommitStep::PreCommitted)?;
@@ -619,8 +696,8 @@ impl Sinks {
             .emit();
             // The operator may have stopped already; the epoch is committed either way.
             let _ = committed.send(checkpoint.epoch);
-            self.maybe_fold(checkpoint.epoch);
         }
+        Ok(())
     }
 
     /// Whether the Kafka transaction of `epoch` committed: the group's offsets carry the epoch
@@ -636,36 +713,6 @@ impl Sinks {
             .filter_map(|(_, metadata)| epoch_from_metadata(metadata))
             .max();
         Ok(last.is_some_and(|e| e >= epoch))
-    }
-
-    /// Runs a fold step when one is due. Folding only tidies what readers read (the view's
-    /// result is the same before and after), so a failure is logged and retried next time.
-    fn maybe_fold(&mut self, epoch: Epoch) {
-        let Some(due) = self.next_fold else {
-            return;
-        };
-        if Instant::now() < due {
-            return;
-        }
-        let started = Instant::now();
-        let fault = self.fault;
-        let hook = move |step: FoldStep| {
-            let point = match step {
-                FoldStep::Inserted => FaultPoint::FoldAfterInsert,
-                FoldStep::Logged => FaultPoint::FoldAfterLog,
-                FoldStep::Installed => FaultPoint::FoldAfterInstall,
-            };
-            fault.hit(point, epoch);
-        };
-        let result = self
-            .rt
-            .block_on(self.sink.fold(self.config.fold_rules(), hook));
-        Folded {
-            result: &result,
-            duration: started.elapsed(),
-        }
-        .emit();
-        self.next_fold = Some(Instant::now() + self.config.clickhouse.fold_interval.as_duration());
     }
 
     /// Drives one epoch from `step` to written, retrying each sink until it succeeds. Never
@@ -867,10 +914,11 @@ impl Persister {
     fn run(self, handoffs: Receiver<Handoff>, persisted: Sender<Persisted>) -> Result<()> {
         for handoff in handoffs {
             let started = Instant::now();
-            let mut checkpoint = handoff.cut.to_checkpoint();
-            self.store.pre_commit(&checkpoint)?;
-            // The sinks do not need the ids; they are a large part of an epoch's memory.
-            checkpoint.seen = Vec::new();
+            // The sinks do not need the ids (the largest part of an epoch): they go from the
+            // cut to the store without a copy.
+            let checkpoint = handoff.cut.to_checkpoint_without_ids();
+            self.store
+                .pre_commit_with_seen(&checkpoint, handoff.cut.seen_ids())?;
             let epoch = checkpoint.epoch;
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
