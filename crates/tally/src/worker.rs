@@ -10,7 +10,9 @@
 //! consuming, reading through the cuts not yet committed. Two threads commit behind it, in epoch
 //! order: the persister pre-commits each cut, the sink thread commits it to Kafka and
 //! ClickHouse and marks it committed. At most `job.max_epochs_in_flight` epochs are between
-//! barrier and committed; at the limit the operator waits (backpressure).
+//! barrier and committed; at the limit the operator waits (backpressure). Beside them, the fold
+//! thread folds final windows on its own schedule, and committed cuts are freed off the
+//! consuming thread.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
