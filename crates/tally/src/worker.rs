@@ -99,7 +99,46 @@ struct Folder {
     rt: Handle,
     fault: FaultPlan,
     store: Arc<StateStore>,
-    shutdown: Arc<AtomicBool>,
+    /// Set when the worker stops: ends a wait for ClickHouse.
+    stop: Arc<AtomicBool>,
+}
+
+/// The running fold thread. Dropping it stops and joins the thread: a step in progress is
+/// abandoned at its next await (the next start repairs it, as after a crash), so a stop never
+/// waits for a long step and no fold request outlives the worker's runtime.
+struct FoldThread {
+    stop: Arc<AtomicBool>,
+    stop_tx: tokio::sync::watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FoldThread {
+    fn start(folder: Folder) -> Result<FoldThread> {
+        let stop = folder.stop.clone();
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let thread = std::thread::Builder::new()
+            .name("tally-fold".into())
+            .spawn(move || folder.run(stop_rx))
+            .context("starting the fold thread")?;
+        Ok(FoldThread {
+            stop,
+            stop_tx,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for FoldThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Fails only if the thread already ended.
+        let _ = self.stop_tx.send(true);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::warn!("the fold thread panicked");
+        }
+    }
 }
 
 /// An epoch on its way from the barrier to committed.
@@ -237,22 +276,18 @@ impl Worker {
             sinks.dlq = Some(producer);
         }
         // Fold at once (which also repairs a step a crash interrupted), then every interval.
-        // The view is whole at every step, so consumption need not wait for it. Dropping
-        // `stop_folding` ends the thread after its current step.
-        let (stop_folding, fold_stop_rx) = mpsc::channel::<()>();
-        if consumer.config.clickhouse.fold_interval.0 > 0 {
-            let folder = Folder {
+        // The view is whole at every step, so consumption need not wait for it.
+        let _folding = if consumer.config.clickhouse.fold_interval.0 > 0 {
+            Some(FoldThread::start(Folder {
                 config: consumer.config.clone(),
                 rt: sinks.rt.clone(),
                 fault: sinks.fault,
                 store: consumer.store.clone(),
-                shutdown: sinks.shutdown.clone(),
-            };
-            std::thread::Builder::new()
-                .name("tally-fold".into())
-                .spawn(move || folder.run(fold_stop_rx))
-                .context("starting the fold thread")?;
-        }
+                stop: Arc::new(AtomicBool::new(false)),
+            })?)
+        } else {
+            None
+        };
         let mut operator = consumer.restore_operator()?;
         let filters = rebuild_seen_filters(
             consumer.store.clone(),
@@ -281,8 +316,6 @@ impl Worker {
             .context("starting the sink thread")?;
 
         let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx, filters);
-        // A step in progress is not waited for: an interrupted step is repaired by the next.
-        drop(stop_folding);
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -569,34 +602,39 @@ fn connect_clickhouse(
 }
 
 impl Folder {
-    /// Runs a fold step now and then every `fold_interval`, until `stop` closes. Folding only
+    /// Runs a fold step now and then every `fold_interval`, until `stop` changes. Folding only
     /// tidies what readers read (the view's result is the same before and after), so a failed
     /// step is logged and retried at the next.
-    fn run(self, stop: Receiver<()>) {
+    fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) {
         // A connection of its own (made here, off the start path): the fold frontier it
         // installs is the folder's state, not the sink's.
-        let sink = match connect_clickhouse(&self.config, &self.rt, &self.shutdown) {
+        let sink = match connect_clickhouse(&self.config, &self.rt, &self.stop) {
             Ok(sink) => sink,
             // A stop while ClickHouse was unreachable, or a refused connection, which the
             // sink thread reports too.
             Err(e) => {
-                if !self.shutdown.load(Ordering::SeqCst) {
+                if !self.stop.load(Ordering::SeqCst) {
                     tracing::warn!(error = %format!("{e:#}"), "the fold thread cannot connect to clickhouse; folding is off until the next start");
                 }
                 return;
             }
         };
         let interval = self.config.clickhouse.fold_interval.as_duration();
-        loop {
-            self.step(&sink);
-            match stop.recv_timeout(interval) {
-                Err(RecvTimeoutError::Timeout) => {}
-                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        self.rt.block_on(async {
+            loop {
+                tokio::select! {
+                    () = self.step(&sink) => {}
+                    _ = stop.changed() => return,
+                }
+                // A change, or the sender gone: either way, stop.
+                if tokio::time::timeout(interval, stop.changed()).await.is_ok() {
+                    return;
+                }
             }
-        }
+        });
     }
 
-    fn step(&self, sink: &ClickHouseSink) {
+    async fn step(&self, sink: &ClickHouseSink) {
         let started = Instant::now();
         let fault = self.fault;
         // Fault points of a step are keyed by the newest epoch of the local state.
@@ -609,7 +647,7 @@ impl Folder {
             };
             fault.hit(point, epoch);
         };
-        let result = self.rt.block_on(sink.fold(self.config.fold_rules(), hook));
+        let result = sink.fold(self.config.fold_rules(), hook).await;
         Folded {
             result: &result,
             duration: started.elapsed(),
