@@ -38,7 +38,7 @@ def run(d, r, events):
     lines = (base / "worker.log").read_text().splitlines()
     committed = [l for l in lines if "checkpoint committed" in l and " millis=" in l]
     consumed, done = 0, None
-    pauses, latencies = [], []
+    pauses, cuts, waits, latencies = [], [], [], []
     for line in committed:
         consumed += field(line, "consumed") or 0
         latency = field(line, "millis")
@@ -46,6 +46,11 @@ def run(d, r, events):
         latencies.append(latency)
         # A build without pipelined checkpoints stops consuming for the whole commit.
         pauses.append(pause_us / 1000 if pause_us is not None else latency)
+        # The pause is the cut plus any wait for the committer (builds before the split log
+        # no backpressure_us: all of their pause counts as the cut).
+        wait_us = field(line, "backpressure_us") or 0
+        waits.append(wait_us / 1000)
+        cuts.append(pauses[-1] - wait_us / 1000)
         if done is None and consumed >= events:
             done = ts(line)
     if done is None:
@@ -61,6 +66,8 @@ def run(d, r, events):
         "ratio": tally / ceiling,
         "pause_p50": pct(pauses, 0.5),
         "pause_p99": pct(pauses, 0.99),
+        "cut_p99": pct(cuts, 0.99),
+        "waited": sum(1 for w in waits if w > 0.5),
         "commit_p50": pct(latencies, 0.5),
         "commit_p99": pct(latencies, 0.99),
         "restore_s": (ts(resumed) - restarted).total_seconds(),
@@ -75,14 +82,16 @@ def main():
     rows = [run(d, r, events) for r in range(1, runs + 1)]
     print(f"\n{events} records, {runs} runs")
     print(f"{'run':>4} {'ceiling/s':>10} {'tally/s':>9} {'ratio':>6} {'pause p50/p99 ms':>19} "
+          f"{'cut p99 ms':>10} {'waited':>6} "
           f"{'commit p50/p99 ms':>18} {'restore s':>9} {'RSS MiB':>8} {'ckpts':>6}")
     for i, x in enumerate(rows, 1):
         print(f"{i:>4} {x['ceiling']:>10.0f} {x['tally']:>9.0f} {x['ratio']:>6.2f} "
-              f"{x['pause_p50']:>9.3f}/{x['pause_p99']:<9.3f} {x['commit_p50']:>9}/{x['commit_p99']:<8} "
+              f"{x['pause_p50']:>9.3f}/{x['pause_p99']:<9.3f} {x['cut_p99']:>10.3f} {x['waited']:>6} "
+              f"{x['commit_p50']:>9}/{x['commit_p99']:<8} "
               f"{x['restore_s']:>9.2f} {x['rss_mib']:>8.0f} {x['checkpoints']:>6}")
     med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "verify"}
     print(f"median: ceiling={med['ceiling']:.0f}/s tally={med['tally']:.0f}/s ratio={med['ratio']:.2f} "
-          f"pause_p50={med['pause_p50']:.3f}ms pause_p99={med['pause_p99']:.3f}ms "
+          f"pause_p50={med['pause_p50']:.3f}ms pause_p99={med['pause_p99']:.3f}ms cut_p99={med['cut_p99']:.3f}ms "
           f"commit_p50={med['commit_p50']:.0f}ms commit_p99={med['commit_p99']:.0f}ms "
           f"restore={med['restore_s']:.2f}s peak_rss={med['rss_mib']:.0f}MiB")
     for i, x in enumerate(rows, 1):

@@ -14,13 +14,21 @@ pub struct CommitPhases {
     pub clickhouse: Duration,
 }
 
+/// How long the operator stopped consuming at a barrier, and how much of that it waited for the
+/// committer (backpressure: `job.max_epochs_in_flight` epochs not yet committed) rather than
+/// cutting the epoch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BarrierPause {
+    pub total: Duration,
+    pub backpressure: Duration,
+}
+
 /// An epoch whose outputs every sink now has.
 pub struct CheckpointCommitted<'a> {
     pub checkpoint: &'a Checkpoint,
     /// From the barrier to committed in every sink.
     pub latency: Duration,
-    /// How long the operator stopped consuming at the barrier.
-    pub pause: Duration,
+    pub pause: BarrierPause,
     pub phases: CommitPhases,
     pub recovered: bool,
 }
@@ -38,7 +46,8 @@ impl CheckpointCommitted<'_> {
             dead_lettered = acc.dead_lettered,
             rows = cp.rows.len(),
             millis = self.latency.as_millis() as u64,
-            pause_us = self.pause.as_micros() as u64,
+            pause_us = self.pause.total.as_micros() as u64,
+            backpressure_us = self.pause.backpressure.as_micros() as u64,
             pre_commit_ms = self.phases.pre_commit.as_millis() as u64,
             dead_letters_ms = self.phases.dead_letters.as_millis() as u64,
             clickhouse_ms = self.phases.clickhouse.as_millis() as u64,
@@ -102,14 +111,21 @@ impl SinkRetry<'_> {
 pub struct CheckpointCut {
     pub epoch: Epoch,
     pub records: u64,
-    /// How long the operator stopped consuming: the cut, plus any wait for the committer.
-    pub pause: Duration,
+    pub pause: BarrierPause,
 }
 
 impl CheckpointCut {
     pub fn emit(&self) {
-        tracing::debug!(epoch = %self.epoch, records = self.records, pause_us = self.pause.as_micros() as u64, "epoch cut");
-        histogram!("tally_checkpoint_pause_seconds").record(self.pause.as_secs_f64());
+        tracing::debug!(
+            epoch = %self.epoch,
+            records = self.records,
+            pause_us = self.pause.total.as_micros() as u64,
+            backpressure_us = self.pause.backpressure.as_micros() as u64,
+            "epoch cut"
+        );
+        histogram!("tally_checkpoint_pause_seconds").record(self.pause.total.as_secs_f64());
+        histogram!("tally_checkpoint_backpressure_seconds")
+            .record(self.pause.backpressure.as_secs_f64());
     }
 }
 

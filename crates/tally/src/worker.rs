@@ -32,8 +32,8 @@ use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
 use crate::events::{
-    CheckpointCommitted, CheckpointCut, CommitPhases, EpochRecovered, Folded, LagMeasured,
-    SinkRetry,
+    BarrierPause, CheckpointCommitted, CheckpointCut, CommitPhases, EpochRecovered, Folded,
+    LagMeasured, SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
@@ -145,14 +145,14 @@ impl Drop for FoldThread {
 struct Handoff {
     cut: Arc<EpochCut>,
     barrier_at: Instant,
-    pause: Duration,
+    pause: BarrierPause,
 }
 
 /// A pre-committed epoch on its way to the sinks.
 struct Persisted {
     checkpoint: Checkpoint,
     barrier_at: Instant,
-    pause: Duration,
+    pause: BarrierPause,
     pre_commit: Duration,
 }
 
@@ -455,12 +455,16 @@ impl Consumer {
                         Err(RecvTimeoutError::Disconnected) => return Ok(Stop::Idle),
                     }
                 }
+                let backpressure = barrier_at.elapsed();
                 let epoch = operator.current_epoch();
                 let cut = Arc::new(operator.cut(CheckpointBarrier {
                     epoch,
                     is_final: stopping,
                 }));
-                let pause = barrier_at.elapsed();
+                let pause = BarrierPause {
+                    total: barrier_at.elapsed(),
+                    backpressure,
+                };
                 CheckpointCut {
                     epoch,
                     records: cut.consumed(),
@@ -708,7 +712,7 @@ impl Sinks {
             CheckpointCommitted {
                 checkpoint: &checkpoint,
                 latency: started.elapsed(),
-                pause: Duration::ZERO,
+                pause: BarrierPause::default(),
                 phases: self.phases,
                 recovered: true,
             }
