@@ -32,7 +32,8 @@ const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
 /// Memory for all memtables together (each column family's is `MEMTABLE_BYTES` at most), and
 /// for the block cache: with the epochs in flight, the id filter and the consumer's prefetch
-/// they make up a worker's memory (256 MiB at 1M live keys and 20M ids, see BENCHMARKS.md).
+/// they make up most of a worker's memory (322 MiB peak at 1M live keys and 20M ids, see
+/// BENCHMARKS.md).
 const MEMTABLE_BUDGET: usize = 32 << 20;
 const MEMTABLE_BYTES: usize = 8 << 20;
 const BLOCK_CACHE_BYTES: usize = 32 << 20;
