@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -44,15 +44,7 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
-    let until = Instant::now() + Duration::from_secs(60);
-    while view(&job.database, &job.table)
-        .await
-        .map(|v| v.is_empty())
-        .unwrap_or(true)
-        && Instant::now() < until
-    {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_first_batch(&job).await;
     services(&["down", "clickhouse"]);
     assert!(
         view(&job.database, &job.table).await.is_err(),

@@ -35,21 +35,7 @@ async fn finish_and_check(job: &Job, manifest: &tally::loadgen::Manifest) {
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
     let view = wait_for_view(job, manifest, CATCH_UP).await;
-    sigterm(&worker);
-    let status = wait_exit(&mut worker, Duration::from_secs(30));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "clean stop; log:\n{}",
-        job.log()
-    );
-    assert_view_eq(&view, &manifest.rows, &job.log());
-    let dead = read_dead_letters(&job.dlq_topic());
-    assert_eq!(
-        dead.len(),
-        manifest.dead_letters.len(),
-        "dead letters exactly once"
-    );
-    assert_eq!(sorted(dead), expected_dead_letters(manifest));
+    assert_stops_exact(job, &mut worker, &view, manifest);
     assert_accounting(job, manifest.produced);
 }
 
@@ -65,15 +51,7 @@ async fn sigkill_mid_run_then_restart_loses_and_duplicates_nothing() {
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
     // Let it commit some epochs, then kill -9 wherever it is.
-    let until = std::time::Instant::now() + Duration::from_secs(60);
-    while view(&job.database, &job.table)
-        .await
-        .map(|v| v.is_empty())
-        .unwrap_or(true)
-        && std::time::Instant::now() < until
-    {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_first_batch(&job).await;
     worker.kill().unwrap();
     let status = worker.wait().unwrap();
     assert_eq!(status.signal(), Some(9));

@@ -81,31 +81,6 @@ async fn a_replication_factor_the_cluster_cannot_give_stops_the_start() {
     assert!(log.contains("kafka.topic_replication_factor"), "{log}");
 }
 
-fn doctor(job: &Job) -> (bool, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(["doctor", "--config", job.config.to_str().unwrap()])
-        // The generated stream's event time lies months back.
-        .args(["--since", "3650d"])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
-/// The status word on the row of `hop`.
-fn status_of(report: &str, hop: &str) -> String {
-    report
-        .lines()
-        .find(|l| l.contains(hop))
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap_or("missing")
-        .to_owned()
-}
-
 /// Deletes the records before `offset` in partition 0 of `topic`, as retention would.
 async fn delete_records_before(topic: &str, offset: i64) {
     use rdkafka::admin::{AdminClient, AdminOptions};

@@ -233,6 +233,27 @@ address = ""
         }
     }
 
+    /// Another worker of the same job (same config, topic and tables) with its own state
+    /// directory and log: how a `replicas: N` deployment runs it.
+    pub fn replica(&self) -> Job {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = std::fs::read_to_string(&self.config)
+            .expect("read config")
+            .replace(
+                &self.state_dir().display().to_string(),
+                &dir.path().join("state").display().to_string(),
+            );
+        let config = dir.path().join("job.toml");
+        std::fs::write(&config, text).expect("write config");
+        Job {
+            dir,
+            config,
+            topic: self.topic.clone(),
+            database: self.database.clone(),
+            table: self.table.clone(),
+        }
+    }
+
     pub fn spawn(&self, env: &[(&str, &str)]) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -347,6 +368,44 @@ pub async fn wait_for_view(
     }
 }
 
+/// Waits, up to a minute, until the job's first batch is in the view.
+pub async fn wait_for_first_batch(job: &Job) {
+    let until = Instant::now() + Duration::from_secs(60);
+    while view(&job.database, &job.table)
+        .await
+        .map(|v| v.is_empty())
+        .unwrap_or(true)
+        && Instant::now() < until
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Stops `worker` with SIGTERM and asserts a clean stop, `view` equal to the manifest and every
+/// expected dead letter in the dead-letter topic exactly once.
+pub fn assert_stops_exact(
+    job: &Job,
+    worker: &mut Child,
+    view: &BTreeMap<(i64, String, String), (u64, i64)>,
+    manifest: &Manifest,
+) {
+    sigterm(worker);
+    let status = wait_exit(worker, Duration::from_secs(30));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean stop; log:\n{}",
+        job.log()
+    );
+    assert_view_eq(view, &manifest.rows, &job.log());
+    let dead = read_dead_letters(&job.dlq_topic());
+    assert_eq!(
+        dead.len(),
+        manifest.dead_letters.len(),
+        "dead letters exactly once"
+    );
+    assert_eq!(sorted(dead), expected_dead_letters(manifest));
+}
+
 /// Reads a topic to its end with read_committed and returns (source partition, source offset, reason)
 /// per dead letter, in read order.
 pub fn read_dead_letters(topic: &str) -> Vec<(i32, i64, String)> {
@@ -454,4 +513,30 @@ pub async fn ch(sql: &str) {
 
 pub fn write_file(path: &Path, text: &str) {
     std::fs::write(path, text).expect("write");
+}
+
+/// Runs `tally doctor` on `job`: (exit 0, report).
+pub fn doctor(job: &Job) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["doctor", "--config", job.config.to_str().unwrap()])
+        // The generated stream's event time lies months back.
+        .args(["--since", "3650d"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The status word on the row of `hop`.
+pub fn status_of(report: &str, hop: &str) -> String {
+    report
+        .lines()
+        .find(|l| l.contains(hop))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or("missing")
+        .to_owned()
 }

@@ -1,6 +1,7 @@
 //! The dead-letter producer. One Kafka transaction per epoch carries the epoch's dead letters and
-//! the source offsets for the consumer group, tagged with the epoch in the offset metadata, so
-//! after a crash the group's committed metadata says whether that transaction committed.
+//! the source offsets for the consumer group, tagged with the epoch and the writer in the offset
+//! metadata ([`CommitMark`]), so after a crash the group's committed metadata says whether that
+//! transaction committed, and who commits the job.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -22,15 +23,39 @@ pub const HEADER_SOURCE_OFFSET: &str = "tally.source.offset";
 pub const HEADER_SOURCE_TIMESTAMP: &str = "tally.source.timestamp";
 
 const METADATA_PREFIX: &str = "tally:epoch=";
+const WRITER_FIELD: &str = ";writer=";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The epoch a committed offset was written by, from its metadata.
-pub fn epoch_from_metadata(metadata: &str) -> Option<Epoch> {
-    metadata
-        .strip_prefix(METADATA_PREFIX)?
-        .parse()
-        .ok()
-        .map(Epoch)
+/// What tally writes in the metadata of every offset it commits: the epoch whose transaction
+/// committed it and the writer (state directory) that ran that transaction. After a crash the
+/// epoch says whether a pre-committed epoch's transaction committed; the writer says whether
+/// another worker commits this job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitMark {
+    pub epoch: Epoch,
+    /// `None` for offsets committed before writers were recorded.
+    pub writer: Option<String>,
+}
+
+impl CommitMark {
+    pub fn parse(metadata: &str) -> Option<CommitMark> {
+        let rest = metadata.strip_prefix(METADATA_PREFIX)?;
+        let (epoch, writer) = match rest.split_once(WRITER_FIELD) {
+            Some((epoch, writer)) => (epoch, Some(writer.to_owned())),
+            None => (rest, None),
+        };
+        Some(CommitMark {
+            epoch: Epoch(epoch.parse().ok()?),
+            writer,
+        })
+    }
+
+    pub fn render(&self) -> String {
+        match &self.writer {
+            Some(writer) => format!("{METADATA_PREFIX}{}{WRITER_FIELD}{writer}", self.epoch),
+            None => format!("{METADATA_PREFIX}{}", self.epoch),
+        }
+    }
 }
 
 pub struct DeadLetterProducer {
@@ -73,16 +98,17 @@ impl DeadLetterProducer {
         &self.topic
     }
 
-    /// Produces the epoch's dead letters and commits `offsets` for the group, atomically.
-    /// On error the transaction is aborted; the caller retries with a fresh producer.
+    /// Produces the epoch's dead letters and commits `offsets` for the group, marked with
+    /// `mark`, atomically. On error the transaction is aborted; the caller retries with a fresh
+    /// producer.
     pub fn commit_epoch(
         &self,
-        epoch: Epoch,
+        mark: &CommitMark,
         dead_letters: &[DeadLetter],
         offsets: &BTreeMap<PartitionId, Offset>,
         group: &ConsumerGroupMetadata,
     ) -> Result<()> {
-        let result = self.try_commit_epoch(epoch, dead_letters, offsets, group);
+        let result = self.try_commit_epoch(mark, dead_letters, offsets, group);
         if result.is_err() {
             // Best effort: a fresh producer's init_transactions aborts it too.
             let _ = self.producer.abort_transaction(Duration::from_secs(10));
@@ -92,7 +118,7 @@ impl DeadLetterProducer {
 
     fn try_commit_epoch(
         &self,
-        epoch: Epoch,
+        mark: &CommitMark,
         dead_letters: &[DeadLetter],
         offsets: &BTreeMap<PartitionId, Offset>,
         group: &ConsumerGroupMetadata,
@@ -104,7 +130,8 @@ impl DeadLetterProducer {
             self.send(dl)?;
         }
         let mut tpl = TopicPartitionList::new();
-        let metadata = format!("{METADATA_PREFIX}{epoch}");
+        let epoch = mark.epoch;
+        let metadata = mark.render();
         for (&p, &o) in offsets {
             let mut element = tpl.add_partition(&self.source_topic, p);
             element
@@ -183,9 +210,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn epoch_metadata_round_trips() {
-        assert_eq!(epoch_from_metadata("tally:epoch=42"), Some(Epoch(42)));
-        assert_eq!(epoch_from_metadata(""), None);
-        assert_eq!(epoch_from_metadata("tally:epoch=x"), None);
+    fn commit_marks_round_trip_and_read_the_older_form() {
+        let mark = CommitMark {
+            epoch: Epoch(42),
+            writer: Some("1764500000-00ff00ff00ff00ff".into()),
+        };
+        assert_eq!(CommitMark::parse(&mark.render()), Some(mark));
+        assert_eq!(
+            CommitMark::parse("tally:epoch=42"),
+            Some(CommitMark {
+                epoch: Epoch(42),
+                writer: None
+            })
+        );
+        assert_eq!(CommitMark::parse(""), None);
+        assert_eq!(CommitMark::parse("tally:epoch=x"), None);
+        assert_eq!(CommitMark::parse("tally:epoch=x;writer=w"), None);
     }
 }

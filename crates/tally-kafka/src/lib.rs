@@ -15,8 +15,8 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 pub use dlq::{
-    DeadLetterProducer, HEADER_ERROR, HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION,
-    HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC, epoch_from_metadata,
+    CommitMark, DeadLetterProducer, HEADER_ERROR, HEADER_REASON, HEADER_SOURCE_OFFSET,
+    HEADER_SOURCE_PARTITION, HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC,
 };
 pub use reader::{read_committed_range, topic_extent};
 pub use source::{Source, SourceRecord, StartFrom, record_of};

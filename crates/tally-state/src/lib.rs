@@ -30,6 +30,7 @@ const CF_SEEN_TIME: &str = "seen_by_time";
 const CF_PENDING: &str = "pending";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
+const KEY_WRITER: &[u8] = b"writer_id";
 /// Memory for all memtables together (each column family's is `MEMTABLE_BYTES` at most), and
 /// for the block cache: with the epochs in flight, the id filter and the consumer's prefetch
 /// they make up most of a worker's memory (322 MiB peak at 1M live keys and 20M ids, see
@@ -130,10 +131,24 @@ pub struct StateStore {
     path: PathBuf,
     job: String,
     meta: Mutex<Option<CheckpointMeta>>,
+    writer: String,
 }
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
+}
+
+/// 64 random bits (the standard library's hasher keys come from the OS), with the creation
+/// time for a reader's benefit: `<unix seconds>-<16 hex digits>`.
+fn new_writer_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(now.as_nanos());
+    hasher.write_u32(std::process::id());
+    format!("{}-{:016x}", now.as_secs(), hasher.finish())
 }
 
 impl StateStore {
@@ -190,13 +205,15 @@ impl StateStore {
                 ColumnFamilyDescriptor::new(name, opts)
             });
         let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(rocks)?;
-        let store = StateStore {
+        let mut store = StateStore {
             db,
             path,
             job: job.to_owned(),
             meta: Mutex::new(None),
+            writer: String::new(),
         };
         store.check_format()?;
+        store.writer = store.read_or_create_writer()?;
         let meta = store.read_meta()?;
         *store.meta_lock() = meta.clone();
         if let Some(meta) = &meta
@@ -213,6 +230,32 @@ impl StateStore {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// This directory's identity as a writer of the job: made once, when the directory is
+    /// created, and carried with it (a copy of the directory is the same writer). Every commit
+    /// of the job names its writer, so a worker can tell that another directory's worker
+    /// commits the job and refuse to run beside it.
+    pub fn writer_id(&self) -> &str {
+        &self.writer
+    }
+
+    fn read_or_create_writer(&self) -> Result<String, StateError> {
+        let cf = self.cf(CF_META)?;
+        if let Some(bytes) = self.db.get_cf(cf, KEY_WRITER).map_err(|e| self.rocks(e))? {
+            return String::from_utf8(bytes).map_err(|e| StateError::Corrupt {
+                path: self.path.clone(),
+                what: "writer id",
+                detail: e.to_string(),
+            });
+        }
+        let writer = new_writer_id();
+        let mut opts = WriteOptions::default();
+        opts.set_sync(true);
+        self.db
+            .put_cf_opt(cf, KEY_WRITER, writer.as_bytes(), &opts)
+            .map_err(|e| self.rocks(e))?;
+        Ok(writer)
     }
 
     /// The last checkpoint, or `None` for a new store.

@@ -211,6 +211,17 @@ fn another_jobs_state_is_refused() {
 }
 
 #[test]
+fn a_directory_keeps_its_writer_id_and_another_directory_has_its_own() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = StateStore::open(a.path(), "job").unwrap();
+    let id = first.writer_id().to_owned();
+    assert!(!id.is_empty());
+    drop(first);
+    assert_eq!(StateStore::open(a.path(), "job").unwrap().writer_id(), id);
+    assert_ne!(StateStore::open(b.path(), "job").unwrap().writer_id(), id);
+}
+
+#[test]
 fn an_unknown_format_version_is_refused_not_misread() {
     let dir = tempfile::tempdir().unwrap();
     drop(StateStore::open(dir.path(), "job").unwrap());

@@ -49,6 +49,23 @@ fn committed_ranges(batches: &[tally_clickhouse::CommittedBatch]) -> BTreeMap<i3
     ranges
 }
 
+/// The writers whose transactions last committed the group's offsets (one, when one worker
+/// runs the job; none before its first commit or for offsets committed before writers were
+/// recorded).
+fn committing_writers(config: &Config) -> Result<std::collections::BTreeSet<String>> {
+    let source = tally_kafka::Source::connect(
+        &config.kafka_settings(),
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?;
+    let partitions = source.partitions()?;
+    Ok(source
+        .committed(&partitions)?
+        .into_values()
+        .filter_map(|(_, metadata)| tally_kafka::CommitMark::parse(&metadata)?.writer)
+        .collect())
+}
+
 /// Checks every hop of the deployment `config` describes; `since` bounds the reconciliation.
 pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
@@ -128,9 +145,20 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
     ));
 
-    // Persisted → Processed: the checkpoint accounts for every offset consumed, once.
+    // Persisted → Processed: the checkpoint accounts for every offset consumed, once, and one
+    // writer (state directory) commits the job.
+    let writers = committing_writers(config)?;
     rows.push(match tally_state::StateStore::open(&config.job.state_dir, &config.state_identity()) {
         Ok(store) => match store.meta() {
+            None if !writers.is_empty() => row(
+                "Persisted → Processed",
+                "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+                Status::Fail,
+                format!(
+                    "no checkpoint in {}, but writer(s) {writers:?} commit the job: this is not the job's state directory",
+                    config.job.state_dir.display()
+                ),
+            ),
             None => row(
                 "Persisted → Processed",
                 "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
@@ -139,6 +167,13 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             ),
             Some(meta) => {
                 let mut broken = Vec::new();
+                let others: Vec<&String> = writers.iter().filter(|w| *w != store.writer_id()).collect();
+                if !others.is_empty() {
+                    broken.push(format!(
+                        "the group's offsets were committed by writer(s) {others:?}, not by this state directory (writer {}): another worker commits the job",
+                        store.writer_id()
+                    ));
+                }
                 for (p, c) in &meta.partitions {
                     let first = ranges.get(p).map_or(c.next_offset, |r| r.0);
                     if !c.totals.balances() {
@@ -155,7 +190,12 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                     "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
                     if broken.is_empty() { Status::Pass } else { Status::Fail },
                     if broken.is_empty() {
-                        format!("checkpoint epoch {}: {} partitions balance", meta.epoch, meta.partitions.len())
+                        format!(
+                            "checkpoint epoch {}: {} partitions balance; committed by this state directory's writer {}",
+                            meta.epoch,
+                            meta.partitions.len(),
+                            store.writer_id()
+                        )
                     } else {
                         broken.join("; ")
                     },

@@ -26,7 +26,7 @@ use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
     SeenIdFilter, WithInFlight,
 };
-use tally_kafka::{DeadLetterProducer, KafkaSettings, Source, StartFrom, epoch_from_metadata};
+use tally_kafka::{CommitMark, DeadLetterProducer, KafkaSettings, Source, StartFrom};
 use tally_state::StateStore;
 use tokio::runtime::Handle;
 
@@ -60,6 +60,49 @@ enum CommitStep {
     DeadLettersCommitted,
     /// The ClickHouse batch and its commit-log row are written.
     Written,
+}
+
+/// Why a commit step failed: retried until it succeeds, or fatal (the worker stops).
+enum SinkFailure {
+    Retry { sink: &'static str, error: String },
+    Fatal(anyhow::Error),
+}
+
+impl SinkFailure {
+    /// For [`wait_for`]: a retryable failure is waited out, a fatal one returned.
+    fn settle<T>(result: Result<T, SinkFailure>) -> Result<Result<T>, String> {
+        match result {
+            Ok(value) => Ok(Ok(value)),
+            Err(SinkFailure::Fatal(e)) => Ok(Err(e)),
+            Err(SinkFailure::Retry { error, .. }) => Err(error),
+        }
+    }
+}
+
+impl From<(&'static str, String)> for SinkFailure {
+    fn from((sink, error): (&'static str, String)) -> SinkFailure {
+        SinkFailure::Retry { sink, error }
+    }
+}
+
+/// Another state directory's worker commits this job. Two workers of one job would each count
+/// every record (and fence each other's transactions back and forth), so this one stops.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "another worker commits job {job}: partition {partition} of {topic} was last committed (epoch {epoch}) by writer {other}, \
+     and this worker's state directory {state_dir} is writer {ours}. Two workers of one job would both count every record, so this one stops. \
+     Run one worker per job. If the other worker is gone for good, its state directory is the job's state: move it here (it carries its writer id), \
+     or start the job over (drop its ClickHouse tables and delete consumer group {group})"
+)]
+pub struct AnotherWriter {
+    job: String,
+    topic: String,
+    partition: PartitionId,
+    epoch: Epoch,
+    other: String,
+    ours: String,
+    state_dir: String,
+    group: String,
 }
 
 /// The run was asked to stop while waiting on a sink.
@@ -266,13 +309,17 @@ impl Worker {
             mut consumer,
             mut sinks,
         } = self;
+        // First, since it says best what is wrong when a second worker of the job starts.
+        wait_for("kafka", &sinks.shutdown, || {
+            SinkFailure::settle(sinks.refuse_another_writer())
+        })??;
         sinks.check_sink_matches_state()?;
         sinks.recover()?;
         if sinks.dlq.is_none() {
             // Fence any earlier instance now, not at the first checkpoint.
             let producer = wait_for("kafka", &sinks.shutdown, || {
-                sinks.connect_dead_letters().map_err(|e| e.to_string())
-            })?;
+                SinkFailure::settle(sinks.connect_dead_letters())
+            })??;
             sinks.dlq = Some(producer);
         }
         // Fold at once (which also repairs a step a crash interrupted), then every interval.
@@ -744,18 +791,49 @@ impl Sinks {
         Ok(())
     }
 
+    /// The group's committed offsets, each with the mark of the transaction that committed it.
+    fn commit_marks(&self) -> Result<BTreeMap<PartitionId, CommitMark>, tally_kafka::Error> {
+        Ok(self
+            .group
+            .committed(&self.partitions)?
+            .into_iter()
+            .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
+            .collect())
+    }
+
+    /// Fails when any partition's offsets were last committed by another writer: another
+    /// worker commits this job.
+    fn refuse_another_writer(&self) -> Result<(), SinkFailure> {
+        let marks = self
+            .commit_marks()
+            .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
+        let ours = self.store.writer_id();
+        let foreign = marks
+            .into_iter()
+            .find(|(_, mark)| mark.writer.as_deref().is_some_and(|w| w != ours));
+        match foreign {
+            None => Ok(()),
+            Some((partition, mark)) => Err(SinkFailure::Fatal(anyhow!(AnotherWriter {
+                job: self.config.job.name.clone(),
+                topic: self.config.kafka.source_topic.clone(),
+                partition,
+                epoch: mark.epoch,
+                other: mark.writer.unwrap_or_default(),
+                ours: ours.to_owned(),
+                state_dir: self.store.path().display().to_string(),
+                group: self.config.kafka.consumer_group.clone(),
+            }))),
+        }
+    }
+
     /// Whether the Kafka transaction of `epoch` committed: the group's offsets carry the epoch
-    /// of the last transaction that committed them.
+    /// of the last transaction that committed them (by this writer: the caller has checked
+    /// that no other writer committed).
     fn dead_letters_committed(&self, epoch: Epoch) -> Result<bool> {
-        let committed = wait_for("kafka", &self.shutdown, || {
-            self.group
-                .committed(&self.partitions)
-                .map_err(|e| e.to_string())
+        let marks = wait_for("kafka", &self.shutdown, || {
+            self.commit_marks().map_err(|e| e.to_string())
         })?;
-        let last = committed
-            .values()
-            .filter_map(|(_, metadata)| epoch_from_metadata(metadata))
-            .max();
+        let last = marks.values().map(|m| m.epoch).max();
         Ok(last.is_some_and(|e| e >= epoch))
     }
 
@@ -779,10 +857,13 @@ impl Sinks {
                         CommitStep::DeadLettersCommitted
                     })
                 }
-                CommitStep::DeadLettersCommitted => self.write_clickhouse(checkpoint).map(|_| {
-                    self.fault.hit(FaultPoint::AfterClickHouseInsert, epoch);
-                    CommitStep::Written
-                }),
+                CommitStep::DeadLettersCommitted => self
+                    .write_clickhouse(checkpoint)
+                    .map(|_| {
+                        self.fault.hit(FaultPoint::AfterClickHouseInsert, epoch);
+                        CommitStep::Written
+                    })
+                    .map_err(SinkFailure::from),
                 CommitStep::Written => return Ok(()),
             };
             match result {
@@ -801,7 +882,8 @@ impl Sinks {
                     backoff = Duration::from_millis(100);
                     self.readiness.set_sinks_failing(false);
                 }
-                Err((sink, error)) => {
+                Err(SinkFailure::Fatal(error)) => return Err(error),
+                Err(SinkFailure::Retry { sink, error }) => {
                     attempt += 1;
                     self.readiness.set_sinks_failing(true);
                     SinkRetry {
@@ -827,13 +909,13 @@ impl Sinks {
         &mut self,
         checkpoint: &Checkpoint,
         offsets: &BTreeMap<PartitionId, i64>,
-    ) -> Result<(), (&'static str, String)> {
-        let kafka_err = |e: &dyn std::fmt::Display| ("kafka", e.to_string());
+    ) -> Result<(), SinkFailure> {
+        let kafka_err = |e: &dyn std::fmt::Display| SinkFailure::from(("kafka", e.to_string()));
         if self.dlq.is_none() {
             // init_transactions fences an earlier producer of this id and settles its open
             // transaction; only after that does the group's offset metadata tell for certain
             // whether this epoch's transaction committed (after a crash or a failed commit).
-            let producer = self.connect_dead_letters().map_err(|e| kafka_err(&e))?;
+            let producer = self.connect_dead_letters()?;
             self.dlq = Some(producer);
             if self
                 .dead_letters_committed(checkpoint.epoch)
@@ -845,19 +927,32 @@ impl Sinks {
         }
         let group = tally_kafka_group(&self.group).map_err(|e| kafka_err(&e))?;
         let Some(dlq) = &self.dlq else {
-            return Err(("kafka", "no producer".into()));
+            return Err(kafka_err(&"no producer"));
         };
-        dlq.commit_epoch(checkpoint.epoch, &checkpoint.dead_letters, offsets, &group)
+        let mark = CommitMark {
+            epoch: checkpoint.epoch,
+            writer: Some(self.store.writer_id().to_owned()),
+        };
+        dlq.commit_epoch(&mark, &checkpoint.dead_letters, offsets, &group)
             .map_err(|e| kafka_err(&e))
     }
 
-    fn connect_dead_letters(&self) -> Result<DeadLetterProducer, tally_kafka::Error> {
-        DeadLetterProducer::connect(
+    /// A new transactional producer for the job, unless another writer commits the job.
+    /// Checked before `init_transactions`, so that a second worker does not fence the one
+    /// that owns the job, and again after it: init settled every earlier producer's
+    /// transaction, so a commit by another writer that raced the first check shows now, and
+    /// from here on only this producer can commit until another one initialises and fences it.
+    fn connect_dead_letters(&self) -> Result<DeadLetterProducer, SinkFailure> {
+        self.refuse_another_writer()?;
+        let producer = DeadLetterProducer::connect(
             &self.kafka,
             &self.config.transactional_id(),
             &self.config.dlq_topic(),
             &self.config.kafka.source_topic,
         )
+        .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
+        self.refuse_another_writer()?;
+        Ok(producer)
     }
 
     fn write_clickhouse(
