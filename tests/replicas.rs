@@ -10,6 +10,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::*;
+use tally_state::StateStore;
 
 const REFUSAL: &str = "another worker commits job";
 const CATCH_UP: Duration = Duration::from_secs(120);
@@ -125,4 +126,86 @@ async fn a_replica_started_beside_a_running_worker_refuses_and_the_worker_carrie
         report.contains("committed by this state directory's writer"),
         "{report}"
     );
+}
+
+/// The state a directory holds: windows, dedup entries and the checkpoint (progress, cutoffs).
+#[derive(Debug, PartialEq)]
+struct State {
+    windows: Vec<(i32, tally_core::WindowKey, tally_core::WindowAgg)>,
+    seen: Vec<(i32, String, i64)>,
+    checkpoint: tally_state::CheckpointMeta,
+}
+
+fn state_of(job: &Job) -> State {
+    let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+    State {
+        windows: store.windows().unwrap(),
+        seen: store.seen_entries().unwrap(),
+        checkpoint: store.meta().expect("a checkpoint"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_state_directory_is_rebuilt_from_the_changelog_exactly_and_the_job_goes_on() {
+    let topic = unique("orders");
+    create_topic(&topic, 3).await;
+    // Ten minutes of event time per partition: some windows close, some stay open.
+    let records = generate_spaced(31, 3, 30_000, 60);
+    let mut manifest = tally::loadgen::Manifest::default();
+    produce_into(&topic, &records[..20_000], &mut manifest).await;
+    let first = Job::new(&topic, "");
+    let before = first.log().len();
+    let mut worker = first.spawn(&[]);
+    first.wait_until_consuming(before).await;
+    let view = wait_for_view(&first, &manifest, CATCH_UP).await;
+    assert_stops_exact(&first, &mut worker, &view, &manifest);
+
+    // The machine is lost; a new one restores the job from the changelog into an empty
+    // directory: the state is the previous owner's, exactly.
+    let second = first.replica();
+    let (ok, out) = tally_command(&second, "restore", &[]);
+    assert!(ok, "{out}");
+    assert!(out.contains("restored epoch"), "{out}");
+    let (restored, original) = (state_of(&second), state_of(&first));
+    assert!(!original.windows.is_empty() && !original.seen.is_empty());
+    assert!(!original.checkpoint.closed_windows_before.is_empty());
+    assert_eq!(restored, original);
+    // Restoring again over a checkpoint is refused.
+    let (ok, out) = tally_command(&second, "restore", &[]);
+    assert!(
+        !ok && out.contains("restore only into an empty directory"),
+        "{out}"
+    );
+
+    // The new worker carries on; the old one, should it come back, is refused.
+    produce_into(&topic, &records[20_000..], &mut manifest).await;
+    let before = second.log().len();
+    let mut worker = second.spawn(&[]);
+    second.wait_until_consuming(before).await;
+    let view = wait_for_view(&second, &manifest, CATCH_UP).await;
+    let mut old = first.spawn(&[]);
+    assert_refused(&mut old, &first);
+    assert_stops_exact(&second, &mut worker, &view, &manifest);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restore_completes_the_epoch_the_lost_worker_committed_in_kafka_only() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 37, 6_000).await;
+    let first = Job::new(&topic, "");
+    // Killed right after the first epoch's transaction committed: ClickHouse lacks that epoch.
+    let mut worker = first.spawn(&[("TALLY_FAULT", "after_dlq_commit")]);
+    let status = wait_exit(&mut worker, Duration::from_secs(60)).expect("killed by the fault");
+    assert!(!status.success());
+
+    let second = first.replica();
+    let (ok, out) = tally_command(&second, "restore", &[]);
+    assert!(ok, "{out}");
+    assert!(out.contains("not in ClickHouse yet"), "{out}");
+    let before = second.log().len();
+    let mut worker = second.spawn(&[]);
+    second.wait_until_consuming(before).await;
+    let view = wait_for_view(&second, &manifest, CATCH_UP).await;
+    assert_stops_exact(&second, &mut worker, &view, &manifest);
 }

@@ -517,10 +517,15 @@ pub fn write_file(path: &Path, text: &str) {
 
 /// Runs `tally doctor` on `job`: (exit 0, report).
 pub fn doctor(job: &Job) -> (bool, String) {
+    // The generated stream's event time lies months back.
+    tally_command(job, "doctor", &["--since", "3650d"])
+}
+
+/// Runs `tally <command> --config <job's> <args>` to its end: (exit 0, stdout and stderr).
+pub fn tally_command(job: &Job, command: &str, args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
-        .args(["doctor", "--config", job.config.to_str().unwrap()])
-        // The generated stream's event time lies months back.
-        .args(["--since", "3650d"])
+        .args([command, "--config", job.config.to_str().unwrap()])
+        .args(args)
         .output()
         .unwrap();
     let text = format!(

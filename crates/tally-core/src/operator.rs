@@ -620,6 +620,37 @@ impl EpochCut {
         }
     }
 
+    /// One partition's changed windows (full values), in no particular order.
+    pub fn windows_of(
+        &self,
+        partition: PartitionId,
+    ) -> impl Iterator<Item = (&WindowKey, &WindowAgg)> {
+        self.windows.get(&partition).into_iter().flatten()
+    }
+
+    /// One partition's new dedup ids with their event times, in no particular order.
+    pub fn seen_of(&self, partition: PartitionId) -> impl Iterator<Item = (&str, i64)> {
+        self.seen
+            .get(&partition)
+            .into_iter()
+            .flatten()
+            .map(|(id, &t)| (id.as_str(), t))
+    }
+
+    /// One partition's (window close, dedup expiry) cutoffs at this barrier: `None` before
+    /// its watermark exists.
+    pub fn cutoffs_of(&self, partition: PartitionId) -> (Option<i64>, Option<i64>) {
+        let find = |list: &[(PartitionId, i64)]| {
+            list.iter()
+                .find(|(p, _)| *p == partition)
+                .map(|&(_, cutoff)| cutoff)
+        };
+        (
+            find(&self.close_windows_before),
+            find(&self.expire_seen_before),
+        )
+    }
+
     /// Records consumed in this epoch.
     pub fn consumed(&self) -> u64 {
         self.partitions.values().map(|p| p.epoch.consumed).sum()

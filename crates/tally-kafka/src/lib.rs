@@ -1,10 +1,10 @@
 //! Kafka at tally's edges: the source consumer (positions come from tally's checkpoints, never
-//! from the group), the transactional dead-letter producer that also commits the group's offsets,
-//! and topic administration.
+//! from the group), the transactional producer that writes each epoch's dead letters and changelog
+//! records and commits the group's offsets, the changelog reader, and topic administration.
 
-mod dlq;
 mod reader;
 mod source;
+mod transaction;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -14,12 +14,12 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
-pub use dlq::{
-    CommitMark, DeadLetterProducer, HEADER_ERROR, HEADER_REASON, HEADER_SOURCE_OFFSET,
-    HEADER_SOURCE_PARTITION, HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC,
-};
 pub use reader::{read_committed_range, topic_extent};
 pub use source::{Source, SourceRecord, StartFrom, record_of};
+pub use transaction::{
+    CommitMark, EpochCommit, EpochProducer, EpochTopics, HEADER_ERROR, HEADER_REASON,
+    HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -5,6 +5,7 @@
 //! [`StateStore::pre_commit`] writes all of them, the next offsets and the epoch's outputs in one
 //! synced `WriteBatch`. Restoring is opening the database.
 
+pub mod changelog;
 mod keys;
 
 use std::collections::BTreeMap;
@@ -28,6 +29,9 @@ const CF_WINDOWS: &str = "windows";
 const CF_SEEN_ID: &str = "seen_by_id";
 const CF_SEEN_TIME: &str = "seen_by_time";
 const CF_PENDING: &str = "pending";
+/// The changelog records of each pre-committed epoch, until its transaction carried them.
+const CF_PENDING_CHANGELOG: &str = "pending_changelog";
+const KEY_ADOPTED: &[u8] = b"adopted_writer";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
 const KEY_WRITER: &[u8] = b"writer_id";
@@ -138,6 +142,25 @@ fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
+const ALL_CFS: [&str; 6] = [
+    CF_META,
+    CF_WINDOWS,
+    CF_SEEN_ID,
+    CF_SEEN_TIME,
+    CF_PENDING,
+    CF_PENDING_CHANGELOG,
+];
+
+/// A changelog record, encoded, for the changelog partition of its source partition.
+pub type EncodedRecord = (PartitionId, Vec<u8>);
+
+fn seen_of(checkpoint: &Checkpoint) -> impl Iterator<Item = (PartitionId, &str, i64)> {
+    checkpoint
+        .seen
+        .iter()
+        .map(|(p, id, t)| (*p, id.as_str(), *t))
+}
+
 /// 64 random bits (the standard library's hasher keys come from the OS), with the creation
 /// time for a reader's benefit: `<unix seconds>-<16 hex digits>`.
 fn new_writer_id() -> String {
@@ -195,15 +218,13 @@ impl StateStore {
         db_opts.create_missing_column_families(true);
         db_opts.set_max_background_jobs(2);
         db_opts.set_keep_log_file_num(4);
-        let cfs = [CF_META, CF_WINDOWS, CF_SEEN_ID, CF_SEEN_TIME, CF_PENDING]
-            .into_iter()
-            .map(|name| {
-                let opts = match name {
-                    CF_SEEN_TIME | CF_PENDING => scan_cf_opts.clone(),
-                    _ => cf_opts.clone(),
-                };
-                ColumnFamilyDescriptor::new(name, opts)
-            });
+        let cfs = ALL_CFS.into_iter().map(|name| {
+            let opts = match name {
+                CF_SEEN_TIME | CF_PENDING | CF_PENDING_CHANGELOG => scan_cf_opts.clone(),
+                _ => cf_opts.clone(),
+            };
+            ColumnFamilyDescriptor::new(name, opts)
+        });
         let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(rocks)?;
         let mut store = StateStore {
             db,
@@ -357,30 +378,169 @@ impl StateStore {
     /// its stored time is past the horizon, i.e. below this checkpoint's expiry cutoff, so the
     /// expiry below has removed (or removes first) its old entries.
     pub fn pre_commit(&self, checkpoint: &Checkpoint) -> Result<(), StateError> {
-        let seen = checkpoint
-            .seen
-            .iter()
-            .map(|(p, id, t)| (*p, id.as_str(), *t));
-        self.pre_commit_with_seen(checkpoint, seen)
+        self.pre_commit_with_seen(checkpoint, seen_of(checkpoint), &[])
     }
 
     /// [`StateStore::pre_commit`] with the epoch's ids given apart from `checkpoint` (whose own
     /// `seen` is ignored), in any order: the worker passes them straight from the epoch's cut
-    /// rather than copying and sorting them.
+    /// rather than copying and sorting them. `changelog` (the epoch's changelog records) is
+    /// kept with the pending outputs, for the transaction to carry after a restart.
     pub fn pre_commit_with_seen<'a>(
         &self,
         checkpoint: &Checkpoint,
         seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
+        changelog: &[EncodedRecord],
     ) -> Result<(), StateError> {
-        let (meta_cf, windows_cf, id_cf, time_cf, pending_cf) = (
+        let mut batch = WriteBatch::default();
+        let base = self.meta();
+        let (expired_seen_before, closed_windows_before) =
+            self.stage_changes(&mut batch, checkpoint, seen, base.as_ref())?;
+        let meta = CheckpointMeta {
+            job: self.job.clone(),
+            epoch: checkpoint.epoch,
+            status: EpochStatus::PreCommitted,
+            partitions: checkpoint.partitions.clone(),
+            expired_seen_before,
+            closed_windows_before,
+        };
+        let key = checkpoint.epoch.0.to_be_bytes();
+        batch.put_cf(
+            self.cf(CF_PENDING)?,
+            key,
+            self.encode(&PendingOutputs::of(checkpoint), "pending outputs")?,
+        );
+        if !changelog.is_empty() {
+            batch.put_cf(
+                self.cf(CF_PENDING_CHANGELOG)?,
+                key,
+                self.encode(&changelog, "pending changelog records")?,
+            );
+        }
+        batch.put_cf(
             self.cf(CF_META)?,
+            KEY_CHECKPOINT,
+            self.encode(&meta, "checkpoint metadata")?,
+        );
+        // Under the lock: a concurrent `mark_committed` of the previous epoch must not write
+        // its metadata over this one's.
+        let mut current = self.meta_lock();
+        self.write(batch)?;
+        *current = Some(meta);
+        Ok(())
+    }
+
+    /// Applies one changelog record during a restore: the changes a pre-commit of it would
+    /// make, without pending outputs and without a sync (the restore syncs once, at the end).
+    /// Records of different partitions may come in any order; each partition's in its order.
+    pub fn apply_restored(&self, checkpoint: &Checkpoint) -> Result<(), StateError> {
+        let mut batch = WriteBatch::default();
+        let base = self.meta();
+        let (expired_seen_before, closed_windows_before) =
+            self.stage_changes(&mut batch, checkpoint, seen_of(checkpoint), base.as_ref())?;
+        let (mut partitions, epoch) = match base {
+            Some(m) => (m.partitions, m.epoch.max(checkpoint.epoch)),
+            None => (BTreeMap::new(), checkpoint.epoch),
+        };
+        partitions.extend(checkpoint.partitions.iter().map(|(p, c)| (*p, *c)));
+        let meta = CheckpointMeta {
+            job: self.job.clone(),
+            epoch,
+            status: EpochStatus::Committed,
+            partitions,
+            expired_seen_before,
+            closed_windows_before,
+        };
+        batch.put_cf(
+            self.cf(CF_META)?,
+            KEY_CHECKPOINT,
+            self.encode(&meta, "checkpoint metadata")?,
+        );
+        let mut current = self.meta_lock();
+        self.db.write(batch).map_err(|e| self.rocks(e))?;
+        *current = Some(meta);
+        Ok(())
+    }
+
+    /// Ends a restore at the last committed epoch, `epoch`. `pending`: that epoch's outputs when
+    /// a sink may lack them (the restart completes it as any pre-committed epoch). `adopted`:
+    /// the writer whose commits this directory continues, and its last epoch.
+    pub fn finish_restore(
+        &self,
+        epoch: Epoch,
+        pending: Option<&Checkpoint>,
+        adopted: (&str, Epoch),
+    ) -> Result<(), StateError> {
+        let mut current = self.meta_lock();
+        let Some(mut meta) = current.clone() else {
+            return Err(StateError::Corrupt {
+                path: self.path.clone(),
+                what: "restore",
+                detail: "nothing was restored".into(),
+            });
+        };
+        meta.epoch = epoch;
+        let mut batch = WriteBatch::default();
+        if let Some(outputs) = pending {
+            meta.status = EpochStatus::PreCommitted;
+            batch.put_cf(
+                self.cf(CF_PENDING)?,
+                epoch.0.to_be_bytes(),
+                self.encode(&PendingOutputs::of(outputs), "pending outputs")?,
+            );
+        }
+        batch.put_cf(
+            self.cf(CF_META)?,
+            KEY_ADOPTED,
+            self.encode(&(adopted.0, adopted.1), "adopted writer")?,
+        );
+        batch.put_cf(
+            self.cf(CF_META)?,
+            KEY_CHECKPOINT,
+            self.encode(&meta, "checkpoint metadata")?,
+        );
+        self.write(batch)?;
+        *current = Some(meta);
+        drop(current);
+        self.flush()
+    }
+
+    /// The writer this directory's state was restored from, and the last epoch it committed:
+    /// its commits up to that epoch are this directory's history too.
+    pub fn adopted_writer(&self) -> Result<Option<(String, Epoch)>, StateError> {
+        self.db
+            .get_cf(self.cf(CF_META)?, KEY_ADOPTED)
+            .map_err(|e| self.rocks(e))?
+            .map(|bytes| self.decode(&bytes, "adopted writer"))
+            .transpose()
+    }
+
+    /// The changelog records kept with pre-committed `epoch`; empty when it was pre-committed
+    /// by a release without a changelog.
+    pub fn pending_changelog(&self, epoch: Epoch) -> Result<Vec<EncodedRecord>, StateError> {
+        self.db
+            .get_cf(self.cf(CF_PENDING_CHANGELOG)?, epoch.0.to_be_bytes())
+            .map_err(|e| self.rocks(e))?
+            .map(|bytes| self.decode(&bytes, "pending changelog records"))
+            .transpose()
+            .map(Option::unwrap_or_default)
+    }
+
+    /// Adds to `batch` the state changes of `checkpoint` over `base`: expiry, ids, windows,
+    /// closes. Returns the cutoffs reached.
+    #[allow(clippy::type_complexity)]
+    fn stage_changes<'a>(
+        &self,
+        batch: &mut WriteBatch,
+        checkpoint: &Checkpoint,
+        seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
+        base: Option<&CheckpointMeta>,
+    ) -> Result<(BTreeMap<PartitionId, i64>, BTreeMap<PartitionId, i64>), StateError> {
+        let (windows_cf, id_cf, time_cf) = (
             self.cf(CF_WINDOWS)?,
             self.cf(CF_SEEN_ID)?,
             self.cf(CF_SEEN_TIME)?,
-            self.cf(CF_PENDING)?,
         );
-        let mut batch = WriteBatch::default();
-        let (mut expired_seen_before, mut closed_windows_before) = match &self.meta() {
+        let (mut expired_seen_before, mut closed_windows_before) = match base {
             Some(m) => (
                 m.expired_seen_before.clone(),
                 m.closed_windows_before.clone(),
@@ -454,30 +614,7 @@ impl StateStore {
                 closed_windows_before.insert(p, cutoff);
             }
         }
-        let meta = CheckpointMeta {
-            job: self.job.clone(),
-            epoch: checkpoint.epoch,
-            status: EpochStatus::PreCommitted,
-            partitions: checkpoint.partitions.clone(),
-            expired_seen_before,
-            closed_windows_before,
-        };
-        batch.put_cf(
-            pending_cf,
-            checkpoint.epoch.0.to_be_bytes(),
-            self.encode(&PendingOutputs::of(checkpoint), "pending outputs")?,
-        );
-        batch.put_cf(
-            meta_cf,
-            KEY_CHECKPOINT,
-            self.encode(&meta, "checkpoint metadata")?,
-        );
-        // Under the lock: a concurrent `mark_committed` of the previous epoch must not write
-        // its metadata over this one's.
-        let mut current = self.meta_lock();
-        self.write(batch)?;
-        *current = Some(meta);
-        Ok(())
+        Ok((expired_seen_before, closed_windows_before))
     }
 
     /// Records that every sink has `epoch`'s outputs and drops them from the store. With
@@ -493,6 +630,7 @@ impl StateStore {
         };
         let mut batch = WriteBatch::default();
         batch.delete_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes());
+        batch.delete_cf(self.cf(CF_PENDING_CHANGELOG)?, epoch.0.to_be_bytes());
         if meta.epoch == epoch {
             meta.status = EpochStatus::Committed;
             batch.put_cf(
@@ -511,7 +649,7 @@ impl StateStore {
     /// Writes the memtables to files, so that the next open does not replay the write-ahead
     /// log: a clean stop then restores in the time it takes to open the files.
     pub fn flush(&self) -> Result<(), StateError> {
-        for name in [CF_META, CF_WINDOWS, CF_SEEN_ID, CF_SEEN_TIME, CF_PENDING] {
+        for name in ALL_CFS {
             self.db
                 .flush_cf(self.cf(name)?)
                 .map_err(|e| self.rocks(e))?;

@@ -226,7 +226,14 @@ fn an_unknown_format_version_is_refused_not_misread() {
     let dir = tempfile::tempdir().unwrap();
     drop(StateStore::open(dir.path(), "job").unwrap());
     {
-        let cfs = ["meta", "windows", "seen_by_id", "seen_by_time", "pending"];
+        let cfs = [
+            "meta",
+            "windows",
+            "seen_by_id",
+            "seen_by_time",
+            "pending",
+            "pending_changelog",
+        ];
         let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), dir.path(), cfs).unwrap();
         db.put_cf(
             db.cf_handle("meta").unwrap(),

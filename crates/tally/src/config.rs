@@ -160,6 +160,10 @@ pub struct KafkaConfig {
     /// Default: `tally-<job name>`. One per job: it fences a second worker of the same job.
     #[serde(default)]
     pub transactional_id: Option<String>,
+    /// Each epoch's state changes, written in the epoch's transaction; `tally restore` rebuilds
+    /// a state directory from it. Default: `<consumer_group>-changelog`.
+    #[serde(default)]
+    pub changelog_topic: Option<String>,
     /// Replication factor of the topics tally creates (the dead-letter topic). Default: the
     /// broker's `default.replication.factor`.
     #[serde(default)]
@@ -466,6 +470,12 @@ impl Config {
                 "must differ from kafka.source_topic".into(),
             ));
         }
+        if [&self.kafka.source_topic, &self.dlq_topic()].contains(&&self.changelog_topic()) {
+            return Err((
+                "kafka.changelog_topic",
+                "must differ from kafka.source_topic and kafka.dlq_topic".into(),
+            ));
+        }
         if let Err(e) =
             tally_clickhouse::TableNames::new(&self.clickhouse.database, &self.clickhouse.table)
         {
@@ -499,6 +509,13 @@ impl Config {
             .dlq_topic
             .clone()
             .unwrap_or_else(|| format!("{}.dlq", self.kafka.source_topic))
+    }
+
+    pub fn changelog_topic(&self) -> String {
+        self.kafka
+            .changelog_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}-changelog", self.kafka.consumer_group))
     }
 
     pub fn transactional_id(&self) -> String {

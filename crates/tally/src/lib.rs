@@ -7,4 +7,5 @@ pub mod fault;
 pub mod health;
 pub mod loadgen;
 pub mod prove;
+pub mod restore;
 pub mod worker;

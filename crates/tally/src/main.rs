@@ -96,6 +96,13 @@ enum Command {
     },
     /// Print the ClickHouse statements tally issues, as JSON lines {"name", "sql"}.
     Schema(SchemaArgs),
+    /// Rebuild the job's state in an empty `job.state_dir` from its changelog topic: for a
+    /// worker on a new machine when the one holding the state directory is lost. Run it only
+    /// when the job's previous worker is gone; then `tally run`.
+    Restore {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -318,6 +325,29 @@ fn real_main(cli: Cli) -> Result<()> {
             if rows.iter().any(|r| r.status == tally::doctor::Status::Fail) {
                 std::process::exit(1);
             }
+            Ok(())
+        }
+        Command::Restore { config } => {
+            let cfg = Config::load(&config)?;
+            let rt = runtime()?;
+            let done = tally::restore::restore(&cfg, rt.handle())?;
+            println!(
+                "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
+                done.epoch,
+                done.writer,
+                cfg.job.state_dir.display(),
+                done.partitions,
+                done.records,
+                done.bytes,
+                done.windows,
+                done.ids,
+                done.duration.as_secs_f64(),
+                if done.pending {
+                    "; its last epoch is not in ClickHouse yet: `tally run` writes it first"
+                } else {
+                    ""
+                }
+            );
             Ok(())
         }
         Command::Fold { config } => {

@@ -26,8 +26,10 @@ use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
     SeenIdFilter, WithInFlight,
 };
-use tally_kafka::{CommitMark, DeadLetterProducer, KafkaSettings, Source, StartFrom};
-use tally_state::StateStore;
+use tally_kafka::{
+    CommitMark, EpochCommit, EpochProducer, EpochTopics, KafkaSettings, Source, StartFrom,
+};
+use tally_state::{EncodedRecord, StateStore};
 use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
@@ -47,6 +49,14 @@ const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
 /// hold about twice it each.
 const MAX_EPOCH_STATE_BYTES: usize = 8 << 20;
 const POLL: Duration = Duration::from_millis(100);
+/// The changelog is the job's state: nothing expires by time or size (a restore reads it
+/// from the start), and records may be as large as the producer allows.
+pub const CHANGELOG_TOPIC_CONFIG: &[(&str, &str)] = &[
+    ("cleanup.policy", "delete"),
+    ("retention.ms", "-1"),
+    ("retention.bytes", "-1"),
+    ("max.message.bytes", "16777216"),
+];
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// How long one attempt to reach the brokers may take before it is retried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -91,7 +101,8 @@ impl From<(&'static str, String)> for SinkFailure {
 #[error(
     "another worker commits job {job}: partition {partition} of {topic} was last committed (epoch {epoch}) by writer {other}, \
      and this worker's state directory {state_dir} is writer {ours}. Two workers of one job would both count every record, so this one stops. \
-     Run one worker per job. If the other worker is gone for good, its state directory is the job's state: move it here (it carries its writer id), \
+     Run one worker per job. If the other worker is gone for good, move its state directory here (it carries its writer id), \
+     or rebuild the job's state from the changelog with `tally restore` into an empty state directory, \
      or start the job over (drop its ClickHouse tables and delete consumer group {group})"
 )]
 pub struct AnotherWriter {
@@ -124,7 +135,7 @@ struct Sinks {
     fault: FaultPlan,
     store: Arc<StateStore>,
     sink: ClickHouseSink,
-    dlq: Option<DeadLetterProducer>,
+    dlq: Option<EpochProducer>,
     kafka: KafkaSettings,
     /// A consumer of the job's group that is never assigned anything: it reads the group's
     /// committed offsets and gives the group metadata for the transactions.
@@ -194,6 +205,7 @@ struct Handoff {
 /// A pre-committed epoch on its way to the sinks.
 struct Persisted {
     checkpoint: Checkpoint,
+    changelog: Vec<EncodedRecord>,
     barrier_at: Instant,
     pause: BarrierPause,
     pre_commit: Duration,
@@ -251,23 +263,37 @@ impl Worker {
             }
             source.partitions().map(Ok).map_err(|e| e.to_string())
         })??;
-        let dlq_topic = config.dlq_topic();
-        let created = wait_for("kafka", &shutdown, || {
-            match rt.block_on(tally_kafka::ensure_topic(
-                &kafka,
-                &dlq_topic,
-                partitions.len() as i32,
-                config.kafka.topic_replication_factor,
-                &[("max.message.bytes", "16777216")],
-            )) {
-                Ok(created) => Ok(Ok(created)),
-                // Retrying cannot help: stop and say what to change.
-                Err(e @ tally_kafka::Error::Refused(_)) => Ok(Err(e)),
-                Err(e) => Err(e.to_string()),
+        // tally's own topics, one partition per source partition.
+        let own_topics = [
+            (
+                config.dlq_topic(),
+                &[("max.message.bytes", "16777216")][..],
+                "dead-letter",
+            ),
+            (
+                config.changelog_topic(),
+                CHANGELOG_TOPIC_CONFIG,
+                "changelog",
+            ),
+        ];
+        for (topic, settings, what) in own_topics {
+            let created = wait_for("kafka", &shutdown, || {
+                match rt.block_on(tally_kafka::ensure_topic(
+                    &kafka,
+                    &topic,
+                    partitions.len() as i32,
+                    config.kafka.topic_replication_factor,
+                    settings,
+                )) {
+                    Ok(created) => Ok(Ok(created)),
+                    // Retrying cannot help: stop and say what to change.
+                    Err(e @ tally_kafka::Error::Refused(_)) => Ok(Err(e)),
+                    Err(e) => Err(e.to_string()),
+                }
+            })??;
+            if created {
+                tracing::info!(%topic, "created {what} topic");
             }
-        })??;
-        if created {
-            tracing::info!(topic = %dlq_topic, "created dead-letter topic");
         }
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
         let group = Source::connect(
@@ -719,7 +745,7 @@ impl Sinks {
             bail!(
                 "ClickHouse commit log {} has epochs up to {sink_max}, but the state directory {} is at {}. \
                  The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
-                 Restore the matching state directory, or drop the job's tables ({}, {}, {}) to start over.",
+                 Restore the matching state directory, or rebuild it with `tally restore` (into an empty directory), or drop the job's tables ({}, {}, {}) to start over.",
                 self.sink.names().commits_q(),
                 self.store.path().display(),
                 state_epoch.map_or("no checkpoint".to_string(), |e| format!("epoch {e}")),
@@ -744,6 +770,7 @@ impl Sinks {
         for epoch in pending {
             self.fault.hit(FaultPoint::DuringRestore, epoch);
             let checkpoint = self.store.pending(epoch)?;
+            let changelog = self.store.pending_changelog(epoch)?;
             let started = Instant::now();
             let clickhouse_already_committed = self.rt.block_on(self.sink.is_committed(epoch))?;
             // Whether the dead-letter transaction committed is checked by the producer step
@@ -754,7 +781,7 @@ impl Sinks {
                 clickhouse_already_committed,
             }
             .emit();
-            self.commit(&checkpoint, CommitStep::PreCommitted)?;
+            self.commit(&checkpoint, &changelog, CommitStep::PreCommitted)?;
             self.store.mark_committed(epoch)?;
             CheckpointCommitted {
                 checkpoint: &checkpoint,
@@ -775,7 +802,7 @@ impl Sinks {
         for next in persisted {
             let checkpoint = &next.checkpoint;
             self.phases.pre_commit = next.pre_commit;
-            self.commit(checkpoint, CommitStep::PreCommitted)?;
+            self.commit(checkpoint, &next.changelog, CommitStep::PreCommitted)?;
             self.store.mark_committed(checkpoint.epoch)?;
             CheckpointCommitted {
                 checkpoint,
@@ -808,9 +835,20 @@ impl Sinks {
             .commit_marks()
             .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
         let ours = self.store.writer_id();
-        let foreign = marks
-            .into_iter()
-            .find(|(_, mark)| mark.writer.as_deref().is_some_and(|w| w != ours));
+        // A directory restored from the changelog continues its writer's commits up to the
+        // epoch it restored.
+        let adopted = self
+            .store
+            .adopted_writer()
+            .map_err(|e| SinkFailure::Fatal(e.into()))?;
+        let foreign = marks.into_iter().find(|(_, mark)| {
+            mark.writer.as_deref().is_some_and(|w| {
+                w != ours
+                    && adopted
+                        .as_ref()
+                        .is_none_or(|(a, epoch)| a != w || mark.epoch > *epoch)
+            })
+        });
         match foreign {
             None => Ok(()),
             Some((partition, mark)) => Err(SinkFailure::Fatal(anyhow!(AnotherWriter {
@@ -839,7 +877,12 @@ impl Sinks {
 
     /// Drives one epoch from `step` to written, retrying each sink until it succeeds. Never
     /// skips: the only way out without success is a shutdown request.
-    fn commit(&mut self, checkpoint: &Checkpoint, mut step: CommitStep) -> Result<()> {
+    fn commit(
+        &mut self,
+        checkpoint: &Checkpoint,
+        changelog: &[EncodedRecord],
+        mut step: CommitStep,
+    ) -> Result<()> {
         let epoch = checkpoint.epoch;
         let offsets: BTreeMap<PartitionId, i64> = checkpoint
             .partitions
@@ -851,12 +894,12 @@ impl Sinks {
         loop {
             let step_started = Instant::now();
             let result = match step {
-                CommitStep::PreCommitted => {
-                    self.commit_dead_letters(checkpoint, &offsets).map(|()| {
+                CommitStep::PreCommitted => self
+                    .commit_dead_letters(checkpoint, changelog, &offsets)
+                    .map(|()| {
                         self.fault.hit(FaultPoint::AfterDeadLetterCommit, epoch);
                         CommitStep::DeadLettersCommitted
-                    })
-                }
+                    }),
                 CommitStep::DeadLettersCommitted => self
                     .write_clickhouse(checkpoint)
                     .map(|_| {
@@ -908,6 +951,7 @@ impl Sinks {
     fn commit_dead_letters(
         &mut self,
         checkpoint: &Checkpoint,
+        changelog: &[EncodedRecord],
         offsets: &BTreeMap<PartitionId, i64>,
     ) -> Result<(), SinkFailure> {
         let kafka_err = |e: &dyn std::fmt::Display| SinkFailure::from(("kafka", e.to_string()));
@@ -933,8 +977,16 @@ impl Sinks {
             epoch: checkpoint.epoch,
             writer: Some(self.store.writer_id().to_owned()),
         };
-        dlq.commit_epoch(&mark, &checkpoint.dead_letters, offsets, &group)
-            .map_err(|e| kafka_err(&e))
+        if changelog.is_empty() && !checkpoint.partitions.is_empty() {
+            tracing::warn!(epoch = %checkpoint.epoch, "this epoch was pre-committed by a tally release without a changelog: the changelog misses it, and a restore from it will refuse until the job starts over");
+        }
+        let epoch = EpochCommit {
+            mark: &mark,
+            dead_letters: &checkpoint.dead_letters,
+            changelog,
+            offsets,
+        };
+        dlq.commit_epoch(&epoch, &group).map_err(|e| kafka_err(&e))
     }
 
     /// A new transactional producer for the job, unless another writer commits the job.
@@ -942,13 +994,16 @@ impl Sinks {
     /// that owns the job, and again after it: init settled every earlier producer's
     /// transaction, so a commit by another writer that raced the first check shows now, and
     /// from here on only this producer can commit until another one initialises and fences it.
-    fn connect_dead_letters(&self) -> Result<DeadLetterProducer, SinkFailure> {
+    fn connect_dead_letters(&self) -> Result<EpochProducer, SinkFailure> {
         self.refuse_another_writer()?;
-        let producer = DeadLetterProducer::connect(
+        let producer = EpochProducer::connect(
             &self.kafka,
             &self.config.transactional_id(),
-            &self.config.dlq_topic(),
-            &self.config.kafka.source_topic,
+            &EpochTopics {
+                dead_letters: &self.config.dlq_topic(),
+                changelog: &self.config.changelog_topic(),
+                source: &self.config.kafka.source_topic,
+            },
         )
         .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
         self.refuse_another_writer()?;
@@ -980,7 +1035,9 @@ impl Sinks {
             rows: &checkpoint.rows,
             event_count: acc.aggregated,
             revenue_units: acc.revenue_units,
-            dead_letters: checkpoint.dead_letters.len() as u64,
+            // Every dead letter is counted as late or dead-lettered: so also for an epoch
+            // restored from the changelog, whose dead letters are only in their topic.
+            dead_letters: acc.late + acc.dead_lettered,
         };
         let fault = self.fault;
         let epoch = checkpoint.epoch;
@@ -1056,8 +1113,9 @@ impl Persister {
             // The sinks do not need the ids (the largest part of an epoch): they go from the
             // cut to the store without a copy.
             let checkpoint = handoff.cut.to_checkpoint_without_ids();
+            let changelog = tally_state::changelog::encode_epoch(&handoff.cut)?;
             self.store
-                .pre_commit_with_seen(&checkpoint, handoff.cut.seen_ids())?;
+                .pre_commit_with_seen(&checkpoint, handoff.cut.seen_ids(), &changelog)?;
             let epoch = checkpoint.epoch;
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
@@ -1065,6 +1123,7 @@ impl Persister {
             }
             let next = Persisted {
                 checkpoint,
+                changelog,
                 barrier_at: handoff.barrier_at,
                 pause: handoff.pause,
                 pre_commit: started.elapsed(),

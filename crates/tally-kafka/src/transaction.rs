@@ -1,7 +1,7 @@
-//! The dead-letter producer. One Kafka transaction per epoch carries the epoch's dead letters and
-//! the source offsets for the consumer group, tagged with the epoch and the writer in the offset
-//! metadata ([`CommitMark`]), so after a crash the group's committed metadata says whether that
-//! transaction committed, and who commits the job.
+//! The job's transactional producer. One Kafka transaction per epoch carries the epoch's dead
+//! letters, its changelog records and the source offsets for the consumer group, tagged with the
+//! epoch and the writer in the offset metadata ([`CommitMark`]), so after a crash the group's
+//! committed metadata says whether that transaction committed, and who commits the job.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -58,21 +58,38 @@ impl CommitMark {
     }
 }
 
-pub struct DeadLetterProducer {
+/// The job's transactional producer: one transaction per epoch carries its dead letters, its
+/// changelog records and the group's offsets.
+pub struct EpochProducer {
     producer: ThreadedProducer<DefaultProducerContext>,
     topic: String,
+    changelog_topic: String,
     source_topic: String,
 }
 
-impl DeadLetterProducer {
+/// What one epoch's transaction carries.
+pub struct EpochCommit<'a> {
+    pub mark: &'a CommitMark,
+    pub dead_letters: &'a [DeadLetter],
+    pub changelog: &'a [(PartitionId, Vec<u8>)],
+    pub offsets: &'a BTreeMap<PartitionId, Offset>,
+}
+
+/// The topics an epoch's transaction writes besides the group's offsets.
+pub struct EpochTopics<'a> {
+    pub dead_letters: &'a str,
+    pub changelog: &'a str,
+    pub source: &'a str,
+}
+
+impl EpochProducer {
     /// Creates the transactional producer and fences any earlier instance with the same
     /// transactional id; an open transaction of a crashed process is aborted here.
     pub fn connect(
         settings: &KafkaSettings,
         transactional_id: &str,
-        topic: &str,
-        source_topic: &str,
-    ) -> Result<DeadLetterProducer> {
+        topics: &EpochTopics<'_>,
+    ) -> Result<EpochProducer> {
         let mut config = settings.client_config();
         config
             .set("transactional.id", transactional_id)
@@ -83,14 +100,15 @@ impl DeadLetterProducer {
         set_default(&mut config, "linger.ms", "5");
         let producer: ThreadedProducer<DefaultProducerContext> = config
             .create()
-            .map_err(kafka("creating dead-letter producer"))?;
+            .map_err(kafka("creating the transactional producer"))?;
         producer.init_transactions(TIMEOUT).map_err(kafka(format!(
             "initialising transactions for {transactional_id}"
         )))?;
-        Ok(DeadLetterProducer {
+        Ok(EpochProducer {
             producer,
-            topic: topic.to_owned(),
-            source_topic: source_topic.to_owned(),
+            topic: topics.dead_letters.to_owned(),
+            changelog_topic: topics.changelog.to_owned(),
+            source_topic: topics.source.to_owned(),
         })
     }
 
@@ -98,17 +116,15 @@ impl DeadLetterProducer {
         &self.topic
     }
 
-    /// Produces the epoch's dead letters and commits `offsets` for the group, marked with
-    /// `mark`, atomically. On error the transaction is aborted; the caller retries with a fresh
-    /// producer.
+    /// Produces the epoch's dead letters and changelog records (each to the changelog partition
+    /// of its source partition) and commits its offsets for the group, marked, atomically. On
+    /// error the transaction is aborted; the caller retries with a fresh producer.
     pub fn commit_epoch(
         &self,
-        mark: &CommitMark,
-        dead_letters: &[DeadLetter],
-        offsets: &BTreeMap<PartitionId, Offset>,
+        epoch: &EpochCommit<'_>,
         group: &ConsumerGroupMetadata,
     ) -> Result<()> {
-        let result = self.try_commit_epoch(mark, dead_letters, offsets, group);
+        let result = self.try_commit_epoch(epoch, group);
         if result.is_err() {
             // Best effort: a fresh producer's init_transactions aborts it too.
             let _ = self.producer.abort_transaction(Duration::from_secs(10));
@@ -118,9 +134,12 @@ impl DeadLetterProducer {
 
     fn try_commit_epoch(
         &self,
-        mark: &CommitMark,
-        dead_letters: &[DeadLetter],
-        offsets: &BTreeMap<PartitionId, Offset>,
+        &EpochCommit {
+            mark,
+            dead_letters,
+            changelog,
+            offsets,
+        }: &EpochCommit<'_>,
         group: &ConsumerGroupMetadata,
     ) -> Result<()> {
         self.producer
@@ -128,6 +147,16 @@ impl DeadLetterProducer {
             .map_err(kafka("beginning transaction"))?;
         for dl in dead_letters {
             self.send(dl)?;
+        }
+        for (partition, bytes) in changelog {
+            let key = partition.to_be_bytes();
+            let record: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(&self.changelog_topic)
+                .partition(*partition)
+                .key(&key[..])
+                .payload(bytes.as_slice());
+            self.send_record(record, || {
+                format!("producing the changelog record of partition {partition}")
+            })?;
         }
         let mut tpl = TopicPartitionList::new();
         let epoch = mark.epoch;
@@ -187,6 +216,17 @@ impl DeadLetterProducer {
         if let Some(value) = &dl.value {
             record = record.payload(value.as_slice());
         }
+        self.send_record(record, || {
+            format!("producing dead letter {}/{}", dl.partition, dl.offset)
+        })
+    }
+
+    /// Sends, waiting while librdkafka's queue is full.
+    fn send_record(
+        &self,
+        mut record: BaseRecord<'_, [u8], [u8]>,
+        what: impl Fn() -> String,
+    ) -> Result<()> {
         loop {
             match self.producer.send(record) {
                 Ok(()) => return Ok(()),
@@ -194,12 +234,7 @@ impl DeadLetterProducer {
                     record = returned;
                     std::thread::sleep(Duration::from_millis(20));
                 }
-                Err((e, _)) => {
-                    return Err(kafka(format!(
-                        "producing dead letter {}/{}",
-                        dl.partition, dl.offset
-                    ))(e));
-                }
+                Err((e, _)) => return Err(kafka(what())(e)),
             }
         }
     }

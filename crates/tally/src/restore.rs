@@ -1,0 +1,181 @@
+//! `tally restore`: rebuilds an empty state directory from the job's changelog, for a worker on
+//! a machine that never held the job (the one that did is lost). The result is exactly the
+//! state of the last epoch the group committed; the directory then continues the commits of
+//! the writer it was restored from.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use rdkafka::Message;
+use tally_clickhouse::ClickHouseSink;
+use tally_core::{Checkpoint, Epoch, PartitionId};
+use tally_kafka::{CommitMark, Source};
+use tally_state::StateStore;
+use tally_state::changelog::{ChainCheck, ChangelogRecord};
+
+use crate::config::Config;
+
+/// What a restore read and rebuilt.
+#[derive(Debug)]
+pub struct Restored {
+    pub epoch: Epoch,
+    pub writer: String,
+    pub partitions: usize,
+    pub records: u64,
+    pub bytes: u64,
+    pub windows: u64,
+    pub ids: u64,
+    /// The last epoch is not in ClickHouse yet: the next `tally run` writes it.
+    pub pending: bool,
+    pub duration: Duration,
+}
+
+pub fn restore(config: &Config, rt: &tokio::runtime::Handle) -> Result<Restored> {
+    let started = Instant::now();
+    let dir = &config.job.state_dir;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let store = StateStore::open(dir, &config.state_identity())?;
+    if let Some(meta) = store.meta() {
+        bail!(
+            "state directory {} already holds a checkpoint (epoch {}): restore only into an empty directory; move this one away first",
+            dir.display(),
+            meta.epoch
+        );
+    }
+    let kafka = config.kafka_settings();
+    let group = Source::connect(
+        &kafka,
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?;
+    let marks: BTreeMap<PartitionId, CommitMark> = group
+        .committed(&group.partitions()?)?
+        .into_iter()
+        .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
+        .collect();
+    let Some(last) = marks.values().max_by_key(|m| m.epoch).cloned() else {
+        bail!(
+            "consumer group {} has no commits of this job: there is nothing to restore; `tally run` starts the job",
+            config.kafka.consumer_group
+        );
+    };
+    let epoch = last.epoch;
+    let Some(writer) = last.writer else {
+        bail!(
+            "the job's last commit (epoch {epoch}) was made by a tally release without a changelog: it cannot be restored; restore the state directory from a backup, or start the job over"
+        );
+    };
+    if let Some((p, m)) = marks.iter().find(|(_, m)| m.epoch != epoch) {
+        bail!(
+            "partition {p} was last committed at epoch {}, the others at {epoch}: the commits are not one worker's; restore needs every partition at the same epoch",
+            m.epoch
+        );
+    }
+
+    let window_size_ms = config.operator().window.size_ms;
+    let topic = config.changelog_topic();
+    let ranges = marks.keys().map(|&p| (p, (0, None))).collect();
+    let mut chains: BTreeMap<PartitionId, ChainCheck> = BTreeMap::new();
+    // The records of the last epoch: its batch, should ClickHouse lack it.
+    let mut last_epoch: Vec<Checkpoint> = Vec::new();
+    let mut done = Restored {
+        epoch,
+        writer: writer.clone(),
+        partitions: marks.len(),
+        records: 0,
+        bytes: 0,
+        windows: 0,
+        ids: 0,
+        pending: false,
+        duration: Duration::ZERO,
+    };
+    let mut failure = None;
+    tally_kafka::read_committed_range(&kafka, &topic, &ranges, Duration::from_secs(30), |m| {
+        if failure.is_some() {
+            return;
+        }
+        let applied = (|| -> Result<()> {
+            let bytes = m.payload().unwrap_or_default();
+            let record = ChangelogRecord::decode(bytes).with_context(|| {
+                format!("{topic} partition {} offset {}", m.partition(), m.offset())
+            })?;
+            if record.partition != m.partition() {
+                bail!(
+                    "{topic} partition {} offset {} holds a record of partition {}",
+                    m.partition(),
+                    m.offset(),
+                    record.partition
+                );
+            }
+            // Committed after the group's offsets were read: not part of what is restored.
+            if record.epoch > epoch {
+                return Ok(());
+            }
+            chains
+                .entry(record.partition)
+                .or_default()
+                .accept(&record)?;
+            let checkpoint = record.to_checkpoint(window_size_ms);
+            store.apply_restored(&checkpoint)?;
+            done.records += 1;
+            done.bytes += bytes.len() as u64;
+            done.windows += record.windows.len() as u64;
+            done.ids += record.seen.len() as u64;
+            if record.epoch == epoch {
+                last_epoch.push(checkpoint);
+            }
+            Ok(())
+        })();
+        if let Err(e) = applied {
+            failure = Some(e);
+        }
+    })
+    .with_context(|| format!("reading changelog {topic}"))?;
+    if let Some(e) = failure {
+        return Err(e.context(format!("restoring from changelog {topic}")));
+    }
+    for &p in marks.keys() {
+        let reached = chains.get(&p).map(|c| c.finish(p)).transpose()?.flatten();
+        if reached != Some(epoch) {
+            bail!(
+                "changelog {topic} partition {p} ends at {}, but the group committed epoch {epoch}: the changelog is incomplete (deleted or written by another job)",
+                reached.map_or("no record".to_string(), |e| format!("epoch {e}"))
+            );
+        }
+    }
+
+    let sink = rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?;
+    let in_clickhouse = rt.block_on(sink.is_committed(epoch))?;
+    let pending = (!in_clickhouse).then(|| merge(epoch, last_epoch));
+    done.pending = pending.is_some();
+    store
+        .finish_restore(epoch, pending.as_ref(), (&writer, epoch))
+        .map_err(|e| anyhow!(e))?;
+    done.duration = started.elapsed();
+    Ok(done)
+}
+
+/// One epoch's checkpoint from its per-partition records: what its ClickHouse batch needs.
+fn merge(epoch: Epoch, parts: Vec<Checkpoint>) -> Checkpoint {
+    let mut merged = Checkpoint {
+        epoch,
+        ..Checkpoint::default()
+    };
+    for part in parts {
+        merged.partitions.extend(part.partitions);
+        merged.rows.extend(part.rows);
+        merged
+            .close_windows_before
+            .extend(part.close_windows_before);
+        merged.expire_seen_before.extend(part.expire_seen_before);
+    }
+    // Chunks of one partition repeat its cutoffs.
+    merged.close_windows_before.dedup();
+    merged.expire_seen_before.dedup();
+    merged
+        .rows
+        .sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+    merged
+}
