@@ -39,7 +39,10 @@ def run(d, r, events):
     committed = [l for l in lines if "checkpoint committed" in l and " millis=" in l]
     consumed, done = 0, None
     pauses, cuts, waits, latencies = [], [], [], []
+    state_bytes = changelog_bytes = 0
     for line in committed:
+        state_bytes += field(line, "state_bytes") or 0
+        changelog_bytes += field(line, "changelog_bytes") or 0
         consumed += field(line, "consumed") or 0
         latency = field(line, "millis")
         pause_us = field(line, "pause_us")
@@ -59,6 +62,12 @@ def run(d, r, events):
     restarted = ts((base / "restarted").read_text())
     resumed = next(l for l in (base / "restore.log").read_text().splitlines() if "resuming partition from checkpoint" in l)
     ceiling = float(re.search(r"records_per_s=(\d+)", (d / f"ceiling_r{r}").read_text()).group(1))
+    # Builds with a changelog: a restore from it into an empty directory.
+    from_changelog = base / "changelog_restore"
+    changelog_restore = None
+    if from_changelog.exists():
+        m = re.search(r"in ([0-9.]+) s", from_changelog.read_text())
+        changelog_restore = float(m.group(1)) if m else None
     tally = events / seconds
     return {
         "ceiling": ceiling,
@@ -73,6 +82,9 @@ def run(d, r, events):
         "restore_s": (ts(resumed) - restarted).total_seconds(),
         "rss_mib": int((base / "peak_kib").read_text()) / 1024,
         "checkpoints": len(committed),
+        "changelog_per_state": changelog_bytes / state_bytes if state_bytes else float("nan"),
+        "changelog_mib": changelog_bytes / 2**20,
+        "changelog_restore_s": changelog_restore if changelog_restore is not None else float("nan"),
         "verify": (base / "verify").read_text().strip().replace("\n", "; "),
     }
 
@@ -94,6 +106,8 @@ def main():
           f"pause_p50={med['pause_p50']:.3f}ms pause_p99={med['pause_p99']:.3f}ms cut_p99={med['cut_p99']:.3f}ms "
           f"commit_p50={med['commit_p50']:.0f}ms commit_p99={med['commit_p99']:.0f}ms "
           f"restore={med['restore_s']:.2f}s peak_rss={med['rss_mib']:.0f}MiB")
+    print(f"changelog: {med['changelog_mib']:.0f} MiB, {med['changelog_per_state']:.2f}x the state changes' bytes; "
+          f"restore from it into an empty directory {med['changelog_restore_s']:.2f}s")
     for i, x in enumerate(rows, 1):
         print(f"run {i}: {x['verify']}")
 

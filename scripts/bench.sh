@@ -4,7 +4,8 @@
 # bare consumer (benches/ceiling.rs, tally's client settings, nothing else: the ceiling), and let a
 # fresh tally job catch up to its last committed checkpoint; restart it on the same state to time the
 # restore; check each run with `tally verify`. Prints medians over the runs (benches/summarize.py):
-# ceiling, tally, ratio=0.NN, checkpoint pause p50/p99, commit latency p50/p99, restore, peak RSS.
+# ceiling, tally, ratio=0.NN, checkpoint pause p50/p99, commit latency p50/p99, restore, peak RSS,
+# and the changelog: its bytes against the state changes', and a restore from it.
 #   scripts/bench.sh [--events N] [--partitions P] [--repeat R] [--customers C] [--skew S] [--step-ms MS] [--no-verify]
 #   scale: 1M+ live keys and 20M ids within the dedup horizon (see BENCHMARKS.md):
 #     TALLY_WINDOW__ALLOWED_LATENESS=180s TALLY_WINDOW__DEDUP_HORIZON=2h \
@@ -144,6 +145,11 @@ tally_run() {
   kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
   trap - EXIT
   grep 'rebuilt the dedup id filter' "$dir/r$r/restore.log" | sed 's/.*rebuilt/restore: rebuilt/' >&2 || true
+  # The same state rebuilt from the changelog on a "new machine" (builds with a changelog).
+  if "$bin" restore --help >/dev/null 2>&1; then
+    TALLY_JOB__STATE_DIR="$dir/r$r/from-changelog" "$bin" restore --config "$config" >"$dir/r$r/changelog_restore"
+    sed 's/^/changelog /' "$dir/r$r/changelog_restore" >&2
+  fi
   if [ "$verify" = 1 ]; then
     "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' >"$dir/r$r/verify"
   else

@@ -5,15 +5,20 @@
 #
 #   scripts/chaos.sh                                   CI defaults (200k events, 10 kills, 1 restart each)
 #   scripts/chaos.sh --events 10000000 --rate 40000 --kills 100 --restarts 3   the big run
+#   scripts/chaos.sh --workers 3 --zombies 2 --leaves 2   replicas: one runs the job, the others stand by
 #
 # Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
 #          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
 #          --release (run the release build of tally, as production would)
+#          --workers W (replicas of the job, each with its own state directory; kills hit the one
+#          running the job)  --zombies Z (SIGSTOP the running worker past the session timeout,
+#          then SIGCONT it)  --leaves L (SIGTERM a random worker and start it again)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
+workers=1 zombies=0 leaves=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -24,6 +29,9 @@ while (($#)); do
     --seed) seed=$2; shift 2 ;;
     --catch-up) catch_up=$2; shift 2 ;;
     --release) profile=release; shift ;;
+    --workers) workers=$2; shift 2 ;;
+    --zombies) zombies=$2; shift 2 ;;
+    --leaves) leaves=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -48,8 +56,8 @@ run="chaos_$(date +%s)_$$"
 dir=".state/chaos/$run"
 mkdir -p "$dir"
 export TALLY_JOB__NAME="$run"
-export TALLY_JOB__STATE_DIR="$dir/state"
 export TALLY_JOB__CHECKPOINT_INTERVAL="1s"
+export TALLY_JOB__SESSION_TIMEOUT="6s"
 export TALLY_JOB__MAX_RECORD_BYTES="4096"
 export TALLY_KAFKA__SOURCE_TOPIC="$run"
 export TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
@@ -60,12 +68,27 @@ export TALLY_WINDOW__SIZE="${TALLY_WINDOW__SIZE:-10s}"
 export TALLY_WINDOW__ALLOWED_LATENESS="${TALLY_WINDOW__ALLOWED_LATENESS:-10s}"
 export TALLY_CLICKHOUSE__FOLD_INTERVAL="${TALLY_CLICKHOUSE__FOLD_INTERVAL:-2s}"
 config=config/revenue_agg.toml
-worker_log="$dir/worker.log"
+# The verify and probe tools read the first worker's settings; they touch no state directory.
+export TALLY_JOB__STATE_DIR="$dir/state-0"
 
-worker_pid=""
-start_worker() { "$TALLY_BIN" run --config "$config" >>"$worker_log" 2>&1 & worker_pid=$!; }
+# Worker i: its own state directory and log; pids[i], and where its log was when it started.
+pids=() log_at=()
+worker_log() { echo "$dir/worker-$1.log"; }
+start_worker() {
+  local log; log=$(worker_log "$1")
+  touch "$log"; log_at[$1]=$(stat -c %s "$log")
+  TALLY_JOB__STATE_DIR="$dir/state-$1" "$TALLY_BIN" run --config "$config" >>"$log" 2>&1 &
+  pids[$1]=$!
+}
+# The worker running the job: it took the lease since its last start.
+active_worker() {
+  for ((w = 0; w < workers; w++)); do
+    if tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "holding the job's lease"; then echo "$w"; return; fi
+  done
+  echo 0
+}
 cleanup() {
-  [ -n "$worker_pid" ] && kill -9 "$worker_pid" 2>/dev/null || true
+  for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null || true; kill -9 "$pid" 2>/dev/null || true; done
   [ -n "${probe_pid:-}" ] && kill "$probe_pid" 2>/dev/null || true
   [ -n "${loadgen_pid:-}" ] && kill "$loadgen_pid" 2>/dev/null || true
 }
@@ -77,36 +100,62 @@ duration=$(( (events + rate - 1) / rate ))
   --customers 1000 --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
 loadgen_pid=$!
 sleep 2
-start_worker
+for ((w = 0; w < workers; w++)); do start_worker "$w"; done
 # A dashboard reading the view all along: it must never see a window twice, vanish or shrink.
 "$TALLY_BIN" probe --config "$config" --interval 250ms >"$dir/probe.txt" 2>"$dir/probe.log" &
 probe_pid=$!
 
 # Spread kills and service restarts over the load's duration.
-total_events=$(( kills + 2 * restarts ))
+total_events=$(( kills + 2 * restarts + zombies + leaves ))
 actions=()
 for ((i = 0; i < kills; i++)); do actions+=(kill); done
 for ((i = 0; i < restarts; i++)); do actions+=(clickhouse kafka); done
+for ((i = 0; i < zombies; i++)); do actions+=(zombie); done
+for ((i = 0; i < leaves; i++)); do actions+=(leave); done
 for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${actions[i]}; actions[i]=${actions[j]}; actions[j]=$t; done
 gap_ms=$(( duration * 1000 / (total_events + 1) ))
-done_kills=0 done_ch=0 done_kafka=0
+done_kills=0 done_ch=0 done_kafka=0 done_zombies=0 done_leaves=0 zombie_exits=0
 for action in "${actions[@]}"; do
   # A random moment: on average one gap apart, anywhere from half a gap to one and a half.
   sleep_ms=$(( gap_ms / 2 + RANDOM % (gap_ms > 1 ? gap_ms : 1) ))
   sleep "$(printf '%d.%03d' $((sleep_ms / 1000)) $((sleep_ms % 1000)))"
   case "$action" in
     kill)
-      kill -9 "$worker_pid" 2>/dev/null || true
-      wait "$worker_pid" 2>/dev/null || true
+      w=$(active_worker)
+      kill -9 "${pids[w]}" 2>/dev/null || true
+      wait "${pids[w]}" 2>/dev/null || true
       done_kills=$((done_kills + 1))
-      start_worker ;;
+      # With replicas, stay down past the session timeout so that a standby takes over (a
+      # worker back sooner gets its own lease back: static membership).
+      if ((workers > 1)); then sleep 8; fi
+      start_worker "$w" ;;
+    zombie)
+      # Paused past the session timeout: a standby takes over (or, alone, the worker gets its
+      # lease back on waking). Woken, the worker stops by itself if its lease moved.
+      w=$(active_worker)
+      kill -STOP "${pids[w]}" 2>/dev/null || true
+      sleep 9
+      kill -CONT "${pids[w]}" 2>/dev/null || true
+      done_zombies=$((done_zombies + 1)) ;;
+    leave)
+      w=$((RANDOM % workers))
+      kill -TERM "${pids[w]}" 2>/dev/null || true
+      wait "${pids[w]}" 2>/dev/null || true
+      done_leaves=$((done_leaves + 1))
+      start_worker "$w" ;;
     clickhouse) scripts/services.sh restart clickhouse >&2; done_ch=$((done_ch + 1)) ;;
     kafka) scripts/services.sh restart kafka >&2; done_kafka=$((done_kafka + 1)) ;;
   esac
-  # A worker that exits by itself is a failure of its own, unless it is a clean stop.
-  if ! kill -0 "$worker_pid" 2>/dev/null; then
-    echo "worker exited on its own; log tail:" >&2; tail -20 "$worker_log" >&2; exit 1
-  fi
+  # A worker that exits by itself is a failure of its own, unless it lost its lease (a woken
+  # zombie): then it starts again, as its supervisor would, and stands by.
+  for ((w = 0; w < workers; w++)); do
+    kill -0 "${pids[w]}" 2>/dev/null && continue
+    log=$(worker_log "$w")
+    if tail -c +$((log_at[w] + 1)) "$log" | grep -q "lost the lease"; then
+      zombie_exits=$((zombie_exits + 1)); start_worker "$w"; continue
+    fi
+    echo "worker $w exited on its own; log tail:" >&2; tail -20 "$log" >&2; exit 1
+  done
 done
 wait "$loadgen_pid"; loadgen_pid=""
 
@@ -114,12 +163,20 @@ wait "$loadgen_pid"; loadgen_pid=""
 deadline=$(( $(date +%s) + catch_up ))
 until "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1; do
   if [ "$(date +%s)" -ge "$deadline" ]; then break; fi
-  kill -0 "$worker_pid" 2>/dev/null || { echo "worker died while catching up" >&2; tail -20 "$worker_log" >&2; break; }
+  # A woken zombie stops by itself once (see above); start it again.
+  for ((w = 0; w < workers; w++)); do
+    kill -0 "${pids[w]}" 2>/dev/null && continue
+    if tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "lost the lease"; then
+      zombie_exits=$((zombie_exits + 1)); start_worker "$w"
+    else
+      echo "worker $w died while catching up" >&2; tail -20 "$(worker_log "$w")" >&2
+    fi
+  done
   sleep 5
 done
-kill -TERM "$worker_pid" 2>/dev/null || true
-wait "$worker_pid" 2>/dev/null || true
-worker_pid=""
+for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+pids=()
 kill -TERM "$probe_pid" 2>/dev/null || true
 set +e
 wait "$probe_pid"
@@ -139,7 +196,13 @@ printf '\n%-40s %s (%s build)\n' "chaos run" "$run" "$profile"
 printf '%-40s %s\n' "events produced" "$produced"
 printf '%-40s %s\n' "duplicates injected" "$dups"
 printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
-printf '%-40s %s\n' "worker SIGKILLs" "$done_kills"
+printf '%-40s %s\n' "workers (replicas of the job)" "$workers"
+printf '%-40s %s\n' "worker SIGKILLs (of the running one)" "$done_kills"
+failovers=$(cat "$dir"/worker-*.log | grep -c "restored the job's state from the changelog" || true)
+printf '%-40s %s\n' "zombies (SIGSTOP past the session timeout)" "$done_zombies"
+printf '%-40s %s\n' "exits on a lost lease (started again)" "$zombie_exits"
+printf '%-40s %s\n' "leaves (SIGTERM, then rejoin)" "$done_leaves"
+printf '%-40s %s\n' "takeovers restored from the changelog" "$failovers"
 printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
 printf '%-40s %s\n' "kafka restarts" "$done_kafka"
 printf '%-40s %s / %s\n' "rows expected / found" "$(field rows_expected)" "$(field rows_found)"
@@ -150,8 +213,8 @@ printf '%-40s %s / %s\n' "dead letters expected / found" "$(field dl_expected)" 
 printf '%-40s %s\n' "dead letters repeated (must be 0)" "$(field dl_repeated)"
 probe=$(grep '^probe-summary' "$dir/probe.txt" || true)
 pfield() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$probe"; }
-folds=$(grep -c 'fold step frontier=' "$worker_log" || true)
-printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(grep 'fold step frontier=' "$worker_log" | grep -vc 'folded_rows=0' || true))"
+folds=$(cat "$dir"/worker-*.log | grep -c 'fold step frontier=' || true)
+printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(cat "$dir"/worker-*.log | grep 'fold step frontier=' | grep -vc 'folded_rows=0' || true))"
 printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view" "$(pfield reads)" "$(pfield errors)"
 printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"
 printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
@@ -161,6 +224,6 @@ if [ "$probe_status" -ne 0 ]; then
   echo "chaos: FAILED (the reader saw an inconsistent view)"; cat "$dir/probe.txt"; exit 1
 fi
 if [ "$verdict" -ne 0 ]; then
-  echo "chaos: FAILED"; sed -n '1,40p' "$dir/verify.txt"; tail -30 "$worker_log"; exit 1
+  echo "chaos: FAILED"; sed -n '1,40p' "$dir/verify.txt"; for f in "$dir"/worker-*.log; do echo "== $f"; tail -30 "$f"; done; exit 1
 fi
 echo "chaos: OK (exact match)"

@@ -46,6 +46,8 @@ fi
 if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   echo "== chaos (defaults)"
   scripts/chaos.sh
+  echo "== chaos (3 workers: failovers under load)"
+  scripts/chaos.sh --workers 3 --events 100000 --rate 4000 --kills 3 --zombies 1 --leaves 1 --restarts 1
 fi
 echo "wall time: $(( $(date +%s) - started ))s"
 echo "tests: $passed passed, $failed failed"

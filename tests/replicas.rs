@@ -1,159 +1,162 @@
 //! Several processes of one job, as a `replicas: 3` deployment starts them (same config, each
-//! with its own state directory): one of them commits the job, the others refuse with the
-//! reason, and the view and the dead-letter topic stay exact through kills of the one that
-//! commits.
+//! with its own state directory): one runs the job and the others stand by; when it is killed,
+//! stopped, or paused past the session timeout, a standby restores the job's state from the
+//! changelog and carries on, and the view and the dead-letter topic stay exact throughout. A
+//! paused worker that wakes after its lease moved changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 mod common;
 
-use std::process::Child;
-use std::time::{Duration, Instant};
+use std::process::{Child, Command};
+use std::time::Duration;
 
 use common::*;
 use tally_state::StateStore;
 
-const REFUSAL: &str = "another worker commits job";
 const CATCH_UP: Duration = Duration::from_secs(120);
+const HOLDING: &str = "holding the job's lease";
+const STANDING_BY: &str = "standing by";
+/// The broker's smallest session timeout: how long a silent worker keeps the lease.
+const SESSION: &str = "session_timeout = \"6s\"";
 
-/// Waits until all but one of `workers` have exited; returns the index of the one running.
-fn wait_for_one_survivor(workers: &mut [Child], jobs: &[&Job], timeout: Duration) -> usize {
-    let until = Instant::now() + timeout;
-    loop {
-        let running: Vec<usize> = (0..workers.len())
-            .filter(|&i| matches!(workers[i].try_wait(), Ok(None)))
-            .collect();
-        if running.len() == 1 {
-            return running[0];
-        }
-        if running.is_empty() || Instant::now() > until {
-            let logs: Vec<String> = jobs.iter().map(|j| j.log()).collect();
-            panic!(
-                "{} workers running, expected one; logs:\n{}",
-                running.len(),
-                logs.join("\n-----\n")
-            );
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+fn signal(child: &Child, signal: &str) {
+    Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
 }
 
-fn assert_refused(worker: &mut Child, job: &Job) {
-    let status = wait_exit(worker, Duration::from_secs(60)).expect("the replica stops");
-    assert!(!status.success(), "a refusal is an error exit");
+/// Waits until one of `jobs` logs that it holds the lease (after `from[i]`); returns its index.
+async fn wait_for_holder(jobs: &[&Job], from: &[usize], timeout: Duration) -> usize {
+    let until = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < until {
+        for (i, job) in jobs.iter().enumerate() {
+            if job.log().get(from[i]..).unwrap_or("").contains(HOLDING) {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let logs: Vec<String> = jobs.iter().map(|j| j.log()).collect();
+    panic!(
+        "no worker took the lease; logs:\n{}",
+        logs.join("\n-----\n")
+    );
+}
+
+fn stop_standby(worker: &mut Child, job: &Job) {
+    sigterm(worker);
+    let status = wait_exit(worker, Duration::from_secs(30));
     assert!(
-        job.log().contains(REFUSAL),
-        "the replica says why it stopped; log:\n{}",
+        status.is_some_and(|s| s.success()),
+        "a standby stops cleanly; log:\n{}",
         job.log()
     );
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn replicas_started_together_leave_one_writer_and_the_results_exact() {
+async fn replicas_run_one_worker_and_a_standby_takes_over_exactly_when_it_is_killed() {
     let topic = unique("orders");
     create_topic(&topic, 3).await;
     let records = generate(23, 3, 60_000);
     let mut manifest = tally::loadgen::Manifest::default();
-    produce_into(&topic, &records[..40_000], &mut manifest).await;
-    let first = Job::new(&topic, "");
+    produce_into(&topic, &records[..30_000], &mut manifest).await;
+    let first = Job::new(&topic, SESSION);
     let (second, third) = (first.replica(), first.replica());
     let jobs = [&first, &second, &third];
     let mut workers: Vec<Child> = jobs.iter().map(|j| j.spawn(&[])).collect();
 
-    let survivor = wait_for_one_survivor(&mut workers, &jobs, Duration::from_secs(90));
-    for i in (0..workers.len()).filter(|&i| i != survivor) {
-        assert_refused(&mut workers[i], jobs[i]);
+    let active = wait_for_holder(&jobs, &[0, 0, 0], Duration::from_secs(60)).await;
+    for (i, job) in jobs.iter().enumerate().filter(|(i, _)| *i != active) {
+        job.wait_for_log(0, STANDING_BY, Duration::from_secs(30))
+            .await;
+        assert!(!job.log().contains(HOLDING), "only one worker runs the job");
+        assert!(matches!(workers[i].try_wait(), Ok(None)), "a standby waits");
     }
-    let owner = jobs[survivor];
+    wait_for_first_batch(jobs[active]).await;
+    workers[active].kill().unwrap();
+    workers[active].wait().unwrap();
+    produce_into(&topic, &records[30_000..], &mut manifest).await;
 
-    // The owner is killed mid-run and restarted; more input arrives meanwhile.
-    wait_for_first_batch(owner).await;
-    workers[survivor].kill().unwrap();
-    workers[survivor].wait().unwrap();
-    produce_into(&topic, &records[40_000..], &mut manifest).await;
-
-    // A refused replica started again while the owner is down still refuses: its state
-    // directory is not the job's.
-    let loser = (0..jobs.len()).find(|&i| i != survivor).unwrap();
-    let before = jobs[loser].log().len();
-    let mut again = jobs[loser].spawn(&[]);
-    assert_refused(&mut again, jobs[loser]);
-    assert!(jobs[loser].log()[before..].contains(REFUSAL));
-
-    let before = owner.log().len();
-    let mut worker = owner.spawn(&[]);
-    owner.wait_until_consuming(before).await;
-    let view = wait_for_view(owner, &manifest, CATCH_UP).await;
-    assert_stops_exact(owner, &mut worker, &view, &manifest);
+    let standbys: Vec<usize> = (0..3).filter(|&i| i != active).collect();
+    let candidates: Vec<&Job> = standbys.iter().map(|&i| jobs[i]).collect();
+    let from: Vec<usize> = candidates.iter().map(|j| j.log().len()).collect();
+    let next = standbys[wait_for_holder(&candidates, &from, Duration::from_secs(60)).await];
+    jobs[next]
+        .wait_for_log(
+            0,
+            "restored the job's state from the changelog",
+            Duration::from_secs(60),
+        )
+        .await;
+    let view = wait_for_view(jobs[next], &manifest, CATCH_UP).await;
+    let last = standbys.into_iter().find(|&i| i != next).unwrap();
+    stop_standby(&mut workers[last], jobs[last]);
+    assert_stops_exact(jobs[next], &mut workers[next], &view, &manifest);
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_replica_started_beside_a_running_worker_refuses_and_the_worker_carries_on() {
+async fn a_paused_worker_loses_its_lease_and_on_waking_changes_nothing() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
-    let records = generate(29, 2, 20_000);
+    let records = generate(29, 2, 30_000);
     let mut manifest = tally::loadgen::Manifest::default();
-    produce_into(&topic, &records[..10_000], &mut manifest).await;
-    let owner = Job::new(&topic, "");
-    let before = owner.log().len();
-    let mut worker = owner.spawn(&[]);
-    owner.wait_until_consuming(before).await;
-    wait_for_first_batch(&owner).await;
-
-    let replica = owner.replica();
-    let mut second = replica.spawn(&[]);
-    assert_refused(&mut second, &replica);
-    // On call, doctor says the same of the replica's directory.
-    let (ok, report) = doctor(&replica);
-    assert!(!ok, "{report}");
+    produce_into(&topic, &records[..15_000], &mut manifest).await;
+    let zombie = Job::new(&topic, SESSION);
+    let mut paused = zombie.spawn(&[]);
+    zombie
+        .wait_for_log(0, HOLDING, Duration::from_secs(60))
+        .await;
+    wait_for_first_batch(&zombie).await;
+    let standby = zombie.replica();
+    let mut worker = standby.spawn(&[]);
+    standby
+        .wait_for_log(0, STANDING_BY, Duration::from_secs(30))
+        .await;
+    // On call, doctor says what the standby's directory is.
+    let (_, report) = doctor(&standby);
     assert_eq!(
         status_of(&report, "Persisted → Processed"),
-        "FAIL",
+        "WARN",
         "{report}"
     );
-    assert!(report.contains("not the job's state directory"), "{report}");
-    produce_into(&topic, &records[10_000..], &mut manifest).await;
+    assert!(report.contains("a standby's directory"), "{report}");
 
-    // The owner carried on: it catches up and stops cleanly.
-    let view = wait_for_view(&owner, &manifest, CATCH_UP).await;
-    assert_stops_exact(&owner, &mut worker, &view, &manifest);
-    let (_, report) = doctor(&owner);
-    assert_eq!(
-        status_of(&report, "Persisted → Processed"),
-        "PASS",
-        "{report}"
-    );
+    // Paused mid-run past the session timeout: the standby takes the job over.
+    signal(&paused, "STOP");
+    produce_into(&topic, &records[15_000..], &mut manifest).await;
+    standby
+        .wait_for_log(0, HOLDING, Duration::from_secs(60))
+        .await;
+    let caught_up = wait_for_view(&standby, &manifest, CATCH_UP).await;
+    assert_view_eq(&caught_up, &manifest.rows, &standby.log());
+
+    // Woken, the paused worker finds its lease gone and stops without committing anything.
+    signal(&paused, "CONT");
+    let status = wait_exit(&mut paused, Duration::from_secs(60)).expect("the zombie stops");
+    assert!(!status.success(), "{}", zombie.log());
+    let log = zombie.log();
     assert!(
-        report.contains("committed by this state directory's writer"),
-        "{report}"
+        log.contains("lost the lease") || log.contains("another worker commits job"),
+        "{log}"
     );
-}
-
-/// The state a directory holds: windows, dedup entries and the checkpoint (progress, cutoffs).
-#[derive(Debug, PartialEq)]
-struct State {
-    windows: Vec<(i32, tally_core::WindowKey, tally_core::WindowAgg)>,
-    seen: Vec<(i32, String, i64)>,
-    checkpoint: tally_state::CheckpointMeta,
-}
-
-fn state_of(job: &Job) -> State {
-    let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
-    State {
-        windows: store.windows().unwrap(),
-        seen: store.seen_entries().unwrap(),
-        checkpoint: store.meta().expect("a checkpoint"),
-    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = view(&standby.database, &standby.table).await.unwrap();
+    assert_eq!(after, caught_up, "the zombie changed the view");
+    assert_stops_exact(&standby, &mut worker, &after, &manifest);
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_lost_state_directory_is_rebuilt_from_the_changelog_exactly_and_the_job_goes_on() {
+async fn a_lost_state_directory_is_rebuilt_from_the_changelog_exactly_and_a_stale_one_is_set_aside()
+{
     let topic = unique("orders");
     create_topic(&topic, 3).await;
     // Ten minutes of event time per partition: some windows close, some stay open.
-    let records = generate_spaced(31, 3, 30_000, 60);
+    let records = generate_spaced(31, 3, 45_000, 40);
     let mut manifest = tally::loadgen::Manifest::default();
     produce_into(&topic, &records[..20_000], &mut manifest).await;
-    let first = Job::new(&topic, "");
+    let first = Job::new(&topic, SESSION);
     let before = first.log().len();
     let mut worker = first.spawn(&[]);
     first.wait_until_consuming(before).await;
@@ -177,15 +180,41 @@ async fn a_lost_state_directory_is_rebuilt_from_the_changelog_exactly_and_the_jo
         "{out}"
     );
 
-    // The new worker carries on; the old one, should it come back, is refused.
-    produce_into(&topic, &records[20_000..], &mut manifest).await;
+    // The new worker carries on from the restored state.
+    produce_into(&topic, &records[20_000..30_000], &mut manifest).await;
     let before = second.log().len();
     let mut worker = second.spawn(&[]);
     second.wait_until_consuming(before).await;
+    assert!(!second.log().contains("restored the job's state"));
     let view = wait_for_view(&second, &manifest, CATCH_UP).await;
-    let mut old = first.spawn(&[]);
-    assert_refused(&mut old, &first);
     assert_stops_exact(&second, &mut worker, &view, &manifest);
+
+    // The first directory comes back, behind the job: it is set aside, not resumed.
+    produce_into(&topic, &records[30_000..], &mut manifest).await;
+    let before = first.log().len();
+    let mut worker = first.spawn(&[]);
+    first
+        .wait_for_log(before, "moving it aside", Duration::from_secs(60))
+        .await;
+    let view = wait_for_view(&first, &manifest, CATCH_UP).await;
+    assert_stops_exact(&first, &mut worker, &view, &manifest);
+}
+
+/// The state a directory holds: windows, dedup entries and the checkpoint (progress, cutoffs).
+#[derive(Debug, PartialEq)]
+struct State {
+    windows: Vec<(i32, tally_core::WindowKey, tally_core::WindowAgg)>,
+    seen: Vec<(i32, String, i64)>,
+    checkpoint: tally_state::CheckpointMeta,
+}
+
+fn state_of(job: &Job) -> State {
+    let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+    State {
+        windows: store.windows().unwrap(),
+        seen: store.seen_entries().unwrap(),
+        checkpoint: store.meta().expect("a checkpoint"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

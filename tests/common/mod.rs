@@ -290,6 +290,21 @@ address = ""
         panic!("worker did not start consuming; log:\n{}", self.log());
     }
 
+    /// Waits until the log has grown past `from` with a line containing `needle`.
+    pub async fn wait_for_log(&self, from: usize, needle: &str, timeout: Duration) {
+        let until = Instant::now() + timeout;
+        while Instant::now() < until {
+            if self.log().get(from..).unwrap_or("").contains(needle) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "no {needle:?} in the log within {timeout:?}:\n{}",
+            self.log()
+        );
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("tally.log")).unwrap_or_default()
     }

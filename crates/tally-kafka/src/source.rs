@@ -67,6 +67,58 @@ impl Source {
         })
     }
 
+    /// Joins the job's consumer group as a member subscribed to `lease_topic` (one
+    /// partition): the member assigned it holds the job's lease. The assignment is sticky, so
+    /// members that join later do not take it. Static membership (`instance_id`, the state
+    /// directory's writer id) gives a restarted worker its lease back without waiting for its
+    /// old session to time out. The consumer must be polled ([`Source::poll_membership`]).
+    /// It reads `source_topic`'s committed offsets and gives the group metadata for the
+    /// transactions, which fences a member whose generation is stale (KIP-447).
+    pub fn join(
+        settings: &KafkaSettings,
+        source_topic: &str,
+        group_id: &str,
+        lease_topic: &str,
+        instance_id: &str,
+        session_timeout: Duration,
+    ) -> Result<Source> {
+        let mut config = settings.client_config();
+        config
+            .set("group.id", group_id)
+            .set("group.instance.id", instance_id)
+            .set("isolation.level", "read_committed")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "latest")
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set(
+                "session.timeout.ms",
+                session_timeout.as_millis().to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                (session_timeout.as_millis() / 5).max(100).to_string(),
+            );
+        let consumer: BaseConsumer = config.create().map_err(kafka("creating group member"))?;
+        consumer
+            .subscribe(&[lease_topic])
+            .map_err(kafka(format!("subscribing to {lease_topic}")))?;
+        Ok(Source {
+            consumer,
+            topic: source_topic.to_owned(),
+        })
+    }
+
+    /// Serves the group protocol (rebalances; librdkafka heartbeats on its own) and reports
+    /// whether this member holds the lease of `lease_topic`.
+    pub fn poll_membership(&self, lease_topic: &str, timeout: Duration) -> bool {
+        // Nothing is ever produced to the lease topic: a poll only serves the protocol.
+        let _ = self.consumer.poll(timeout);
+        self.consumer
+            .assignment()
+            .is_ok_and(|a| a.find_partition(lease_topic, 0).is_some())
+    }
+
     pub fn topic(&self) -> &str {
         &self.topic
     }

@@ -379,22 +379,25 @@ impl StateStore {
     /// expiry below has removed (or removes first) its old entries.
     pub fn pre_commit(&self, checkpoint: &Checkpoint) -> Result<(), StateError> {
         self.pre_commit_with_seen(checkpoint, seen_of(checkpoint), &[])
+            .map(|_| ())
     }
 
     /// [`StateStore::pre_commit`] with the epoch's ids given apart from `checkpoint` (whose own
     /// `seen` is ignored), in any order: the worker passes them straight from the epoch's cut
     /// rather than copying and sorting them. `changelog` (the epoch's changelog records) is
-    /// kept with the pending outputs, for the transaction to carry after a restart.
+    /// kept with the pending outputs, for the transaction to carry after a restart. Returns the
+    /// bytes of the state changes written (without the pending outputs).
     pub fn pre_commit_with_seen<'a>(
         &self,
         checkpoint: &Checkpoint,
         seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
         changelog: &[EncodedRecord],
-    ) -> Result<(), StateError> {
+    ) -> Result<usize, StateError> {
         let mut batch = WriteBatch::default();
         let base = self.meta();
         let (expired_seen_before, closed_windows_before) =
             self.stage_changes(&mut batch, checkpoint, seen, base.as_ref())?;
+        let state_bytes = batch.size_in_bytes();
         let meta = CheckpointMeta {
             job: self.job.clone(),
             epoch: checkpoint.epoch,
@@ -426,7 +429,7 @@ impl StateStore {
         let mut current = self.meta_lock();
         self.write(batch)?;
         *current = Some(meta);
-        Ok(())
+        Ok(state_bytes)
     }
 
     /// Applies one changelog record during a restore: the changes a pre-commit of it would

@@ -133,6 +133,9 @@ pub struct JobConfig {
     /// consuming; the operator waits at a barrier when this many are in flight.
     #[serde(default = "default_max_epochs_in_flight", deserialize_with = "de_u64")]
     pub max_epochs_in_flight: u64,
+    /// How long the job's group waits for a silent worker before a standby takes the job over.
+    #[serde(default = "default_session_timeout")]
+    pub session_timeout: Millis,
 }
 
 fn default_checkpoint_interval() -> Millis {
@@ -146,6 +149,9 @@ fn default_max_record_bytes() -> u64 {
 }
 fn default_max_epochs_in_flight() -> u64 {
     2
+}
+fn default_session_timeout() -> Millis {
+    Millis(10_000)
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -430,6 +436,13 @@ impl Config {
                 ),
             ));
         }
+        // The broker's default bounds (group.min/max.session.timeout.ms).
+        if !(6_000..=1_800_000).contains(&self.job.session_timeout.0) {
+            return Err((
+                "job.session_timeout",
+                "must be between 6s and 30m (the broker's default bounds)".into(),
+            ));
+        }
         if self.job.max_record_bytes == 0 {
             return Err(("job.max_record_bytes", "must be greater than zero".into()));
         }
@@ -516,6 +529,11 @@ impl Config {
             .changelog_topic
             .clone()
             .unwrap_or_else(|| format!("{}-changelog", self.kafka.consumer_group))
+    }
+
+    /// The one-partition topic whose assignment in the job's group says which worker runs it.
+    pub fn lease_topic(&self) -> String {
+        format!("{}-lease", self.kafka.consumer_group)
     }
 
     pub fn transactional_id(&self) -> String {

@@ -49,23 +49,6 @@ fn committed_ranges(batches: &[tally_clickhouse::CommittedBatch]) -> BTreeMap<i3
     ranges
 }
 
-/// The writers whose transactions last committed the group's offsets (one, when one worker
-/// runs the job; none before its first commit or for offsets committed before writers were
-/// recorded).
-fn committing_writers(config: &Config) -> Result<std::collections::BTreeSet<String>> {
-    let source = tally_kafka::Source::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?;
-    let partitions = source.partitions()?;
-    Ok(source
-        .committed(&partitions)?
-        .into_values()
-        .filter_map(|(_, metadata)| tally_kafka::CommitMark::parse(&metadata)?.writer)
-        .collect())
-}
-
 /// Checks every hop of the deployment `config` describes; `since` bounds the reconciliation.
 pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
@@ -147,15 +130,21 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
 
     // Persisted → Processed: the checkpoint accounts for every offset consumed, once, and one
     // writer (state directory) commits the job.
-    let writers = committing_writers(config)?;
+    let marks = crate::lease::commit_marks(&tally_kafka::Source::connect(
+        &config.kafka_settings(),
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?)?;
+    let writers: std::collections::BTreeSet<&str> =
+        marks.values().filter_map(|m| m.writer.as_deref()).collect();
     rows.push(match tally_state::StateStore::open(&config.job.state_dir, &config.state_identity()) {
         Ok(store) => match store.meta() {
             None if !writers.is_empty() => row(
                 "Persisted → Processed",
                 "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
-                Status::Fail,
+                Status::Warn,
                 format!(
-                    "no checkpoint in {}, but writer(s) {writers:?} commit the job: this is not the job's state directory",
+                    "no checkpoint in {}, and writer(s) {writers:?} commit the job: a standby's directory (it restores the job from the changelog when it takes over), or not the job's",
                     config.job.state_dir.display()
                 ),
             ),
@@ -167,12 +156,15 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             ),
             Some(meta) => {
                 let mut broken = Vec::new();
-                let others: Vec<&String> = writers.iter().filter(|w| *w != store.writer_id()).collect();
-                if !others.is_empty() {
-                    broken.push(format!(
-                        "the group's offsets were committed by writer(s) {others:?}, not by this state directory (writer {}): another worker commits the job",
+                match crate::lease::foreign_mark(&marks, &store) {
+                    Ok(None) => {}
+                    Ok(Some((p, mark))) => broken.push(format!(
+                        "partition {p} was last committed (epoch {}) by writer {}, not by this state directory (writer {}) or the one it was restored from: another worker runs the job, and this directory is behind it",
+                        mark.epoch,
+                        mark.writer.unwrap_or_default(),
                         store.writer_id()
-                    ));
+                    )),
+                    Err(e) => broken.push(e.to_string()),
                 }
                 for (p, c) in &meta.partitions {
                     let first = ranges.get(p).map_or(c.next_offset, |r| r.0);

@@ -6,6 +6,14 @@ use std::time::Duration;
 use metrics::{counter, gauge, histogram};
 use tally_core::{Accounting, Checkpoint, Epoch, PoisonReason};
 
+/// What an epoch wrote: its state changes in the store and its changelog records (0 for an
+/// epoch completed after a restart).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpochBytes {
+    pub state: usize,
+    pub changelog: usize,
+}
+
 /// Time spent in each step of the last commit.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CommitPhases {
@@ -30,6 +38,7 @@ pub struct CheckpointCommitted<'a> {
     pub latency: Duration,
     pub pause: BarrierPause,
     pub phases: CommitPhases,
+    pub bytes: EpochBytes,
     pub recovered: bool,
 }
 
@@ -51,6 +60,8 @@ impl CheckpointCommitted<'_> {
             pre_commit_ms = self.phases.pre_commit.as_millis() as u64,
             dead_letters_ms = self.phases.dead_letters.as_millis() as u64,
             clickhouse_ms = self.phases.clickhouse.as_millis() as u64,
+            state_bytes = self.bytes.state,
+            changelog_bytes = self.bytes.changelog,
             recovered = self.recovered,
             "checkpoint committed"
         );
@@ -71,6 +82,7 @@ impl CheckpointCommitted<'_> {
         }
         counter!("tally_sink_rows_written_total").increment(cp.rows.len() as u64);
         counter!("tally_checkpoints_committed_total").increment(1);
+        counter!("tally_changelog_bytes_total").increment(self.bytes.changelog as u64);
         histogram!("tally_checkpoint_duration_seconds").record(self.latency.as_secs_f64());
         for (phase, d) in [
             ("pre_commit", self.phases.pre_commit),

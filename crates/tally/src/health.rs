@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub struct Readiness {
     restored: AtomicBool,
     sinks_failing: AtomicBool,
+    standby: AtomicBool,
 }
 
 impl Readiness {
@@ -22,6 +23,16 @@ impl Readiness {
 
     pub fn set_sinks_failing(&self, failing: bool) {
         self.sinks_failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Another worker runs the job; this one is healthy and waits to take it over.
+    pub fn set_standby(&self, standby: bool) {
+        self.standby.store(standby, Ordering::SeqCst);
+        metrics::gauge!("tally_worker_standby").set(if standby { 1.0 } else { 0.0 });
+    }
+
+    pub fn is_standby(&self) -> bool {
+        self.standby.load(Ordering::SeqCst)
     }
 
     /// `Ok` when ready, else why not.
@@ -56,6 +67,8 @@ pub fn route(
     match path {
         "/metrics" => response("200 OK", "text/plain; version=0.0.4", &metrics()),
         "/health" => response("200 OK", "text/plain", "ok\n"),
+        // A standby is ready in its own way: healthy, waiting to take the job over.
+        "/ready" if readiness.is_standby() => response("200 OK", "text/plain", "standby\n"),
         "/ready" => match readiness.check() {
             Ok(()) => response("200 OK", "text/plain", "ready\n"),
             Err(why) => response("503 Service Unavailable", "text/plain", &format!("{why}\n")),

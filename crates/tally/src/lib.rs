@@ -5,6 +5,7 @@ pub mod doctor;
 pub mod events;
 pub mod fault;
 pub mod health;
+pub mod lease;
 pub mod loadgen;
 pub mod prove;
 pub mod restore;

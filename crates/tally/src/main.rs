@@ -515,7 +515,19 @@ fn real_main(cli: Cli) -> Result<()> {
                 let handle = tokio::runtime::Handle::current();
                 let flag = shutdown.clone();
                 let result = tokio::task::spawn_blocking(move || {
-                    worker::Worker::start(cfg, handle, flag, readiness)?.run()
+                    let Some(lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)?
+                    else {
+                        tracing::info!("stopped while standing by");
+                        return Ok(());
+                    };
+                    let job = cfg.job.name.clone();
+                    let result =
+                        worker::Worker::start(cfg, handle, flag, readiness, lease.member().clone())
+                            .and_then(worker::Worker::run);
+                    if lease.is_lost() {
+                        return Err(anyhow::anyhow!(tally::lease::LostLease(job)));
+                    }
+                    result
                 })
                 .await
                 .context("worker thread")?;

@@ -4,6 +4,7 @@
 //! the writer it was restored from.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -31,19 +32,59 @@ pub struct Restored {
     pub duration: Duration,
 }
 
+/// Restores into `job.state_dir`, which must hold no checkpoint. The state is built in a
+/// sibling directory and moved into place when complete, so a failed or interrupted restore
+/// leaves nothing behind and can simply be run again.
 pub fn restore(config: &Config, rt: &tokio::runtime::Handle) -> Result<Restored> {
-    let started = Instant::now();
     let dir = &config.job.state_dir;
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("creating state directory {}", dir.display()))?;
-    let store = StateStore::open(dir, &config.state_identity())?;
-    if let Some(meta) = store.meta() {
+    if dir.exists()
+        && let Some(meta) = StateStore::open(dir, &config.state_identity())?.meta()
+    {
         bail!(
             "state directory {} already holds a checkpoint (epoch {}): restore only into an empty directory; move this one away first",
             dir.display(),
             meta.epoch
         );
     }
+    let staging = sibling(dir, "restoring");
+    let clear = |path: &Path| -> Result<()> {
+        if path.exists() {
+            std::fs::remove_dir_all(path)
+                .with_context(|| format!("removing {}", path.display()))?;
+        }
+        Ok(())
+    };
+    clear(&staging)?;
+    let restored = restore_into(config, rt, &staging);
+    if restored.is_err() {
+        // Best effort: the next attempt clears it first anyway.
+        let _ = clear(&staging);
+    }
+    let restored = restored?;
+    clear(dir)?;
+    std::fs::rename(&staging, dir).with_context(|| {
+        format!(
+            "moving the restored state from {} to {}",
+            staging.display(),
+            dir.display()
+        )
+    })?;
+    Ok(restored)
+}
+
+/// `<dir>.<suffix>`, beside `dir`.
+pub fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map_or_else(|| "state".into(), |n| n.to_string_lossy());
+    dir.with_file_name(format!("{name}.{suffix}"))
+}
+
+fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Result<Restored> {
+    let started = Instant::now();
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let store = StateStore::open(dir, &config.state_identity())?;
     let kafka = config.kafka_settings();
     let group = Source::connect(
         &kafka,
@@ -178,4 +219,16 @@ fn merge(epoch: Epoch, parts: Vec<Checkpoint>) -> Checkpoint {
         .rows
         .sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
     merged
+}
+
+/// Whether a restore failed on a service (worth retrying) rather than on what it found.
+pub fn is_transient(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<tally_kafka::Error>()
+            .is_some_and(|e| !matches!(e, tally_kafka::Error::Refused(_)))
+            || cause
+                .downcast_ref::<tally_clickhouse::SinkError>()
+                .is_some_and(|e| matches!(e, tally_clickhouse::SinkError::Server { .. }))
+    })
 }

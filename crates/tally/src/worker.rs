@@ -34,8 +34,8 @@ use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
 use crate::events::{
-    BarrierPause, CheckpointCommitted, CheckpointCut, CommitPhases, EpochRecovered, Folded,
-    LagMeasured, SinkRetry,
+    BarrierPause, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes, EpochRecovered,
+    Folded, LagMeasured, SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
@@ -137,10 +137,9 @@ struct Sinks {
     sink: ClickHouseSink,
     dlq: Option<EpochProducer>,
     kafka: KafkaSettings,
-    /// A consumer of the job's group that is never assigned anything: it reads the group's
-    /// committed offsets and gives the group metadata for the transactions.
-    group: Source,
-    partitions: Vec<PartitionId>,
+    /// This worker's member of the job's group (it holds the job's lease): it reads the
+    /// group's committed offsets and gives the group metadata for the transactions.
+    group: Arc<Source>,
     phases: CommitPhases,
     readiness: Arc<Readiness>,
 }
@@ -206,6 +205,7 @@ struct Handoff {
 struct Persisted {
     checkpoint: Checkpoint,
     changelog: Vec<EncodedRecord>,
+    bytes: EpochBytes,
     barrier_at: Instant,
     pause: BarrierPause,
     pre_commit: Duration,
@@ -218,6 +218,7 @@ impl Worker {
         rt: Handle,
         shutdown: Arc<AtomicBool>,
         readiness: Arc<Readiness>,
+        member: Arc<Source>,
     ) -> Result<Worker> {
         let fault = FaultPlan::from_env().map_err(|e| anyhow!(e))?;
         if fault.is_armed() {
@@ -296,11 +297,6 @@ impl Worker {
             }
         }
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
-        let group = Source::connect(
-            &kafka,
-            &config.kafka.source_topic,
-            &config.kafka.consumer_group,
-        )?;
         let sinks = Sinks {
             config: config.clone(),
             rt,
@@ -310,8 +306,7 @@ impl Worker {
             sink,
             dlq: None,
             kafka,
-            group,
-            partitions: partitions.clone(),
+            group: member,
             phases: CommitPhases::default(),
             readiness: readiness.clone(),
         };
@@ -788,6 +783,7 @@ impl Sinks {
                 latency: started.elapsed(),
                 pause: BarrierPause::default(),
                 phases: self.phases,
+                bytes: EpochBytes::default(),
                 recovered: true,
             }
             .emit();
@@ -809,6 +805,7 @@ impl Sinks {
                 latency: next.barrier_at.elapsed(),
                 pause: next.pause,
                 phases: self.phases,
+                bytes: next.bytes,
                 recovered: false,
             }
             .emit();
@@ -818,37 +815,14 @@ impl Sinks {
         Ok(())
     }
 
-    /// The group's committed offsets, each with the mark of the transaction that committed it.
-    fn commit_marks(&self) -> Result<BTreeMap<PartitionId, CommitMark>, tally_kafka::Error> {
-        Ok(self
-            .group
-            .committed(&self.partitions)?
-            .into_iter()
-            .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
-            .collect())
-    }
-
     /// Fails when any partition's offsets were last committed by another writer: another
     /// worker commits this job.
     fn refuse_another_writer(&self) -> Result<(), SinkFailure> {
-        let marks = self
-            .commit_marks()
-            .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
+        let marks = crate::lease::commit_marks(&self.group)
+            .map_err(|e| SinkFailure::from(("kafka", format!("{e:#}"))))?;
         let ours = self.store.writer_id();
-        // A directory restored from the changelog continues its writer's commits up to the
-        // epoch it restored.
-        let adopted = self
-            .store
-            .adopted_writer()
+        let foreign = crate::lease::foreign_mark(&marks, &self.store)
             .map_err(|e| SinkFailure::Fatal(e.into()))?;
-        let foreign = marks.into_iter().find(|(_, mark)| {
-            mark.writer.as_deref().is_some_and(|w| {
-                w != ours
-                    && adopted
-                        .as_ref()
-                        .is_none_or(|(a, epoch)| a != w || mark.epoch > *epoch)
-            })
-        });
         match foreign {
             None => Ok(()),
             Some((partition, mark)) => Err(SinkFailure::Fatal(anyhow!(AnotherWriter {
@@ -869,7 +843,7 @@ impl Sinks {
     /// that no other writer committed).
     fn dead_letters_committed(&self, epoch: Epoch) -> Result<bool> {
         let marks = wait_for("kafka", &self.shutdown, || {
-            self.commit_marks().map_err(|e| e.to_string())
+            crate::lease::commit_marks(&self.group).map_err(|e| format!("{e:#}"))
         })?;
         let last = marks.values().map(|m| m.epoch).max();
         Ok(last.is_some_and(|e| e >= epoch))
@@ -1114,8 +1088,13 @@ impl Persister {
             // cut to the store without a copy.
             let checkpoint = handoff.cut.to_checkpoint_without_ids();
             let changelog = tally_state::changelog::encode_epoch(&handoff.cut)?;
-            self.store
-                .pre_commit_with_seen(&checkpoint, handoff.cut.seen_ids(), &changelog)?;
+            let state =
+                self.store
+                    .pre_commit_with_seen(&checkpoint, handoff.cut.seen_ids(), &changelog)?;
+            let bytes = EpochBytes {
+                state,
+                changelog: changelog.iter().map(|(_, b)| b.len()).sum(),
+            };
             let epoch = checkpoint.epoch;
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
@@ -1124,6 +1103,7 @@ impl Persister {
             let next = Persisted {
                 checkpoint,
                 changelog,
+                bytes,
                 barrier_at: handoff.barrier_at,
                 pause: handoff.pause,
                 pre_commit: started.elapsed(),
@@ -1159,7 +1139,7 @@ fn sleep_unless_stopped(shutdown: &AtomicBool, duration: Duration) -> Result<(),
 }
 
 /// Retries a connection step with backoff until it succeeds or a shutdown is requested.
-fn wait_for<T>(
+pub(crate) fn wait_for<T>(
     service: &'static str,
     shutdown: &AtomicBool,
     mut f: impl FnMut() -> Result<T, String>,

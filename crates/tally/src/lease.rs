@@ -1,0 +1,281 @@
+//! Which worker runs a job. Every worker joins the job's consumer group, subscribed to a
+//! one-partition lease topic: the member assigned that partition runs the job, the others stand
+//! by. Kafka's group protocol is the only coordinator: when the running worker stops or goes
+//! silent for `job.session_timeout`, the group gives the lease to a standby, which restores the
+//! job's state from the changelog unless its own directory is current, fences the previous
+//! worker's transactions and carries on.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use tally_core::PartitionId;
+use tally_kafka::{CommitMark, EpochProducer, EpochTopics, Source};
+use tally_state::{StateError, StateStore};
+use tokio::runtime::Handle;
+
+use crate::config::Config;
+use crate::health::Readiness;
+use crate::worker::wait_for;
+
+/// How often the group member is polled (the group protocol is served inside polls).
+const POLL: Duration = Duration::from_millis(100);
+
+/// The worker lost the job's lease while running it: another worker runs the job now.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "lost the lease of job {0} to another worker (this one was silent longer than job.session_timeout, or left the group); it stopped, and runs the job again only when the group gives the lease back"
+)]
+pub struct LostLease(pub String);
+
+/// The lease of a running job: the group member that holds it, polled on a thread of its own
+/// until dropped. Losing it sets the worker's shutdown flag.
+pub struct Lease {
+    member: Arc<Source>,
+    lost: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    poller: Option<JoinHandle<()>>,
+}
+
+impl Lease {
+    /// The group member: its committed offsets and group metadata are the job's.
+    pub fn member(&self) -> &Arc<Source> {
+        &self.member
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(poller) = self.poller.take()
+            && poller.join().is_err()
+        {
+            tracing::warn!("the group member's thread panicked");
+        }
+    }
+}
+
+/// This worker's static member id in the job's group: stable across restarts of the same
+/// worker (so it gets its lease straight back), distinct between workers: the host name and
+/// the state directory.
+fn instance_id(config: &Config) -> Result<String> {
+    let dir = &config.job.state_dir;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let dir = std::fs::canonicalize(dir)
+        .with_context(|| format!("resolving state directory {}", dir.display()))?;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into());
+    Ok(format!("tally@{}:{}", host.trim(), dir.display()))
+}
+
+/// For [`wait_for`]: a refused configuration is returned, any other failure waited out.
+fn settle<T>(result: Result<T, tally_kafka::Error>) -> Result<Result<T>, String> {
+    match result {
+        Ok(value) => Ok(Ok(value)),
+        Err(e @ tally_kafka::Error::Refused(_)) => Ok(Err(e.into())),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The first partition whose offsets were last committed by a writer that is neither this
+/// directory's nor the one it was restored from (up to the epoch it restored).
+pub fn foreign_mark(
+    marks: &BTreeMap<PartitionId, CommitMark>,
+    store: &StateStore,
+) -> Result<Option<(PartitionId, CommitMark)>, StateError> {
+    let ours = store.writer_id();
+    let adopted = store.adopted_writer()?;
+    Ok(marks
+        .iter()
+        .find(|(_, mark)| {
+            mark.writer.as_deref().is_some_and(|w| {
+                w != ours
+                    && adopted
+                        .as_ref()
+                        .is_none_or(|(a, epoch)| a != w || mark.epoch > *epoch)
+            })
+        })
+        .map(|(p, m)| (*p, m.clone())))
+}
+
+/// The group's committed offsets of the source topic, each with the mark of its transaction.
+pub fn commit_marks(member: &Source) -> Result<BTreeMap<PartitionId, CommitMark>> {
+    Ok(member
+        .committed(&member.partitions()?)?
+        .into_iter()
+        .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
+        .collect())
+}
+
+/// Joins the job's group and waits, standing by, until this worker holds the lease; then makes
+/// the state directory the job's current state. `None`: asked to stop while standing by.
+pub fn acquire(
+    config: &Config,
+    rt: &Handle,
+    shutdown: &Arc<AtomicBool>,
+    readiness: &Readiness,
+) -> Result<Option<Lease>> {
+    let kafka = config.kafka_settings();
+    let lease_topic = config.lease_topic();
+    // Kafka may be down or slow to come up: wait for it, unless it refuses this configuration.
+    wait_for("kafka", shutdown, || {
+        if let Err(refused) = settle(tally_kafka::check_connection(
+            &kafka,
+            Duration::from_secs(10),
+        ))? {
+            return Ok(Err(refused));
+        }
+        settle(rt.block_on(tally_kafka::ensure_topic(
+            &kafka,
+            &lease_topic,
+            1,
+            config.kafka.topic_replication_factor,
+            &[],
+        )))
+    })??;
+    let member = Arc::new(Source::join(
+        &kafka,
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+        &lease_topic,
+        &instance_id(config)?,
+        config.job.session_timeout.as_duration(),
+    )?);
+
+    let waiting = Instant::now();
+    let mut said = false;
+    while !member.poll_membership(&lease_topic, POLL) {
+        if shutdown.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        // A worker starting alone gets the lease within a rebalance: say nothing for that.
+        if !said && waiting.elapsed() > Duration::from_secs(3) {
+            tracing::info!(group = %config.kafka.consumer_group, "standing by: another worker of the job holds its lease");
+            readiness.set_standby(true);
+            said = true;
+        }
+    }
+    readiness.set_standby(false);
+    tracing::info!(
+        waited_ms = waiting.elapsed().as_millis() as u64,
+        "holding the job's lease"
+    );
+    // Fence the previous holder first: its open transaction is aborted here, so the group's
+    // offsets and the changelog read below are final.
+    wait_for("kafka", shutdown, || {
+        settle(EpochProducer::connect(
+            &kafka,
+            &config.transactional_id(),
+            &EpochTopics {
+                dead_letters: &config.dlq_topic(),
+                changelog: &config.changelog_topic(),
+                source: &config.kafka.source_topic,
+            },
+        ))
+    })??;
+    make_state_current(config, rt, &member, shutdown)?;
+
+    let lost = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = {
+        let (member, lost, stop, shutdown) =
+            (member.clone(), lost.clone(), stop.clone(), shutdown.clone());
+        let job = config.job.name.clone();
+        std::thread::Builder::new()
+            .name("tally-member".into())
+            .spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let held = member.poll_membership(&lease_topic, POLL);
+                    if !held && !lost.swap(true, Ordering::SeqCst) {
+                        tracing::error!("{}", LostLease(job.clone()));
+                        shutdown.store(true, Ordering::SeqCst);
+                    }
+                }
+            })
+            .context("starting the group member's thread")?
+    };
+    Ok(Some(Lease {
+        member,
+        lost,
+        stop,
+        poller: Some(poller),
+    }))
+}
+
+/// Keeps the state directory if it holds the job's state (the commits are its own, or those of
+/// the writer it was restored from); otherwise moves it aside and restores the job's state
+/// from the changelog.
+fn make_state_current(
+    config: &Config,
+    rt: &Handle,
+    member: &Source,
+    shutdown: &AtomicBool,
+) -> Result<()> {
+    let marks = wait_for("kafka", shutdown, || {
+        commit_marks(member).map_err(|e| format!("{e:#}"))
+    })?;
+    if marks.is_empty() {
+        // A new job (or one started over): nothing to restore.
+        return Ok(());
+    }
+    let dir = &config.job.state_dir;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let (local, foreign) = {
+        let store = StateStore::open(dir, &config.state_identity())?;
+        (store.meta().map(|m| m.epoch), foreign_mark(&marks, &store)?)
+    };
+    match (local, foreign) {
+        (Some(_), None) => return Ok(()),
+        (None, _) => {}
+        (Some(epoch), Some((partition, mark))) => {
+            let aside = crate::restore::sibling(dir, &format!("stale-epoch-{epoch}"));
+            tracing::warn!(
+                partition,
+                committed_epoch = %mark.epoch,
+                writer = mark.writer.as_deref().unwrap_or(""),
+                moved_to = %aside.display(),
+                "the state directory is behind the job (another worker ran it since): moving it aside and restoring from the changelog"
+            );
+            std::fs::rename(dir, &aside).with_context(|| {
+                format!("moving {} aside to {}", dir.display(), aside.display())
+            })?;
+        }
+    }
+    // A service failing mid-restore is waited out (a failed attempt leaves nothing behind);
+    // a changelog that cannot give the job's state stops the worker with the reason.
+    let done = wait_for(
+        "the changelog restore",
+        shutdown,
+        || match crate::restore::restore(config, rt) {
+            Ok(done) => Ok(Ok(done)),
+            Err(e) if crate::restore::is_transient(&e) => Err(format!("{e:#}")),
+            Err(e) => Ok(Err(e.context(
+                "restoring the job's state from the changelog on taking its lease",
+            ))),
+        },
+    )??;
+    tracing::info!(
+        epoch = %done.epoch,
+        from_writer = %done.writer,
+        partitions = done.partitions,
+        records = done.records,
+        bytes = done.bytes,
+        windows = done.windows,
+        ids = done.ids,
+        millis = done.duration.as_millis() as u64,
+        pending = done.pending,
+        "restored the job's state from the changelog"
+    );
+    Ok(())
+}
