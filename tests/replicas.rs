@@ -218,6 +218,45 @@ fn state_of(job: &Job) -> State {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_changelog_truncated_below_its_restore_points_still_restores_exactly() {
+    let topic = unique("orders");
+    create_topic(&topic, 3).await;
+    // Four hours of event time per partition, past the one-hour dedup horizon: the records of
+    // the first hours end up dead, and the changelog is truncated below them.
+    let records = generate_spaced(41, 3, 45_000, 1_000);
+    let mut manifest = tally::loadgen::Manifest::default();
+    let first = Job::new(&topic, SESSION);
+    let before = first.log().len();
+    let mut worker = first.spawn(&[]);
+    first.wait_until_consuming(before).await;
+    for part in records.chunks(9_000) {
+        produce_into(&topic, part, &mut manifest).await;
+        wait_for_view(&first, &manifest, CATCH_UP).await;
+    }
+    let view = wait_for_view(&first, &manifest, CATCH_UP).await;
+    assert_stops_exact(&first, &mut worker, &view, &manifest);
+    let changelog = format!("tally-{topic}-changelog");
+    let extent = tally_kafka::topic_extent(
+        &tally_kafka::KafkaSettings {
+            brokers: BROKERS.into(),
+            client: Default::default(),
+        },
+        &changelog,
+    )
+    .unwrap();
+    assert!(
+        extent.values().any(|(low, _)| *low > 0),
+        "the changelog was truncated: {extent:?}; log:\n{}",
+        first.log()
+    );
+
+    let second = first.replica();
+    let (ok, out) = tally_command(&second, "restore", &[]);
+    assert!(ok, "{out}");
+    assert_eq!(state_of(&second), state_of(&first));
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_restore_completes_the_epoch_the_lost_worker_committed_in_kafka_only() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;

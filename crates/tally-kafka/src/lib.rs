@@ -209,6 +209,38 @@ pub async fn ensure_topic(
     }
 }
 
+/// Deletes the records of `topic` before the given offset of each partition (`DeleteRecords`).
+pub async fn delete_records_before(
+    settings: &KafkaSettings,
+    topic: &str,
+    before: &BTreeMap<i32, i64>,
+) -> Result<()> {
+    use rdkafka::{Offset, TopicPartitionList};
+    let admin: AdminClient<DefaultClientContext> = settings
+        .client_config()
+        .create()
+        .map_err(kafka("creating admin client"))?;
+    let mut tpl = TopicPartitionList::new();
+    for (&p, &o) in before {
+        tpl.add_partition_offset(topic, p, Offset::Offset(o))
+            .map_err(kafka("building offsets"))?;
+    }
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let result = admin
+        .delete_records(&tpl, &opts)
+        .await
+        .map_err(kafka(format!("deleting records of {topic}")))?;
+    for element in result.elements() {
+        if let Err(e) = element.error() {
+            return Err(Error::Kafka {
+                context: format!("deleting records of {topic}/{}", element.partition()),
+                source: e,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// How durable a topic is on its cluster: what `tally doctor` checks for the hops up to
 /// Persisted.
 #[derive(Debug, Clone, PartialEq, Eq)]

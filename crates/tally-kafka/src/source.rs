@@ -165,6 +165,22 @@ impl Source {
             )))
     }
 
+    /// The end (high watermark) of each of `partitions` of `topic`.
+    pub fn end_offsets(
+        &self,
+        topic: &str,
+        partitions: impl Iterator<Item = PartitionId>,
+    ) -> Result<BTreeMap<PartitionId, Offset>> {
+        partitions
+            .map(|p| {
+                self.consumer
+                    .fetch_watermarks(topic, p, TIMEOUT)
+                    .map(|(_, high)| (p, high))
+                    .map_err(kafka(format!("fetching the end of {topic}/{p}")))
+            })
+            .collect()
+    }
+
     /// A concrete start offset for a partition with no checkpoint, so the first checkpoint
     /// records where it really began.
     pub fn resolve_start(&self, partition: PartitionId, from: StartFrom) -> Result<Offset> {

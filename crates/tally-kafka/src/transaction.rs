@@ -24,6 +24,7 @@ pub const HEADER_SOURCE_TIMESTAMP: &str = "tally.source.timestamp";
 
 const METADATA_PREFIX: &str = "tally:epoch=";
 const WRITER_FIELD: &str = ";writer=";
+const FROM_FIELD: &str = ";from=";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What tally writes in the metadata of every offset it commits: the epoch whose transaction
@@ -35,11 +36,17 @@ pub struct CommitMark {
     pub epoch: Epoch,
     /// `None` for offsets committed before writers were recorded.
     pub writer: Option<String>,
+    /// The partition's restore point in the changelog (`None`: its start).
+    pub restore_from: Option<Offset>,
 }
 
 impl CommitMark {
     pub fn parse(metadata: &str) -> Option<CommitMark> {
         let rest = metadata.strip_prefix(METADATA_PREFIX)?;
+        let (rest, restore_from) = match rest.split_once(FROM_FIELD) {
+            Some((rest, from)) => (rest, Some(from.parse().ok()?)),
+            None => (rest, None),
+        };
         let (epoch, writer) = match rest.split_once(WRITER_FIELD) {
             Some((epoch, writer)) => (epoch, Some(writer.to_owned())),
             None => (rest, None),
@@ -47,14 +54,21 @@ impl CommitMark {
         Some(CommitMark {
             epoch: Epoch(epoch.parse().ok()?),
             writer,
+            restore_from,
         })
     }
 
     pub fn render(&self) -> String {
-        match &self.writer {
-            Some(writer) => format!("{METADATA_PREFIX}{}{WRITER_FIELD}{writer}", self.epoch),
-            None => format!("{METADATA_PREFIX}{}", self.epoch),
+        let mut text = format!("{METADATA_PREFIX}{}", self.epoch);
+        if let Some(writer) = &self.writer {
+            text.push_str(WRITER_FIELD);
+            text.push_str(writer);
         }
+        if let Some(from) = self.restore_from {
+            text.push_str(FROM_FIELD);
+            text.push_str(&from.to_string());
+        }
+        text
     }
 }
 
@@ -69,10 +83,12 @@ pub struct EpochProducer {
 
 /// What one epoch's transaction carries.
 pub struct EpochCommit<'a> {
+    /// Epoch and writer; each partition's mark adds its restore point from `restore_from`.
     pub mark: &'a CommitMark,
     pub dead_letters: &'a [DeadLetter],
     pub changelog: &'a [(PartitionId, Vec<u8>)],
     pub offsets: &'a BTreeMap<PartitionId, Offset>,
+    pub restore_from: &'a BTreeMap<PartitionId, Offset>,
 }
 
 /// The topics an epoch's transaction writes besides the group's offsets.
@@ -139,6 +155,7 @@ impl EpochProducer {
             dead_letters,
             changelog,
             offsets,
+            restore_from,
         }: &EpochCommit<'_>,
         group: &ConsumerGroupMetadata,
     ) -> Result<()> {
@@ -160,12 +177,16 @@ impl EpochProducer {
         }
         let mut tpl = TopicPartitionList::new();
         let epoch = mark.epoch;
-        let metadata = mark.render();
         for (&p, &o) in offsets {
             let mut element = tpl.add_partition(&self.source_topic, p);
             element
                 .set_offset(KOffset::Offset(o))
                 .map_err(kafka("building offsets"))?;
+            let metadata = CommitMark {
+                restore_from: restore_from.get(&p).copied(),
+                ..mark.clone()
+            }
+            .render();
             element.set_metadata(metadata.as_str());
         }
         self.producer
@@ -249,15 +270,23 @@ mod tests {
         let mark = CommitMark {
             epoch: Epoch(42),
             writer: Some("1764500000-00ff00ff00ff00ff".into()),
+            restore_from: None,
         };
-        assert_eq!(CommitMark::parse(&mark.render()), Some(mark));
+        assert_eq!(CommitMark::parse(&mark.render()), Some(mark.clone()));
+        let with_point = CommitMark {
+            restore_from: Some(1234),
+            ..mark
+        };
+        assert_eq!(CommitMark::parse(&with_point.render()), Some(with_point));
         assert_eq!(
             CommitMark::parse("tally:epoch=42"),
             Some(CommitMark {
                 epoch: Epoch(42),
-                writer: None
+                writer: None,
+                restore_from: None,
             })
         );
+        assert_eq!(CommitMark::parse("tally:epoch=4;writer=w;from=x"), None);
         assert_eq!(CommitMark::parse(""), None);
         assert_eq!(CommitMark::parse("tally:epoch=x"), None);
         assert_eq!(CommitMark::parse("tally:epoch=x;writer=w"), None);

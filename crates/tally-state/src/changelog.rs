@@ -3,9 +3,12 @@
 //! records in order through the store rebuilds exactly the state its worker committed, on a
 //! machine that never held it.
 
+use std::collections::{BTreeMap, VecDeque};
+
 use serde::{Deserialize, Serialize};
 use tally_core::{
-    Checkpoint, Epoch, EpochCut, OutputRow, PartitionCheckpoint, PartitionId, WindowAgg, WindowKey,
+    Checkpoint, Epoch, EpochCut, Offset, OutputRow, PartitionCheckpoint, PartitionId, WindowAgg,
+    WindowKey,
 };
 
 /// Version of the record layout; a reader refuses any other.
@@ -200,6 +203,180 @@ impl ChangelogRecord {
     }
 }
 
+/// What one epoch's records of a partition hold that can outlive the epoch: the latest window
+/// start and the latest id time in them. The records are dead (nothing in the state comes from
+/// them alone) once the partition's close cutoff is past the one and its expiry cutoff past the
+/// other.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Liveness {
+    pub max_window_start: Option<i64>,
+    pub max_seen_time: Option<i64>,
+}
+
+impl Liveness {
+    pub fn of_cut(cut: &EpochCut, partition: PartitionId) -> Liveness {
+        Liveness {
+            max_window_start: cut
+                .windows_of(partition)
+                .map(|(k, _)| k.window_start_ms)
+                .max(),
+            max_seen_time: cut.seen_of(partition).map(|(_, t)| t).max(),
+        }
+    }
+
+    pub fn of_record(record: &ChangelogRecord) -> Liveness {
+        Liveness {
+            max_window_start: record.windows.iter().map(|(k, _)| k.window_start_ms).max(),
+            max_seen_time: record.seen.iter().map(|(_, t)| *t).max(),
+        }
+    }
+
+    pub fn merge(self, other: Liveness) -> Liveness {
+        Liveness {
+            max_window_start: self.max_window_start.max(other.max_window_start),
+            max_seen_time: self.max_seen_time.max(other.max_seen_time),
+        }
+    }
+
+    /// Under the partition's cutoffs (windows starting before `close` are closed, ids before
+    /// `expire` expired), nothing of these records is in the state any more.
+    fn is_dead(&self, close: Option<i64>, expire: Option<i64>) -> bool {
+        let gone = |latest: Option<i64>, cutoff: Option<i64>| match (latest, cutoff) {
+            (None, _) => true,
+            (Some(latest), Some(cutoff)) => latest < cutoff,
+            (Some(_), None) => false,
+        };
+        gone(self.max_window_start, close) && gone(self.max_seen_time, expire)
+    }
+}
+
+/// Per source partition, where a restore may start reading the changelog: the offset of the
+/// oldest committed epoch whose records still hold live state (the newest epoch's always do:
+/// they carry the partition's progress). Every record before it holds only closed windows and
+/// expired ids, so a replay from there rebuilds the same state as one from the beginning, and
+/// the changelog can be truncated below it. Offsets are lower bounds (an epoch's records start
+/// at or after the changelog's end after the previous commit), so a restore point may lag but
+/// never skips a live record.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestorePoints {
+    partitions: BTreeMap<PartitionId, PartitionPoints>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct PartitionPoints {
+    /// Where the next epoch's records start, at the latest: the changelog's end after the last
+    /// commit (0 when unknown: the start of the log).
+    next_from: Offset,
+    /// Committed epochs that may still hold live state, oldest first: (from offset, liveness).
+    live: VecDeque<(Offset, Liveness)>,
+}
+
+/// One epoch of a partition, for [`RestorePoints::with_epoch`]: its records' liveness and the
+/// partition's cutoffs after it.
+#[derive(Debug, Clone, Copy)]
+pub struct EpochLiveness {
+    pub liveness: Liveness,
+    pub close_windows_before: Option<i64>,
+    pub expire_seen_before: Option<i64>,
+}
+
+impl RestorePoints {
+    /// The points once `epoch` is committed too, without changing these (its transaction may
+    /// fail and be retried).
+    pub fn with_epoch(&self, epoch: &BTreeMap<PartitionId, EpochLiveness>) -> RestorePoints {
+        let mut next = self.clone();
+        for (&p, e) in epoch {
+            let points = next.partitions.entry(p).or_default();
+            points.live.push_back((points.next_from, e.liveness));
+            // The newest epoch always stays.
+            while points.live.len() > 1
+                && points
+                    .live
+                    .front()
+                    .is_some_and(|(_, l)| l.is_dead(e.close_windows_before, e.expire_seen_before))
+            {
+                points.live.pop_front();
+            }
+        }
+        next
+    }
+
+    /// Records that the changelog of `partition` ends at `end` after the last commit.
+    pub fn set_end(&mut self, partition: PartitionId, end: Offset) {
+        let points = self.partitions.entry(partition).or_default();
+        points.next_from = points.next_from.max(end);
+    }
+
+    /// Where a restore of `partition` starts.
+    pub fn restore_from(&self, partition: PartitionId) -> Offset {
+        self.partitions
+            .get(&partition)
+            .map_or(0, |p| p.live.front().map_or(p.next_from, |(from, _)| *from))
+    }
+
+    /// The points a restore rebuilds: for each epoch read, the offset of its first record and
+    /// its liveness (chunks merged), and the partition's cutoffs at the end.
+    pub fn rebuilt(
+        epochs: &BTreeMap<PartitionId, Vec<(Offset, Liveness)>>,
+        cutoffs: &BTreeMap<PartitionId, (Option<i64>, Option<i64>)>,
+        ends: &BTreeMap<PartitionId, Offset>,
+    ) -> RestorePoints {
+        let mut points = RestorePoints::default();
+        for (&p, list) in epochs {
+            let (close, expire) = cutoffs.get(&p).copied().unwrap_or((None, None));
+            let entry = points.partitions.entry(p).or_default();
+            for &(from, liveness) in list {
+                entry.live.push_back((from, liveness));
+            }
+            while entry.live.len() > 1
+                && entry
+                    .live
+                    .front()
+                    .is_some_and(|(_, l)| l.is_dead(close, expire))
+            {
+                entry.live.pop_front();
+            }
+            entry.next_from = ends.get(&p).copied().unwrap_or(0);
+        }
+        points
+    }
+}
+
+/// Liveness of each partition's records in `records` (an epoch's, encoded), chunks merged.
+pub fn liveness_of_records(
+    records: &[(PartitionId, Vec<u8>)],
+) -> Result<BTreeMap<PartitionId, EpochLiveness>, ChangelogError> {
+    let mut out: BTreeMap<PartitionId, EpochLiveness> = BTreeMap::new();
+    for (_, bytes) in records {
+        let r = ChangelogRecord::decode(bytes)?;
+        let e = out.entry(r.partition).or_insert(EpochLiveness {
+            liveness: Liveness::default(),
+            close_windows_before: r.close_windows_before,
+            expire_seen_before: r.expire_seen_before,
+        });
+        e.liveness = e.liveness.merge(Liveness::of_record(&r));
+    }
+    Ok(out)
+}
+
+/// Liveness of each partition's changes in `cut`.
+pub fn liveness_of_cut(cut: &EpochCut) -> BTreeMap<PartitionId, EpochLiveness> {
+    cut.partitions
+        .keys()
+        .map(|&p| {
+            let (close_windows_before, expire_seen_before) = cut.cutoffs_of(p);
+            (
+                p,
+                EpochLiveness {
+                    liveness: Liveness::of_cut(cut, p),
+                    close_windows_before,
+                    expire_seen_before,
+                },
+            )
+        })
+        .collect()
+}
+
 /// Checks, record by record, that what a restore reads of one partition is its whole history:
 /// it starts at the partition's first epoch (nothing consumed before it) and every record
 /// follows the previous one (the next chunk of the same epoch, or the next epoch starting at
@@ -207,9 +384,20 @@ impl ChangelogRecord {
 #[derive(Debug, Default)]
 pub struct ChainCheck {
     last: Option<(Epoch, u32, u32, i64)>,
+    /// Reading starts at a restore point: the first record need not be the partition's first
+    /// (everything before it is dead), only the first of its epoch.
+    from_restore_point: bool,
 }
 
 impl ChainCheck {
+    /// A check for a read that starts at a restore point the job committed.
+    pub fn from_restore_point() -> ChainCheck {
+        ChainCheck {
+            last: None,
+            from_restore_point: true,
+        }
+    }
+
     pub fn accept(&mut self, record: &ChangelogRecord) -> Result<(), ChangelogError> {
         let broken = |detail: String| ChangelogError::Broken {
             partition: record.partition,
@@ -217,10 +405,14 @@ impl ChainCheck {
         };
         let r = record;
         let problem = match self.last {
-            None if r.chunk != 0 || r.progress.totals != r.progress.epoch => Some(format!(
-                "the first record read (epoch {}, chunk {}) is not the partition's first: the job consumed it before the changelog began (a job started by an earlier tally release), or the topic was truncated",
-                r.epoch, r.chunk
-            )),
+            None if r.chunk != 0
+                || (!self.from_restore_point && r.progress.totals != r.progress.epoch) =>
+            {
+                Some(format!(
+                    "the first record read (epoch {}, chunk {}) is not the partition's first: the job consumed it before the changelog began (a job started by an earlier tally release), or the topic was truncated",
+                    r.epoch, r.chunk
+                ))
+            }
             None => None,
             Some((epoch, chunk, chunks, _)) if r.epoch == epoch => (r.chunk != chunk + 1
                 || r.chunks != chunks)
@@ -300,9 +492,26 @@ mod tests {
         )
     }
 
+    /// One committed epoch: its records and their liveness.
+    type Committed = (
+        Vec<(PartitionId, Vec<u8>)>,
+        BTreeMap<PartitionId, EpochLiveness>,
+    );
+
     /// Runs `epochs` through an operator over `owner`, pre-committing and committing each with
     /// its changelog; returns every epoch's records, encoded with `chunk_bytes`.
     fn run_owner(owner: &StateStore, epochs: &[Vec<Event>], chunk_bytes: usize) -> Vec<Vec<u8>> {
+        run_owner_epochs(owner, epochs, chunk_bytes)
+            .into_iter()
+            .flat_map(|(records, _)| records.into_iter().map(|(_, bytes)| bytes))
+            .collect()
+    }
+
+    fn run_owner_epochs(
+        owner: &StateStore,
+        epochs: &[Vec<Event>],
+        chunk_bytes: usize,
+    ) -> Vec<Committed> {
         let decoder = RecordDecoder::new(FieldMapping::default(), 1 << 20);
         let mut op = RevenueOperator::restore(rules(), decoder, Epoch(0), &BTreeMap::new())
             .with_seen_filter_capacity(64);
@@ -345,9 +554,58 @@ mod tests {
                 .pre_commit_with_seen(&cut.to_checkpoint_without_ids(), cut.seen_ids(), &records)
                 .unwrap();
             owner.mark_committed(epoch).unwrap();
-            log.extend(records.into_iter().map(|(_, bytes)| bytes));
+            log.push((records, liveness_of_cut(&cut)));
         }
         log
+    }
+
+    /// The changelog as the broker would hold it (per partition, consecutive offsets with a
+    /// commit marker after each epoch), and the restore points the owner committed.
+    fn simulate(epochs: &[Committed]) -> (Vec<(PartitionId, Offset, Vec<u8>)>, RestorePoints) {
+        let mut next: BTreeMap<PartitionId, Offset> = BTreeMap::new();
+        let mut points = RestorePoints::default();
+        let mut log = Vec::new();
+        for (records, liveness) in epochs {
+            points = points.with_epoch(liveness);
+            for (p, bytes) in records {
+                let offset = next.entry(*p).or_default();
+                log.push((*p, *offset, bytes.clone()));
+                *offset += 1;
+            }
+            for &p in liveness.keys() {
+                let end = next.entry(p).or_default();
+                *end += 1;
+                points.set_end(p, *end);
+            }
+        }
+        (log, points)
+    }
+
+    /// Replays the records of `log` at or after each partition's `from` into `store`.
+    fn replay(
+        store: &StateStore,
+        log: &[(PartitionId, Offset, Vec<u8>)],
+        from: impl Fn(PartitionId) -> Offset,
+    ) -> BTreeMap<PartitionId, ChainCheck> {
+        let mut chains: BTreeMap<PartitionId, ChainCheck> = BTreeMap::new();
+        for (p, offset, bytes) in log {
+            if *offset < from(*p) {
+                continue;
+            }
+            let record = ChangelogRecord::decode(bytes).unwrap();
+            let chain = chains.entry(*p).or_insert_with(|| {
+                if from(*p) > 0 {
+                    ChainCheck::from_restore_point()
+                } else {
+                    ChainCheck::default()
+                }
+            });
+            chain.accept(&record).unwrap();
+            store
+                .apply_restored(&record.to_checkpoint(rules().window.size_ms))
+                .unwrap();
+        }
+        chains
     }
 
     proptest! {
@@ -380,6 +638,55 @@ mod tests {
             prop_assert_eq!(restored.meta(), owner.meta());
             prop_assert_eq!(restored.adopted_writer().unwrap(), Some(("owner".to_string(), last)));
         }
+
+        /// Replaying only from the restore points (the changelog truncated below them) rebuilds
+        /// the same state as replaying everything, and the points never go back.
+        #[test]
+        fn replaying_from_the_restore_points_rebuilds_the_same_state(
+            epochs in prop::collection::vec(prop::collection::vec(event(), 0..60), 1..10),
+            chunk_bytes in prop_oneof![Just(usize::MAX), 1..400usize],
+        ) {
+            let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let owner = StateStore::open(a.path(), "job").unwrap();
+            let committed = run_owner_epochs(&owner, &epochs, chunk_bytes);
+            let mut points = RestorePoints::default();
+            for (_, liveness) in &committed {
+                let next = points.with_epoch(liveness);
+                for &p in liveness.keys() {
+                    prop_assert!(next.restore_from(p) >= points.restore_from(p));
+                }
+                points = next;
+            }
+            let (log, points) = simulate(&committed);
+            let restored = StateStore::open(b.path(), "job").unwrap();
+            let chains = replay(&restored, &log, |p| points.restore_from(p));
+            let last = Epoch(epochs.len() as u64);
+            for (p, chain) in &chains {
+                prop_assert_eq!(chain.finish(*p).unwrap(), Some(last));
+            }
+            prop_assert_eq!(restored.windows().unwrap(), owner.windows().unwrap());
+            prop_assert_eq!(restored.seen_entries().unwrap(), owner.seen_entries().unwrap());
+            let (restored_meta, owner_meta) = (restored.meta().unwrap(), owner.meta().unwrap());
+            prop_assert_eq!(restored_meta.partitions, owner_meta.partitions);
+        }
+    }
+
+    #[test]
+    fn restore_points_advance_past_records_whose_windows_closed_and_ids_expired() {
+        let dir = tempfile::tempdir().unwrap();
+        let owner = StateStore::open(dir.path(), "job").unwrap();
+        // Five minutes of event time per epoch: far past the 10 s windows and the 30 s horizon.
+        let epochs: Vec<Vec<Event>> = (0..6)
+            .map(|e| {
+                (0..30)
+                    .map(|i| (0, e * 30 + i, i % 3, 10_000, false))
+                    .collect()
+            })
+            .collect();
+        let committed = run_owner_epochs(&owner, &epochs, usize::MAX);
+        let (_, points) = simulate(&committed);
+        // Each epoch is one record and a marker: the restore point is the newest epoch's.
+        assert_eq!(points.restore_from(0), 10);
     }
 
     #[test]

@@ -32,6 +32,7 @@ const CF_PENDING: &str = "pending";
 /// The changelog records of each pre-committed epoch, until its transaction carried them.
 const CF_PENDING_CHANGELOG: &str = "pending_changelog";
 const KEY_ADOPTED: &[u8] = b"adopted_writer";
+const KEY_RESTORE_POINTS: &[u8] = b"restore_points";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
 const KEY_WRITER: &[u8] = b"writer_id";
@@ -515,6 +516,26 @@ impl StateStore {
             .map_err(|e| self.rocks(e))?
             .map(|bytes| self.decode(&bytes, "adopted writer"))
             .transpose()
+    }
+
+    /// The changelog's restore points as last saved (empty for a store that never saved any: a
+    /// restore then reads from the start, which is always correct).
+    pub fn restore_points(&self) -> Result<changelog::RestorePoints, StateError> {
+        self.db
+            .get_cf(self.cf(CF_META)?, KEY_RESTORE_POINTS)
+            .map_err(|e| self.rocks(e))?
+            .map(|bytes| self.decode(&bytes, "restore points"))
+            .transpose()
+            .map(Option::unwrap_or_default)
+    }
+
+    /// Saves the restore points, without a sync: points older than the committed ones are only
+    /// conservative (a restore reads more), never wrong.
+    pub fn save_restore_points(&self, points: &changelog::RestorePoints) -> Result<(), StateError> {
+        let bytes = self.encode(points, "restore points")?;
+        self.db
+            .put_cf(self.cf(CF_META)?, KEY_RESTORE_POINTS, bytes)
+            .map_err(|e| self.rocks(e))
     }
 
     /// The changelog records kept with pre-committed `epoch`; empty when it was pre-committed

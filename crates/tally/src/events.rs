@@ -14,6 +14,22 @@ pub struct EpochBytes {
     pub changelog: usize,
 }
 
+/// The changelog was truncated below the committed restore points.
+pub struct ChangelogTruncated<'a> {
+    pub before: &'a std::collections::BTreeMap<i32, i64>,
+}
+
+impl ChangelogTruncated<'_> {
+    pub fn emit(&self) {
+        tracing::debug!(before = ?self.before, "truncated the changelog");
+        counter!("tally_changelog_truncations_total").increment(1);
+        for (p, offset) in self.before {
+            gauge!("tally_changelog_restore_point_offset", "partition" => p.to_string())
+                .set(*offset as f64);
+        }
+    }
+}
+
 /// Time spent in each step of the last commit.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CommitPhases {

@@ -13,7 +13,7 @@ use tally_clickhouse::ClickHouseSink;
 use tally_core::{Checkpoint, Epoch, PartitionId};
 use tally_kafka::{CommitMark, Source};
 use tally_state::StateStore;
-use tally_state::changelog::{ChainCheck, ChangelogRecord};
+use tally_state::changelog::{ChainCheck, ChangelogRecord, Liveness, RestorePoints};
 
 use crate::config::Config;
 
@@ -117,8 +117,27 @@ fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Res
 
     let window_size_ms = config.operator().window.size_ms;
     let topic = config.changelog_topic();
-    let ranges = marks.keys().map(|&p| (p, (0, None))).collect();
-    let mut chains: BTreeMap<PartitionId, ChainCheck> = BTreeMap::new();
+    // From each partition's committed restore point: everything before it is dead.
+    let starts: BTreeMap<PartitionId, i64> = marks
+        .iter()
+        .map(|(&p, m)| (p, m.restore_from.unwrap_or(0)))
+        .collect();
+    let ranges = starts.iter().map(|(&p, &from)| (p, (from, None))).collect();
+    let mut chains: BTreeMap<PartitionId, ChainCheck> = starts
+        .iter()
+        .map(|(&p, &from)| {
+            let check = if from > 0 {
+                ChainCheck::from_restore_point()
+            } else {
+                ChainCheck::default()
+            };
+            (p, check)
+        })
+        .collect();
+    // What the restored directory's own restore points are rebuilt from.
+    let mut epochs: BTreeMap<PartitionId, Vec<(i64, Liveness)>> = BTreeMap::new();
+    let mut cutoffs: BTreeMap<PartitionId, (Option<i64>, Option<i64>)> = BTreeMap::new();
+    let mut ends: BTreeMap<PartitionId, i64> = BTreeMap::new();
     // The records of the last epoch: its batch, should ClickHouse lack it.
     let mut last_epoch: Vec<Checkpoint> = Vec::new();
     let mut done = Restored {
@@ -158,6 +177,15 @@ fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Res
                 .entry(record.partition)
                 .or_default()
                 .accept(&record)?;
+            let p = record.partition;
+            let liveness = Liveness::of_record(&record);
+            let list = epochs.entry(p).or_default();
+            match list.last_mut() {
+                Some((_, merged)) if record.chunk > 0 => *merged = merged.merge(liveness),
+                _ => list.push((m.offset(), liveness)),
+            }
+            cutoffs.insert(p, (record.close_windows_before, record.expire_seen_before));
+            ends.insert(p, m.offset() + 1);
             let checkpoint = record.to_checkpoint(window_size_ms);
             store.apply_restored(&checkpoint)?;
             done.records += 1;
@@ -194,6 +222,7 @@ fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Res
     store
         .finish_restore(epoch, pending.as_ref(), (&writer, epoch))
         .map_err(|e| anyhow!(e))?;
+    store.save_restore_points(&RestorePoints::rebuilt(&epochs, &cutoffs, &ends))?;
     done.duration = started.elapsed();
     Ok(done)
 }

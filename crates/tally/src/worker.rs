@@ -29,13 +29,14 @@ use tally_core::{
 use tally_kafka::{
     CommitMark, EpochCommit, EpochProducer, EpochTopics, KafkaSettings, Source, StartFrom,
 };
+use tally_state::changelog::{EpochLiveness, RestorePoints};
 use tally_state::{EncodedRecord, StateStore};
 use tokio::runtime::Handle;
 
 use crate::config::{self, Config};
 use crate::events::{
-    BarrierPause, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes, EpochRecovered,
-    Folded, LagMeasured, SinkRetry,
+    BarrierPause, ChangelogTruncated, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes,
+    EpochRecovered, Folded, LagMeasured, SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
@@ -49,8 +50,10 @@ const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
 /// hold about twice it each.
 const MAX_EPOCH_STATE_BYTES: usize = 8 << 20;
 const POLL: Duration = Duration::from_millis(100);
-/// The changelog is the job's state: nothing expires by time or size (a restore reads it
-/// from the start), and records may be as large as the producer allows.
+/// How often the changelog is truncated below the committed restore points.
+const TRUNCATE_EVERY: Duration = Duration::from_secs(30);
+/// The changelog is the job's state: nothing expires by time or size (tally truncates it
+/// below the restore points it commits), and records may be as large as the producer allows.
 pub const CHANGELOG_TOPIC_CONFIG: &[(&str, &str)] = &[
     ("cleanup.policy", "delete"),
     ("retention.ms", "-1"),
@@ -142,6 +145,10 @@ struct Sinks {
     group: Arc<Source>,
     phases: CommitPhases,
     readiness: Arc<Readiness>,
+    /// Where a restore of each partition may start reading the changelog.
+    restore_points: RestorePoints,
+    /// When the changelog was last truncated below the committed restore points.
+    truncated_at: Option<Instant>,
 }
 
 /// Fold steps, on a thread of their own: a step can take seconds (it moves every final
@@ -205,6 +212,7 @@ struct Handoff {
 struct Persisted {
     checkpoint: Checkpoint,
     changelog: Vec<EncodedRecord>,
+    liveness: BTreeMap<PartitionId, EpochLiveness>,
     bytes: EpochBytes,
     barrier_at: Instant,
     pause: BarrierPause,
@@ -309,6 +317,8 @@ impl Worker {
             group: member,
             phases: CommitPhases::default(),
             readiness: readiness.clone(),
+            restore_points: store.restore_points()?,
+            truncated_at: None,
         };
         Ok(Worker {
             consumer: Consumer {
@@ -766,6 +776,7 @@ impl Sinks {
             self.fault.hit(FaultPoint::DuringRestore, epoch);
             let checkpoint = self.store.pending(epoch)?;
             let changelog = self.store.pending_changelog(epoch)?;
+            let liveness = tally_state::changelog::liveness_of_records(&changelog)?;
             let started = Instant::now();
             let clickhouse_already_committed = self.rt.block_on(self.sink.is_committed(epoch))?;
             // Whether the dead-letter transaction committed is checked by the producer step
@@ -776,7 +787,7 @@ impl Sinks {
                 clickhouse_already_committed,
             }
             .emit();
-            self.commit(&checkpoint, &changelog, CommitStep::PreCommitted)?;
+            self.commit(&checkpoint, &changelog, &liveness, CommitStep::PreCommitted)?;
             self.store.mark_committed(epoch)?;
             CheckpointCommitted {
                 checkpoint: &checkpoint,
@@ -798,7 +809,12 @@ impl Sinks {
         for next in persisted {
             let checkpoint = &next.checkpoint;
             self.phases.pre_commit = next.pre_commit;
-            self.commit(checkpoint, &next.changelog, CommitStep::PreCommitted)?;
+            self.commit(
+                checkpoint,
+                &next.changelog,
+                &next.liveness,
+                CommitStep::PreCommitted,
+            )?;
             self.store.mark_committed(checkpoint.epoch)?;
             CheckpointCommitted {
                 checkpoint,
@@ -855,8 +871,11 @@ impl Sinks {
         &mut self,
         checkpoint: &Checkpoint,
         changelog: &[EncodedRecord],
+        liveness: &BTreeMap<PartitionId, EpochLiveness>,
         mut step: CommitStep,
     ) -> Result<()> {
+        // The restore points once this epoch is committed: they go into its marks.
+        let points = self.restore_points.with_epoch(liveness);
         let epoch = checkpoint.epoch;
         let offsets: BTreeMap<PartitionId, i64> = checkpoint
             .partitions
@@ -869,7 +888,7 @@ impl Sinks {
             let step_started = Instant::now();
             let result = match step {
                 CommitStep::PreCommitted => self
-                    .commit_dead_letters(checkpoint, changelog, &offsets)
+                    .commit_dead_letters(checkpoint, changelog, &points, &offsets)
                     .map(|()| {
                         self.fault.hit(FaultPoint::AfterDeadLetterCommit, epoch);
                         CommitStep::DeadLettersCommitted
@@ -887,7 +906,8 @@ impl Sinks {
                 Ok(next) => {
                     match step {
                         CommitStep::PreCommitted => {
-                            self.phases.dead_letters = step_started.elapsed()
+                            self.phases.dead_letters = step_started.elapsed();
+                            self.advance_restore_points(points.clone());
                         }
                         CommitStep::DeadLettersCommitted => {
                             self.phases.clickhouse = step_started.elapsed()
@@ -926,6 +946,7 @@ impl Sinks {
         &mut self,
         checkpoint: &Checkpoint,
         changelog: &[EncodedRecord],
+        points: &RestorePoints,
         offsets: &BTreeMap<PartitionId, i64>,
     ) -> Result<(), SinkFailure> {
         let kafka_err = |e: &dyn std::fmt::Display| SinkFailure::from(("kafka", e.to_string()));
@@ -950,15 +971,21 @@ impl Sinks {
         let mark = CommitMark {
             epoch: checkpoint.epoch,
             writer: Some(self.store.writer_id().to_owned()),
+            restore_from: None,
         };
         if changelog.is_empty() && !checkpoint.partitions.is_empty() {
             tracing::warn!(epoch = %checkpoint.epoch, "this epoch was pre-committed by a tally release without a changelog: the changelog misses it, and a restore from it will refuse until the job starts over");
         }
+        let restore_from = offsets
+            .keys()
+            .map(|&p| (p, points.restore_from(p)))
+            .collect();
         let epoch = EpochCommit {
             mark: &mark,
             dead_letters: &checkpoint.dead_letters,
             changelog,
             offsets,
+            restore_from: &restore_from,
         };
         dlq.commit_epoch(&epoch, &group).map_err(|e| kafka_err(&e))
     }
@@ -968,6 +995,60 @@ impl Sinks {
     /// that owns the job, and again after it: init settled every earlier producer's
     /// transaction, so a commit by another writer that raced the first check shows now, and
     /// from here on only this producer can commit until another one initialises and fences it.
+    /// After an epoch's transaction committed: its restore points are the job's, the next
+    /// epoch's records start after the changelog's end, and now and then the changelog is
+    /// truncated below the committed points. Failures here cost only a longer restore.
+    fn advance_restore_points(&mut self, mut points: RestorePoints) {
+        let partitions: Vec<PartitionId> = self
+            .store
+            .meta()
+            .map(|m| m.partitions.keys().copied().collect())
+            .unwrap_or_default();
+        match self
+            .group
+            .end_offsets(&self.config.changelog_topic(), partitions.iter().copied())
+        {
+            Ok(ends) => {
+                for (p, end) in ends {
+                    points.set_end(p, end);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the changelog's end; the next restore point may lag")
+            }
+        }
+        if let Err(e) = self.store.save_restore_points(&points) {
+            tracing::warn!(error = %e, "could not save the changelog's restore points");
+        }
+        // Below the points of the epoch before, which no restore needs any more: the marks of
+        // this epoch, just committed, point at or after them.
+        let before: BTreeMap<PartitionId, i64> = partitions
+            .iter()
+            .map(|&p| (p, self.restore_points.restore_from(p)))
+            .filter(|(_, from)| *from > 0)
+            .collect();
+        self.restore_points = points;
+        if before.is_empty()
+            || self
+                .truncated_at
+                .is_some_and(|t| t.elapsed() < TRUNCATE_EVERY)
+        {
+            return;
+        }
+        self.truncated_at = Some(Instant::now());
+        let topic = self.config.changelog_topic();
+        match self.rt.block_on(tally_kafka::delete_records_before(
+            &self.kafka,
+            &topic,
+            &before,
+        )) {
+            Ok(()) => ChangelogTruncated { before: &before }.emit(),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not truncate the changelog; retrying later")
+            }
+        }
+    }
+
     fn connect_dead_letters(&self) -> Result<EpochProducer, SinkFailure> {
         self.refuse_another_writer()?;
         let producer = EpochProducer::connect(
@@ -1095,6 +1176,7 @@ impl Persister {
                 state,
                 changelog: changelog.iter().map(|(_, b)| b.len()).sum(),
             };
+            let liveness = tally_state::changelog::liveness_of_cut(&handoff.cut);
             let epoch = checkpoint.epoch;
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
@@ -1103,6 +1185,7 @@ impl Persister {
             let next = Persisted {
                 checkpoint,
                 changelog,
+                liveness,
                 bytes,
                 barrier_at: handoff.barrier_at,
                 pause: handoff.pause,
