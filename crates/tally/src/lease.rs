@@ -183,7 +183,14 @@ pub fn acquire(
             },
         ))
     })??;
-    make_state_current(config, rt, &member, shutdown)?;
+    // Read through a client that fetches nothing: the member's requests queue behind its
+    // long-polling fetch of the lease topic.
+    let reader = Source::connect(
+        &kafka,
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?;
+    make_state_current(config, rt, &reader, shutdown)?;
 
     let lost = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
@@ -218,11 +225,11 @@ pub fn acquire(
 fn make_state_current(
     config: &Config,
     rt: &Handle,
-    member: &Source,
+    reader: &Source,
     shutdown: &AtomicBool,
 ) -> Result<()> {
     let marks = wait_for("kafka", shutdown, || {
-        commit_marks(member).map_err(|e| format!("{e:#}"))
+        commit_marks(reader).map_err(|e| format!("{e:#}"))
     })?;
     if marks.is_empty() {
         // A new job (or one started over): nothing to restore.

@@ -1,10 +1,13 @@
 //! `tally run`: the checkpoint loop and the commit protocol.
 //!
 //! Per epoch: process records → barrier → **pre-commit** (state, offsets and the epoch's outputs
-//! in one synced RocksDB batch) → commit the dead letters and the group offsets in one Kafka
-//! transaction → write the ClickHouse batch and its commit-log row → **mark committed**. Every
+//! in one synced RocksDB batch) → commit the dead letters, the changelog records and the group
+//! offsets in one Kafka transaction → write the ClickHouse batch and its commit-log row → **mark committed**. Every
 //! sink step is idempotent and checkable, so a process that dies anywhere restarts by finishing
 //! the pre-committed epochs, oldest first, before it reads new input.
+//!
+//! The worker runs only while it holds the job's lease ([`crate::lease`]); every commit names its
+//! writer, and a commit by another writer outside the lease stops it ([`AnotherWriter`]).
 //!
 //! Pipelined: at a barrier the operator only cuts the epoch ([`EpochCut`], no copy) and goes on
 //! consuming, reading through the cuts not yet committed. Two threads commit behind it, in epoch
@@ -103,10 +106,10 @@ impl From<(&'static str, String)> for SinkFailure {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "another worker commits job {job}: partition {partition} of {topic} was last committed (epoch {epoch}) by writer {other}, \
-     and this worker's state directory {state_dir} is writer {ours}. Two workers of one job would both count every record, so this one stops. \
-     Run one worker per job. If the other worker is gone for good, move its state directory here (it carries its writer id), \
-     or rebuild the job's state from the changelog with `tally restore` into an empty state directory, \
-     or start the job over (drop its ClickHouse tables and delete consumer group {group})"
+     and this worker's state directory {state_dir} is writer {ours}, not restored from it. That worker ran the job outside this one's lease \
+     (all workers of a job must share its consumer group {group} and transactional id), so this one stops rather than count twice. \
+     If that worker is gone for good: move its state directory here (it carries its writer id), \
+     or rebuild the job's state from the changelog with `tally restore` into an empty state directory"
 )]
 pub struct AnotherWriter {
     job: String,
@@ -143,6 +146,10 @@ struct Sinks {
     /// This worker's member of the job's group (it holds the job's lease): it reads the
     /// group's committed offsets and gives the group metadata for the transactions.
     group: Arc<Source>,
+    /// A client of the group that fetches nothing, for committed offsets and the changelog's
+    /// end: a request on the member's connection waits behind its long-polling fetch (up to
+    /// 500 ms each).
+    offsets: Source,
     phases: CommitPhases,
     readiness: Arc<Readiness>,
     /// Where a restore of each partition may start reading the changelog.
@@ -315,6 +322,11 @@ impl Worker {
             dlq: None,
             kafka,
             group: member,
+            offsets: Source::connect(
+                &config.kafka_settings(),
+                &config.kafka.source_topic,
+                &config.kafka.consumer_group,
+            )?,
             phases: CommitPhases::default(),
             readiness: readiness.clone(),
             restore_points: store.restore_points()?,
@@ -834,7 +846,7 @@ impl Sinks {
     /// Fails when any partition's offsets were last committed by another writer: another
     /// worker commits this job.
     fn refuse_another_writer(&self) -> Result<(), SinkFailure> {
-        let marks = crate::lease::commit_marks(&self.group)
+        let marks = crate::lease::commit_marks(&self.offsets)
             .map_err(|e| SinkFailure::from(("kafka", format!("{e:#}"))))?;
         let ours = self.store.writer_id();
         let foreign = crate::lease::foreign_mark(&marks, &self.store)
@@ -859,7 +871,7 @@ impl Sinks {
     /// that no other writer committed).
     fn dead_letters_committed(&self, epoch: Epoch) -> Result<bool> {
         let marks = wait_for("kafka", &self.shutdown, || {
-            crate::lease::commit_marks(&self.group).map_err(|e| format!("{e:#}"))
+            crate::lease::commit_marks(&self.offsets).map_err(|e| format!("{e:#}"))
         })?;
         let last = marks.values().map(|m| m.epoch).max();
         Ok(last.is_some_and(|e| e >= epoch))
@@ -1005,7 +1017,7 @@ impl Sinks {
             .map(|m| m.partitions.keys().copied().collect())
             .unwrap_or_default();
         match self
-            .group
+            .offsets
             .end_offsets(&self.config.changelog_topic(), partitions.iter().copied())
         {
             Ok(ends) => {
