@@ -170,6 +170,33 @@ pub fn acquire(
         waited_ms = waiting.elapsed().as_millis() as u64,
         "holding the job's lease"
     );
+    // From here on the member is polled on its own thread, also while a long restore runs
+    // (a member not polled for max.poll.interval.ms leaves the group).
+    let lost = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = {
+        let (member, lost, stop, shutdown) =
+            (member.clone(), lost.clone(), stop.clone(), shutdown.clone());
+        let job = config.job.name.clone();
+        std::thread::Builder::new()
+            .name("tally-member".into())
+            .spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let held = member.poll_membership(&lease_topic, POLL);
+                    if !held && !lost.swap(true, Ordering::SeqCst) {
+                        tracing::error!("{}", LostLease(job.clone()));
+                        shutdown.store(true, Ordering::SeqCst);
+                    }
+                }
+            })
+            .context("starting the group member's thread")?
+    };
+    let lease = Lease {
+        member,
+        lost,
+        stop,
+        poller: Some(poller),
+    };
     // Fence the previous holder first: its open transaction is aborted here, so the group's
     // offsets and the changelog read below are final.
     wait_for("kafka", shutdown, || {
@@ -191,32 +218,7 @@ pub fn acquire(
         &config.kafka.consumer_group,
     )?;
     make_state_current(config, rt, &reader, shutdown)?;
-
-    let lost = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
-    let poller = {
-        let (member, lost, stop, shutdown) =
-            (member.clone(), lost.clone(), stop.clone(), shutdown.clone());
-        let job = config.job.name.clone();
-        std::thread::Builder::new()
-            .name("tally-member".into())
-            .spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    let held = member.poll_membership(&lease_topic, POLL);
-                    if !held && !lost.swap(true, Ordering::SeqCst) {
-                        tracing::error!("{}", LostLease(job.clone()));
-                        shutdown.store(true, Ordering::SeqCst);
-                    }
-                }
-            })
-            .context("starting the group member's thread")?
-    };
-    Ok(Some(Lease {
-        member,
-        lost,
-        stop,
-        poller: Some(poller),
-    }))
+    Ok(Some(lease))
 }
 
 /// Keeps the state directory if it holds the job's state (the commits are its own, or those of
