@@ -271,6 +271,20 @@ struct PartitionPoints {
     live: VecDeque<(Offset, Liveness)>,
 }
 
+impl PartitionPoints {
+    /// Drops the oldest epochs while they are dead under the cutoffs; the newest always stays.
+    fn forget_dead(&mut self, close: Option<i64>, expire: Option<i64>) {
+        while self.live.len() > 1
+            && self
+                .live
+                .front()
+                .is_some_and(|(_, l)| l.is_dead(close, expire))
+        {
+            self.live.pop_front();
+        }
+    }
+}
+
 /// One epoch of a partition, for [`RestorePoints::with_epoch`]: its records' liveness and the
 /// partition's cutoffs after it.
 #[derive(Debug, Clone, Copy)]
@@ -288,15 +302,7 @@ impl RestorePoints {
         for (&p, e) in epoch {
             let points = next.partitions.entry(p).or_default();
             points.live.push_back((points.next_from, e.liveness));
-            // The newest epoch always stays.
-            while points.live.len() > 1
-                && points
-                    .live
-                    .front()
-                    .is_some_and(|(_, l)| l.is_dead(e.close_windows_before, e.expire_seen_before))
-            {
-                points.live.pop_front();
-            }
+            points.forget_dead(e.close_windows_before, e.expire_seen_before);
         }
         next
     }
@@ -325,17 +331,8 @@ impl RestorePoints {
         for (&p, list) in epochs {
             let (close, expire) = cutoffs.get(&p).copied().unwrap_or((None, None));
             let entry = points.partitions.entry(p).or_default();
-            for &(from, liveness) in list {
-                entry.live.push_back((from, liveness));
-            }
-            while entry.live.len() > 1
-                && entry
-                    .live
-                    .front()
-                    .is_some_and(|(_, l)| l.is_dead(close, expire))
-            {
-                entry.live.pop_front();
-            }
+            entry.live.extend(list.iter().copied());
+            entry.forget_dead(close, expire);
             entry.next_from = ends.get(&p).copied().unwrap_or(0);
         }
         points
