@@ -919,7 +919,7 @@ impl Sinks {
                     match step {
                         CommitStep::PreCommitted => {
                             self.phases.dead_letters = step_started.elapsed();
-                            self.advance_restore_points(points.clone());
+                            self.advance_restore_points(points.clone(), offsets.keys());
                         }
                         CommitStep::DeadLettersCommitted => {
                             self.phases.clickhouse = step_started.elapsed()
@@ -1010,12 +1010,13 @@ impl Sinks {
     /// After an epoch's transaction committed: its restore points are the job's, the next
     /// epoch's records start after the changelog's end, and now and then the changelog is
     /// truncated below the committed points. Failures here cost only a longer restore.
-    fn advance_restore_points(&mut self, mut points: RestorePoints) {
-        let partitions: Vec<PartitionId> = self
-            .store
-            .meta()
-            .map(|m| m.partitions.keys().copied().collect())
-            .unwrap_or_default();
+    fn advance_restore_points<'a>(
+        &mut self,
+        mut points: RestorePoints,
+        partitions: impl Iterator<Item = &'a PartitionId>,
+    ) {
+        // The epoch's own partitions: those its transaction wrote changelog records for.
+        let partitions: Vec<PartitionId> = partitions.copied().collect();
         match self
             .offsets
             .end_offsets(&self.config.changelog_topic(), partitions.iter().copied())
