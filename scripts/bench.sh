@@ -11,6 +11,8 @@
 #     TALLY_WINDOW__ALLOWED_LATENESS=180s TALLY_WINDOW__DEDUP_HORIZON=2h \
 #       scripts/bench.sh --events 20000000 --customers 1000000 --skew 0 --step-ms 1 --repeat 1 --no-verify
 #   TALLY_BENCH_BIN=/path/to/tally [TALLY_BENCH_CONFIG=file] scripts/bench.sh ...   another build of tally
+#   scripts/bench.sh --failover [--events N --customers C ...]
+#       takeover by a warm standby after a SIGKILL, against a whole restore of the same state
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
 #       read cost of the view vs. an ideal table, before and after folding (see read_bench below)
 set -euo pipefail
@@ -28,11 +30,21 @@ while (($#)); do
     --step-ms) step_ms=$2; shift 2 ;;
     --no-verify) verify=0; shift ;;
     --read) mode=read; shift ;;
+    --failover) mode=failover; shift ;;
     --days) days=$2; shift 2 ;;
     --live-seconds) live_seconds=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+
+# until_consuming PID LOG WHAT -- waits until the worker logs that it consumes, then stops it.
+until_consuming() {
+  until grep -q 'resuming partition from checkpoint' "$2"; do
+    kill -0 "$1" 2>/dev/null || { echo "$3 exited" >&2; tail -20 "$2" >&2; exit 1; }
+    sleep 0.05
+  done
+  kill -TERM "$1"; wait "$1" 2>/dev/null || true
+}
 
 # Sum of a numeric `key=` field over the worker's checkpoint lines (0 before the first).
 sum_field() { awk -v k=" $1=" '{ i = index($0, k); if (i) { split(substr($0, i + length(k)), a, " "); s += a[1] } } END { print s + 0 }' "$2"; }
@@ -86,7 +98,71 @@ read_bench() {
   "$HOME/.cache/tally/py/bin/python" benches/read_current.py "$bin" "$run"
   "$bin" reconcile --config "$config" | tail -3
 }
+
+# Failover with a warm standby: worker A catches up with the backlog while standby B keeps its
+# directory near A's committed state; A is SIGKILLed, and B's takeover is timed (lease wait, the
+# catch-up, first record consumed). Then the same state is restored whole into an empty directory
+# (a cold standby's takeover, or a new machine), for comparison.
+failover_bench() {
+  local events=${events:-2000000}
+  scripts/bootstrap.sh
+  scripts/services.sh up >&2
+  cargo build --release --locked -p tally >&2
+  local bin="$CARGO_TARGET_DIR/release/tally"
+  local run="failover_$(date +%s)"
+  local dir=".state/bench/$run"
+  mkdir -p "$dir"
+  local config=config/revenue_agg.toml
+  export TALLY_JOB__NAME="$run" TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_METRICS__ADDRESS=""
+  export TALLY_KAFKA__SOURCE_TOPIC="$run" TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
+  export TALLY_CLICKHOUSE__DATABASE="$run" TALLY_JOB__SESSION_TIMEOUT=6s
+  "$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers "$customers" \
+    --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >&2
+  TALLY_JOB__STATE_DIR="$dir/a" "$bin" run --config "$config" >"$dir/a.log" 2>&1 &
+  local a=$!
+  until grep -q "holding the job's lease" "$dir/a.log"; do sleep 0.2; done
+  TALLY_JOB__STATE_DIR="$dir/b" "$bin" run --config "$config" >"$dir/b.log" 2>&1 &
+  local b=$!
+  trap "kill -9 $a $b 2>/dev/null || true" EXIT
+  until [ "$(sum_field consumed "$dir/a.log")" -ge "$events" ]; do
+    kill -0 "$a" 2>/dev/null || { echo "worker A exited" >&2; tail -20 "$dir/a.log" >&2; exit 1; }
+    sleep 1
+  done
+  # Let the standby's next round see A's last commits, as it would in a steady stream.
+  sleep 12
+  date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/killed"
+  kill -9 "$a"
+  until_consuming "$b" "$dir/b.log" "worker B"
+  trap - EXIT
+  TALLY_JOB__STATE_DIR="$dir/cold" "$bin" restore --config "$config" >"$dir/cold.out"
+  "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' || true
+  python3 - "$dir" <<'PY'
+import re, sys
+from datetime import datetime
+d = sys.argv[1]
+def ts(line):
+    return datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
+killed = datetime.fromisoformat(open(f"{d}/killed").read().strip().replace("Z", "+00:00"))
+log = open(f"{d}/b.log").read().splitlines()
+after = [l for l in log if l[:1].isdigit() and ts(l) > killed]
+held = next(l for l in after if "holding the job's lease" in l)
+resumed = next(l for l in after if "resuming partition from checkpoint" in l)
+caught = [l for l in after if "caught the state up with the changelog on taking the lease" in l]
+whole_b = [l for l in after if "restored the job's state from the changelog" in l]
+field = lambda l, k: (re.search(rf" {k}=(\S+)", l) or [None, "?"])[1]
+print(f"failover: kill -> lease {(ts(held) - killed).total_seconds():.2f} s (session timeout 6 s); "
+      f"lease -> consuming {(ts(resumed) - ts(held)).total_seconds():.2f} s")
+if caught:
+    l = caught[0]
+    print(f"failover: warm takeover caught up {field(l, 'records')} records ({field(l, 'bytes')} bytes) in {field(l, 'millis')} ms")
+if whole_b:
+    l = whole_b[0]
+    print(f"failover: the takeover restored whole: {field(l, 'records')} records in {field(l, 'millis')} ms")
+print("failover: cold (whole restore into an empty directory): " + open(f"{d}/cold.out").read().strip())
+PY
+}
 if [ "$mode" = read ]; then read_bench; exit 0; fi
+if [ "$mode" = failover ]; then failover_bench; exit 0; fi
 events=${events:-1000000}
 
 scripts/bootstrap.sh
@@ -138,11 +214,7 @@ tally_run() {
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/restarted"
   "$bin" run --config "$config" >"$dir/r$r/restore.log" 2>&1 &
   pid=$!
-  until grep -q 'resuming partition from checkpoint' "$dir/r$r/restore.log"; do
-    kill -0 "$pid" 2>/dev/null || { echo "restart exited" >&2; tail -20 "$dir/r$r/restore.log" >&2; exit 1; }
-    sleep 0.05
-  done
-  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+  until_consuming "$pid" "$dir/r$r/restore.log" "restart"
   trap - EXIT
   grep 'rebuilt the dedup id filter' "$dir/r$r/restore.log" | sed 's/.*rebuilt/restore: rebuilt/' >&2 || true
   # The same state rebuilt from the changelog on a "new machine" (builds with a changelog).

@@ -198,11 +198,16 @@ printf '%-40s %s\n' "duplicates injected" "$dups"
 printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
 printf '%-40s %s\n' "workers (replicas of the job)" "$workers"
 printf '%-40s %s\n' "worker SIGKILLs (of the running one)" "$done_kills"
-failovers=$(cat "$dir"/worker-*.log | grep -c "restored the job's state from the changelog" || true)
+# Takeovers: a warm standby catches up (only what was committed since its last round), a cold one
+# or one that cannot be caught up restores whole; standby rounds restore whole once each.
+caught_up=$(cat "$dir"/worker-*.log | grep -c "caught the state up with the changelog on taking the lease" || true)
+whole=$(cat "$dir"/worker-*.log | grep -c "restored the job's state from the changelog" || true)
+takeover_ms=$(cat "$dir"/worker-*.log | sed -n "s/.*millis=\([0-9]*\).*caught the state up with the changelog on taking the lease.*/\1/p; s/.*caught the state up with the changelog on taking the lease.*millis=\([0-9]*\).*/\1/p" | sort -n | tr '\n' ' ')
 printf '%-40s %s\n' "zombies (SIGSTOP past the session timeout)" "$done_zombies"
 printf '%-40s %s\n' "exits on a lost lease (started again)" "$zombie_exits"
 printf '%-40s %s\n' "leaves (SIGTERM, then rejoin)" "$done_leaves"
-printf '%-40s %s\n' "takeovers restored from the changelog" "$failovers"
+printf '%-40s %s (%s)\n' "takeovers caught up from the changelog" "$caught_up" "${takeover_ms:+ms: }${takeover_ms% }"
+printf '%-40s %s\n' "whole restores from the changelog" "$whole"
 printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
 printf '%-40s %s\n' "kafka restarts" "$done_kafka"
 printf '%-40s %s / %s\n' "rows expected / found" "$(field rows_expected)" "$(field rows_found)"

@@ -1,8 +1,9 @@
 //! Several processes of one job, as a `replicas: 3` deployment starts them (same config, each
-//! with its own state directory): one runs the job and the others stand by; when it is killed,
-//! stopped, or paused past the session timeout, a standby restores the job's state from the
-//! changelog and carries on, and the view and the dead-letter topic stay exact throughout. A
-//! paused worker that wakes after its lease moved changes nothing.
+//! with its own state directory): one runs the job and the others stand by, keeping their state
+//! near the job's from the changelog; when it is killed, stopped, or paused past the session
+//! timeout, a standby catches up the last epochs (or restores whole) and carries on, and the view
+//! and the dead-letter topic stay exact throughout. A paused worker that wakes after its lease
+//! moved changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 mod common;
@@ -16,6 +17,8 @@ use tally_state::StateStore;
 const CATCH_UP: Duration = Duration::from_secs(120);
 const HOLDING: &str = "holding the job's lease";
 const STANDING_BY: &str = "standing by";
+const WARM: &str = "restored the job's state from the changelog";
+const WARM_TAKEOVER: &str = "caught the state up with the changelog on taking the lease";
 /// The broker's smallest session timeout: how long a silent worker keeps the lease.
 const SESSION: &str = "session_timeout = \"6s\"";
 
@@ -65,16 +68,21 @@ async fn replicas_run_one_worker_and_a_standby_takes_over_exactly_when_it_is_kil
     let first = Job::new(&topic, SESSION);
     let (second, third) = (first.replica(), first.replica());
     let jobs = [&first, &second, &third];
-    let mut workers: Vec<Child> = jobs.iter().map(|j| j.spawn(&[])).collect();
+    let mut workers: Vec<Worker> = jobs
+        .iter()
+        .map(|j| j.spawn(&[("TALLY_JOB__STANDBY_REFRESH", "2s")]))
+        .collect();
 
     let active = wait_for_holder(&jobs, &[0, 0, 0], Duration::from_secs(60)).await;
+    wait_for_first_batch(jobs[active]).await;
     for (i, job) in jobs.iter().enumerate().filter(|(i, _)| *i != active) {
         job.wait_for_log(0, STANDING_BY, Duration::from_secs(30))
             .await;
+        // Warm standbys: each restores the job's state while the active worker runs.
+        job.wait_for_log(0, WARM, Duration::from_secs(60)).await;
         assert!(!job.log().contains(HOLDING), "only one worker runs the job");
         assert!(matches!(workers[i].try_wait(), Ok(None)), "a standby waits");
     }
-    wait_for_first_batch(jobs[active]).await;
     workers[active].kill().unwrap();
     workers[active].wait().unwrap();
     produce_into(&topic, &records[30_000..], &mut manifest).await;
@@ -83,13 +91,16 @@ async fn replicas_run_one_worker_and_a_standby_takes_over_exactly_when_it_is_kil
     let candidates: Vec<&Job> = standbys.iter().map(|&i| jobs[i]).collect();
     let from: Vec<usize> = candidates.iter().map(|j| j.log().len()).collect();
     let next = standbys[wait_for_holder(&candidates, &from, Duration::from_secs(60)).await];
+    let took_over = from[standbys.iter().position(|&i| i == next).unwrap()];
+    // The takeover replays only what was committed since the standby's last round.
     jobs[next]
-        .wait_for_log(
-            0,
-            "restored the job's state from the changelog",
-            Duration::from_secs(60),
-        )
+        .wait_for_log(took_over, WARM_TAKEOVER, Duration::from_secs(60))
         .await;
+    assert!(
+        !jobs[next].log()[took_over..].contains(WARM),
+        "no whole restore at the takeover; log:\n{}",
+        jobs[next].log()
+    );
     let view = wait_for_view(jobs[next], &manifest, CATCH_UP).await;
     let last = standbys.into_iter().find(|&i| i != next).unwrap();
     stop_standby(&mut workers[last], jobs[last]);
@@ -110,7 +121,8 @@ async fn a_paused_worker_loses_its_lease_and_on_waking_changes_nothing() {
         .await;
     wait_for_first_batch(&zombie).await;
     let standby = zombie.replica();
-    let mut worker = standby.spawn(&[]);
+    // A cold standby: its directory stays empty until it takes over.
+    let mut worker = standby.spawn(&[("TALLY_JOB__STANDBY_REFRESH", "0s")]);
     standby
         .wait_for_log(0, STANDING_BY, Duration::from_secs(30))
         .await;
@@ -148,8 +160,7 @@ async fn a_paused_worker_loses_its_lease_and_on_waking_changes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_lost_state_directory_is_rebuilt_from_the_changelog_exactly_and_a_stale_one_is_set_aside()
-{
+async fn a_lost_state_directory_is_rebuilt_exactly_and_a_stale_one_caught_up_or_set_aside() {
     let topic = unique("orders");
     create_topic(&topic, 3).await;
     // Ten minutes of event time per partition: some windows close, some stay open.
@@ -189,15 +200,38 @@ async fn a_lost_state_directory_is_rebuilt_from_the_changelog_exactly_and_a_stal
     let view = wait_for_view(&second, &manifest, CATCH_UP).await;
     assert_stops_exact(&second, &mut worker, &view, &manifest);
 
-    // The first directory comes back, behind the job: it is set aside, not resumed.
-    produce_into(&topic, &records[30_000..], &mut manifest).await;
+    // The first directory comes back, behind the job: it is caught up with what the second
+    // committed since, not resumed as it was and not restored whole.
+    produce_into(&topic, &records[30_000..38_000], &mut manifest).await;
     let before = first.log().len();
     let mut worker = first.spawn(&[]);
     first
-        .wait_for_log(before, "moving it aside", Duration::from_secs(60))
+        .wait_for_log(before, WARM_TAKEOVER, Duration::from_secs(60))
         .await;
+    assert!(!first.log()[before..].contains(WARM), "{}", first.log());
     let view = wait_for_view(&first, &manifest, CATCH_UP).await;
     assert_stops_exact(&first, &mut worker, &view, &manifest);
+
+    // A directory holding an epoch pre-committed and never committed cannot be caught up (its
+    // state may be ahead of the job's): it is set aside and the job restored.
+    produce_into(&topic, &records[38_000..], &mut manifest).await;
+    let third = first.replica();
+    let mut worker = third.spawn(&[("TALLY_FAULT", "after_precommit")]);
+    let status = wait_exit(&mut worker, Duration::from_secs(90)).expect("killed by the fault");
+    assert!(!status.success(), "{}", third.log());
+    assert!(third.log().contains(WARM), "{}", third.log());
+    let before = first.log().len();
+    let mut worker = first.spawn(&[]);
+    first.wait_until_consuming(before).await;
+    let view = wait_for_view(&first, &manifest, CATCH_UP).await;
+    assert_stops_exact(&first, &mut worker, &view, &manifest);
+    let before = third.log().len();
+    let mut worker = third.spawn(&[]);
+    third
+        .wait_for_log(before, "moving it aside", Duration::from_secs(60))
+        .await;
+    let view = wait_for_view(&third, &manifest, CATCH_UP).await;
+    assert_stops_exact(&third, &mut worker, &view, &manifest);
 }
 
 /// The state a directory holds: windows, dedup entries and the checkpoint (progress, cutoffs).
@@ -274,6 +308,41 @@ async fn a_restore_completes_the_epoch_the_lost_worker_committed_in_kafka_only()
     let before = second.log().len();
     let mut worker = second.spawn(&[]);
     second.wait_until_consuming(before).await;
+    let view = wait_for_view(&second, &manifest, CATCH_UP).await;
+    assert_stops_exact(&second, &mut worker, &view, &manifest);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_standby_writes_the_epoch_the_lost_worker_committed_in_kafka_only() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 43, 6_000).await;
+    let first = Job::new(&topic, "session_timeout = \"10s\"");
+    // Killed right after the first epoch's transaction committed: ClickHouse lacks that epoch.
+    let mut worker = first.spawn(&[("TALLY_FAULT", "after_dlq_commit")]);
+    let status = wait_exit(&mut worker, Duration::from_secs(60)).expect("killed by the fault");
+    assert!(!status.success());
+
+    // Standing by until the killed worker's session ends, the standby applies that epoch from
+    // the changelog; taking over, it finds the batch missing in ClickHouse and writes it.
+    let second = first.replica();
+    let mut worker = second.spawn(&[("TALLY_JOB__STANDBY_REFRESH", "1s")]);
+    second
+        .wait_for_log(0, HOLDING, Duration::from_secs(60))
+        .await;
+    let log = second.log();
+    let held_at = log.find(HOLDING).unwrap();
+    assert!(
+        log[..held_at].contains(WARM),
+        "the standby restored the state before taking over; log:\n{log}"
+    );
+    second
+        .wait_for_log(
+            held_at,
+            "the last epoch's batch is not in ClickHouse and a standby round applied it",
+            Duration::from_secs(30),
+        )
+        .await;
     let view = wait_for_view(&second, &manifest, CATCH_UP).await;
     assert_stops_exact(&second, &mut worker, &view, &manifest);
 }

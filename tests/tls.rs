@@ -50,7 +50,7 @@ fn kafka_env(ca: &str, password: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
-fn spawn(job: &Job, env: &[(&'static str, String)]) -> std::process::Child {
+fn spawn(job: &Job, env: &[(&'static str, String)]) -> Worker {
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     job.spawn(&env)
 }

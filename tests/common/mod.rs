@@ -254,7 +254,7 @@ address = ""
         }
     }
 
-    pub fn spawn(&self, env: &[(&str, &str)]) -> Child {
+    pub fn spawn(&self, env: &[(&str, &str)]) -> Worker {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -270,7 +270,7 @@ address = ""
         for (k, v) in env {
             cmd.env(k, v);
         }
-        cmd.spawn().expect("spawn tally")
+        Worker(cmd.spawn().expect("spawn tally"))
     }
 
     /// Waits until the worker started by the last `spawn` logs that it is consuming, so that a
@@ -315,6 +315,32 @@ address = ""
 
     pub fn dlq_topic(&self) -> String {
         format!("{}.dlq", self.topic)
+    }
+}
+
+/// A `tally run` process that is SIGKILLed when dropped, so a test that fails (panics) leaves
+/// no worker behind: std's `Child` does not kill on drop. Derefs to the `Child`.
+pub struct Worker(pub Child);
+
+impl std::ops::Deref for Worker {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Worker {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 }
 

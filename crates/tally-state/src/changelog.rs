@@ -313,6 +313,11 @@ impl RestorePoints {
         points.next_from = points.next_from.max(end);
     }
 
+    /// The changelog offset at or after which the next epoch's records of `partition` start.
+    pub fn next_from(&self, partition: PartitionId) -> Offset {
+        self.partitions.get(&partition).map_or(0, |p| p.next_from)
+    }
+
     /// Where a restore of `partition` starts.
     pub fn restore_from(&self, partition: PartitionId) -> Offset {
         self.partitions
@@ -392,6 +397,15 @@ impl ChainCheck {
         ChainCheck {
             last: None,
             from_restore_point: true,
+        }
+    }
+
+    /// A check that continues a partition's state at the end of `epoch`, whose input ended
+    /// at `next_offset`: the next record must start the next epoch there.
+    pub fn after(epoch: Epoch, next_offset: Offset) -> ChainCheck {
+        ChainCheck {
+            last: Some((epoch, 0, 1, next_offset)),
+            from_restore_point: false,
         }
     }
 
@@ -666,6 +680,136 @@ mod tests {
             let (restored_meta, owner_meta) = (restored.meta().unwrap(), owner.meta().unwrap());
             prop_assert_eq!(restored_meta.partitions, owner_meta.partitions);
         }
+    }
+
+    /// Feeds `replay` the records of `log` from its starts (or, `rewound`, from the start of
+    /// the log: a start is a lower bound), as a read of the topic would.
+    fn feed(
+        replay: &mut crate::replay::Replay<'_>,
+        log: &[(PartitionId, Offset, Vec<u8>)],
+        rewound: bool,
+    ) {
+        let starts = replay.starts().clone();
+        for (p, offset, bytes) in log {
+            if rewound || starts.get(p).is_some_and(|from| offset >= from) {
+                replay.apply(*p, *offset, bytes).unwrap();
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+
+        /// A warm standby that applies the changelog in rounds, each up to the epoch committed
+        /// then, ends with exactly the owner's state and the owner's restore points.
+        #[test]
+        fn catching_up_in_rounds_rebuilds_the_owners_state(
+            epochs in prop::collection::vec(prop::collection::vec(event(), 0..50), 2..9),
+            chunk_bytes in prop_oneof![Just(usize::MAX), 1..400usize],
+            cuts in prop::collection::vec(any::<prop::sample::Index>(), 1..4),
+            rewound in any::<bool>(),
+        ) {
+            use crate::replay::Replay;
+            let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let owner = StateStore::open(a.path(), "job").unwrap();
+            let committed = run_owner_epochs(&owner, &epochs, chunk_bytes);
+            let (log, points) = simulate(&committed);
+            let last = epochs.len() as u64;
+            let mut rounds: Vec<u64> = cuts.iter().map(|i| 1 + i.index(epochs.len()) as u64).collect();
+            rounds.push(last);
+            rounds.sort_unstable();
+            rounds.dedup();
+            let standby = StateStore::open(b.path(), "job").unwrap();
+            let size = rules().window.size_ms;
+            let partitions = [0, 1, 2];
+            for (i, &up_to) in rounds.iter().enumerate() {
+                let mut replay = if i == 0 {
+                    Replay::whole(&standby, size, Epoch(up_to), partitions.iter().map(|&p| (p, 0)).collect())
+                } else {
+                    Replay::continuing(&standby, size, Epoch(up_to), &partitions).unwrap()
+                };
+                feed(&mut replay, &log, rewound && i > 0);
+                replay.check_complete().unwrap();
+                replay.finish("owner", None).unwrap();
+                prop_assert_eq!(standby.meta().unwrap().epoch, Epoch(up_to));
+            }
+            prop_assert_eq!(standby.windows().unwrap(), owner.windows().unwrap());
+            prop_assert_eq!(standby.seen_entries().unwrap(), owner.seen_entries().unwrap());
+            prop_assert_eq!(standby.meta().unwrap().partitions, owner.meta().unwrap().partitions);
+            prop_assert_eq!(standby.adopted_writer().unwrap(), Some(("owner".to_string(), Epoch(last))));
+            let kept = standby.restore_points().unwrap();
+            for p in partitions {
+                prop_assert_eq!(kept.restore_from(p), points.restore_from(p));
+            }
+            // Nothing more committed: the next round reads nothing.
+            let replay = Replay::continuing(&standby, size, Epoch(last), &partitions).unwrap();
+            prop_assert!(replay.is_current());
+        }
+    }
+
+    #[test]
+    fn a_catch_up_refuses_a_gap_an_unfinished_replay_and_pending_epochs() {
+        use crate::replay::{NotContinuable, Replay, ReplayError};
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let owner = StateStore::open(a.path(), "job").unwrap();
+        let events: Vec<Event> = (0..30).map(|i| (0, i, i % 3, 1_000, false)).collect();
+        let committed = run_owner_epochs(&owner, &vec![events; 4], usize::MAX);
+        let (log, _) = simulate(&committed);
+        let size = rules().window.size_ms;
+        let partitions = [0, 1, 2];
+        let standby = StateStore::open(b.path(), "job").unwrap();
+        let mut replay = Replay::whole(
+            &standby,
+            size,
+            Epoch(2),
+            partitions.iter().map(|&p| (p, 0)).collect(),
+        );
+        feed(&mut replay, &log, false);
+        replay.check_complete().unwrap();
+        replay.finish("owner", None).unwrap();
+
+        // Epoch 3 missing: epoch 4 does not start where the standby's state ends.
+        let mut replay = Replay::continuing(&standby, size, Epoch(4), &partitions).unwrap();
+        let epoch_4: Vec<_> = log
+            .iter()
+            .filter(|(_, _, bytes)| ChangelogRecord::decode(bytes).unwrap().epoch == Epoch(4))
+            .collect();
+        let (p, offset, bytes) = epoch_4[0];
+        let err = replay.apply(*p, *offset, bytes).unwrap_err();
+        assert!(err.to_string().contains("does not follow"), "{err}");
+        // That replay began applying nothing; one that began and stopped leaves a mark.
+        standby.begin_replay().unwrap();
+        assert!(matches!(
+            Replay::continuing(&standby, size, Epoch(4), &partitions),
+            Err(ReplayError::NotContinuable(NotContinuable::Interrupted))
+        ));
+        // Another set of partitions than the job's.
+        let (c, d) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let other = StateStore::open(c.path(), "job").unwrap();
+        let mut replay = Replay::whole(
+            &other,
+            size,
+            Epoch(2),
+            partitions.iter().map(|&p| (p, 0)).collect(),
+        );
+        feed(&mut replay, &log, false);
+        replay.finish("owner", None).unwrap();
+        assert!(matches!(
+            Replay::continuing(&other, size, Epoch(4), &[0, 1]),
+            Err(ReplayError::NotContinuable(NotContinuable::Diverged(_)))
+        ));
+        // The owner's own directory with an epoch pre-committed and not committed.
+        let fresh = StateStore::open(d.path(), "job").unwrap();
+        fresh
+            .pre_commit(&tally_core::Checkpoint {
+                epoch: Epoch(1),
+                ..tally_core::Checkpoint::default()
+            })
+            .unwrap();
+        assert!(matches!(
+            Replay::continuing(&fresh, size, Epoch(4), &[]),
+            Err(ReplayError::NotContinuable(NotContinuable::Pending))
+        ));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 pub mod changelog;
 mod keys;
+pub mod replay;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,9 @@ const CF_PENDING: &str = "pending";
 /// The changelog records of each pre-committed epoch, until its transaction carried them.
 const CF_PENDING_CHANGELOG: &str = "pending_changelog";
 const KEY_ADOPTED: &[u8] = b"adopted_writer";
+/// Present while changelog records are being applied: a replay that did not finish leaves
+/// partitions at different epochs, which only a whole restore repairs.
+const KEY_REPLAYING: &[u8] = b"replaying";
 const KEY_RESTORE_POINTS: &[u8] = b"restore_points";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
@@ -497,6 +501,7 @@ impl StateStore {
             KEY_ADOPTED,
             self.encode(&(adopted.0, adopted.1), "adopted writer")?,
         );
+        batch.delete_cf(self.cf(CF_META)?, KEY_REPLAYING);
         batch.put_cf(
             self.cf(CF_META)?,
             KEY_CHECKPOINT,
@@ -504,8 +509,26 @@ impl StateStore {
         );
         self.write(batch)?;
         *current = Some(meta);
-        drop(current);
-        self.flush()
+        Ok(())
+    }
+
+    /// Marks the store as being replayed into, before the first changelog record is applied;
+    /// [`StateStore::finish_restore`] clears the mark.
+    pub fn begin_replay(&self) -> Result<(), StateError> {
+        let mut opts = WriteOptions::default();
+        opts.set_sync(true);
+        self.db
+            .put_cf_opt(self.cf(CF_META)?, KEY_REPLAYING, [], &opts)
+            .map_err(|e| self.rocks(e))
+    }
+
+    /// Whether a replay into this store began and did not finish.
+    pub fn is_replaying(&self) -> Result<bool, StateError> {
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf(CF_META)?, KEY_REPLAYING)
+            .map_err(|e| self.rocks(e))?
+            .is_some())
     }
 
     /// The writer this directory's state was restored from, and the last epoch it committed:
@@ -693,6 +716,13 @@ impl StateStore {
             epochs.push(Epoch(u64::from_be_bytes(bytes)));
         }
         Ok(epochs)
+    }
+
+    /// Calls `f` with the pending epochs while no epoch can be marked committed: what `f`
+    /// sees stays true until it returns (a fault point kills the process inside it).
+    pub fn with_pending_epochs<R>(&self, f: impl FnOnce(&[Epoch]) -> R) -> Result<R, StateError> {
+        let _no_commit = self.meta_lock();
+        Ok(f(&self.pending_epochs()?))
     }
 
     /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`]: the

@@ -136,6 +136,10 @@ pub struct JobConfig {
     /// How long the job's group waits for a silent worker before a standby takes the job over.
     #[serde(default = "default_session_timeout")]
     pub session_timeout: Millis,
+    /// How often a standby applies the changelog to its state directory, so that a takeover
+    /// replays only what was committed since; "0s": only at the takeover (a cold standby).
+    #[serde(default = "default_standby_refresh")]
+    pub standby_refresh: Millis,
 }
 
 fn default_checkpoint_interval() -> Millis {
@@ -151,6 +155,9 @@ fn default_max_epochs_in_flight() -> u64 {
     2
 }
 fn default_session_timeout() -> Millis {
+    Millis(10_000)
+}
+fn default_standby_refresh() -> Millis {
     Millis(10_000)
 }
 

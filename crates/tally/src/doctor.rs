@@ -156,8 +156,13 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             ),
             Some(meta) => {
                 let mut broken = Vec::new();
+                // A standby's copy of the job's state: restored from the changelog and kept
+                // near the job's by its catch-ups; never committed by its own writer.
+                let adopted = store.adopted_writer().ok().flatten();
+                let replica = adopted.is_some() && !writers.contains(store.writer_id());
                 match crate::lease::foreign_mark(&marks, &store) {
                     Ok(None) => {}
+                    Ok(Some(_)) if replica => {}
                     Ok(Some((p, mark))) => broken.push(format!(
                         "partition {p} was last committed (epoch {}) by writer {}, not by this state directory (writer {}) or the one it was restored from: another worker runs the job, and this directory is behind it",
                         mark.epoch,
@@ -177,11 +182,23 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                         ));
                     }
                 }
+                let job_epoch = marks.values().map(|m| m.epoch).max().unwrap_or(meta.epoch);
                 row(
                     "Persisted → Processed",
                     "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
-                    if broken.is_empty() { Status::Pass } else { Status::Fail },
-                    if broken.is_empty() {
+                    match (broken.is_empty(), replica) {
+                        (false, _) => Status::Fail,
+                        (true, true) => Status::Warn,
+                        (true, false) => Status::Pass,
+                    },
+                    if broken.is_empty() && replica {
+                        format!(
+                            "a standby's directory: a copy of the job's state at epoch {} (the job is at epoch {job_epoch}), restored from the changelog of writer {}; {} partitions balance; it takes the job over from there",
+                            meta.epoch,
+                            adopted.map(|(w, _)| w).unwrap_or_default(),
+                            meta.partitions.len(),
+                        )
+                    } else if broken.is_empty() {
                         format!(
                             "checkpoint epoch {}: {} partitions balance; committed by this state directory's writer {}",
                             meta.epoch,

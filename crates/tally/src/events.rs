@@ -218,6 +218,39 @@ impl LagMeasured {
     }
 }
 
+/// The state directory was brought to the job's committed state from the changelog: `whole`,
+/// a restore into an empty directory; otherwise a catch-up of what was committed since its
+/// state (a warm standby's round, or the rest at a takeover).
+pub struct StateRestored<'a> {
+    pub restored: &'a crate::restore::Restored,
+    pub whole: bool,
+    pub taking_over: bool,
+}
+
+impl StateRestored<'_> {
+    pub fn emit(&self) {
+        let r = self.restored;
+        let kind = if self.whole { "whole" } else { "catch_up" };
+        let millis = r.duration.as_millis() as u64;
+        match (self.whole, self.taking_over) {
+            (true, _) => {
+                tracing::info!(epoch = %r.epoch, from_writer = %r.writer, partitions = r.partitions, records = r.records, bytes = r.bytes, windows = r.windows, ids = r.ids, millis, pending = r.pending, "restored the job's state from the changelog")
+            }
+            (false, true) => {
+                tracing::info!(epoch = %r.epoch, from_writer = %r.writer, records = r.records, bytes = r.bytes, windows = r.windows, ids = r.ids, millis, pending = r.pending, "caught the state up with the changelog on taking the lease")
+            }
+            (false, false) if r.records > 0 => {
+                tracing::debug!(epoch = %r.epoch, records = r.records, bytes = r.bytes, millis, "standby: caught the state up with the changelog")
+            }
+            (false, false) => {}
+        }
+        counter!("tally_state_restores_total", "kind" => kind).increment(1);
+        counter!("tally_state_restored_records_total", "kind" => kind).increment(r.records);
+        histogram!("tally_state_restore_seconds", "kind" => kind).record(r.duration.as_secs_f64());
+        gauge!("tally_state_epoch").set(r.epoch.0 as f64);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;

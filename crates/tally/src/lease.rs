@@ -1,9 +1,11 @@
 //! Which worker runs a job. Every worker joins the job's consumer group, subscribed to a
 //! one-partition lease topic: the member assigned that partition runs the job, the others stand
 //! by. Kafka's group protocol is the only coordinator: when the running worker stops or goes
-//! silent for `job.session_timeout`, the group gives the lease to a standby, which restores the
-//! job's state from the changelog unless its own directory is current, fences the previous
-//! worker's transactions and carries on.
+//! silent for `job.session_timeout`, the group gives the lease to a standby, which fences the
+//! previous worker's transactions, brings its state directory to the job's last commit and
+//! carries on. A standby keeps its directory near that state all along (a warm standby: it
+//! applies the changelog every `job.standby_refresh`), so a takeover replays only the last
+//! few epochs, whatever the size of the state.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -154,6 +156,7 @@ pub fn acquire(
 
     let waiting = Instant::now();
     let mut said = false;
+    let mut standby = None;
     while !member.poll_membership(&lease_topic, POLL) {
         if shutdown.load(Ordering::SeqCst) {
             return Ok(None);
@@ -163,6 +166,7 @@ pub fn acquire(
             tracing::info!(group = %config.kafka.consumer_group, "standing by: another worker of the job holds its lease");
             readiness.set_standby(true);
             said = true;
+            standby = WarmStandby::start(config, rt)?;
         }
     }
     readiness.set_standby(false);
@@ -197,6 +201,8 @@ pub fn acquire(
         stop,
         poller: Some(poller),
     };
+    // Its round in progress ends first: the directory is then between two committed epochs.
+    drop(standby);
     // Fence the previous holder first: its open transaction is aborted here, so the group's
     // offsets and the changelog read below are final.
     wait_for("kafka", shutdown, || {
@@ -217,20 +223,23 @@ pub fn acquire(
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
     )?;
-    make_state_current(config, rt, &reader, shutdown)?;
+    make_state_current(config, rt, &reader, shutdown, true)?;
     Ok(Some(lease))
 }
 
 /// Keeps the state directory if it holds the job's state (the commits are its own, or those of
-/// the writer it was restored from); otherwise moves it aside and restores the job's state
-/// from the changelog.
-fn make_state_current(
+/// the writer it was restored from, up to the last); catches it up with the changelog if it
+/// holds an earlier committed state; otherwise moves it aside and restores the job's state from
+/// the changelog. `taking_over`: this worker fenced the previous one and runs the job next; a
+/// standby's rounds pass false. `stop` interrupts a whole restore (nothing is left behind).
+pub fn make_state_current(
     config: &Config,
     rt: &Handle,
     reader: &Source,
-    shutdown: &AtomicBool,
+    stop: &AtomicBool,
+    taking_over: bool,
 ) -> Result<()> {
-    let marks = wait_for("kafka", shutdown, || {
+    let marks = wait_for("kafka", stop, || {
         commit_marks(reader).map_err(|e| format!("{e:#}"))
     })?;
     if marks.is_empty() {
@@ -240,22 +249,46 @@ fn make_state_current(
     let dir = &config.job.state_dir;
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
-    let (local, foreign) = {
+    let (local, foreign, replica) = {
         let store = StateStore::open(dir, &config.state_identity())?;
-        (store.meta().map(|m| m.epoch), foreign_mark(&marks, &store)?)
+        let ours = store.writer_id().to_owned();
+        // The last commit is the writer's this directory was restored from: the batch of
+        // that epoch may still be missing in ClickHouse, which a catch-up checks.
+        let replica = marks
+            .values()
+            .any(|m| m.writer.as_deref().is_some_and(|w| w != ours));
+        (
+            store.meta().map(|m| m.epoch),
+            foreign_mark(&marks, &store)?,
+            replica,
+        )
     };
     match (local, foreign) {
-        (Some(_), None) => return Ok(()),
+        (Some(_), None) if !(taking_over && replica) => return Ok(()),
         (None, _) => {}
-        (Some(epoch), Some((partition, mark))) => {
+        (Some(epoch), foreign) => {
+            if let Some(done) = try_catch_up(config, rt, stop, taking_over)? {
+                crate::events::StateRestored {
+                    restored: &done,
+                    whole: false,
+                    taking_over,
+                }
+                .emit();
+                return Ok(());
+            }
             let aside = crate::restore::sibling(dir, &format!("stale-epoch-{epoch}"));
+            let (partition, mark) = foreign.unzip();
             tracing::warn!(
                 partition,
-                committed_epoch = %mark.epoch,
-                writer = mark.writer.as_deref().unwrap_or(""),
+                committed_epoch = %mark.as_ref().map_or(epoch, |m| m.epoch),
+                writer = mark.as_ref().and_then(|m| m.writer.as_deref()).unwrap_or(""),
                 moved_to = %aside.display(),
-                "the state directory is behind the job (another worker ran it since): moving it aside and restoring from the changelog"
+                "the state directory cannot be caught up with the job's changelog: moving it aside and restoring the job's state whole"
             );
+            if aside.exists() {
+                std::fs::remove_dir_all(&aside)
+                    .with_context(|| format!("removing {}", aside.display()))?;
+            }
             std::fs::rename(dir, &aside).with_context(|| {
                 format!("moving {} aside to {}", dir.display(), aside.display())
             })?;
@@ -265,8 +298,8 @@ fn make_state_current(
     // a changelog that cannot give the job's state stops the worker with the reason.
     let done = wait_for(
         "the changelog restore",
-        shutdown,
-        || match crate::restore::restore(config, rt) {
+        stop,
+        || match crate::restore::restore(config, rt, Some(stop), taking_over) {
             Ok(done) => Ok(Ok(done)),
             Err(e) if crate::restore::is_transient(&e) => Err(format!("{e:#}")),
             Err(e) => Ok(Err(e.context(
@@ -274,17 +307,97 @@ fn make_state_current(
             ))),
         },
     )??;
-    tracing::info!(
-        epoch = %done.epoch,
-        from_writer = %done.writer,
-        partitions = done.partitions,
-        records = done.records,
-        bytes = done.bytes,
-        windows = done.windows,
-        ids = done.ids,
-        millis = done.duration.as_millis() as u64,
-        pending = done.pending,
-        "restored the job's state from the changelog"
-    );
+    crate::events::StateRestored {
+        restored: &done,
+        whole: true,
+        taking_over,
+    }
+    .emit();
     Ok(())
+}
+
+/// A catch-up, with a failing service waited out. `None`: the directory needs a whole restore
+/// (it cannot be caught up, or the changelog does not continue its state).
+fn try_catch_up(
+    config: &Config,
+    rt: &Handle,
+    stop: &AtomicBool,
+    taking_over: bool,
+) -> Result<Option<crate::restore::Restored>> {
+    wait_for(
+        "the changelog catch-up",
+        stop,
+        || match crate::restore::catch_up(config, rt, taking_over) {
+            Ok(done) => Ok(Ok(done)),
+            Err(e) if crate::restore::is_transient(&e) => Err(format!("{e:#}")),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "the state directory cannot be caught up with the changelog");
+                Ok(Ok(None))
+            }
+        },
+    )?
+}
+
+/// A standby's state kept near the job's: every `job.standby_refresh` a thread of its own
+/// catches the state directory up with the changelog (restoring it whole first, if it holds
+/// nothing of the job), so that taking the lease replays only the last few epochs. Dropping it
+/// stops and joins the thread; a whole restore in progress is abandoned.
+struct WarmStandby {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WarmStandby {
+    fn start(config: &Config, rt: &Handle) -> Result<Option<WarmStandby>> {
+        let every = config.job.standby_refresh.as_duration();
+        if every.is_zero() {
+            return Ok(None);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (config, rt, stop) = (config.clone(), rt.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("tally-standby".into())
+                .spawn(move || {
+                    let reader = match Source::connect(
+                        &config.kafka_settings(),
+                        &config.kafka.source_topic,
+                        &config.kafka.consumer_group,
+                    ) {
+                        Ok(reader) => reader,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "standby: no client for the group's offsets; the state is restored on taking the lease");
+                            return;
+                        }
+                    };
+                    while !stop.load(Ordering::SeqCst) {
+                        if let Err(e) = make_state_current(&config, &rt, &reader, &stop, false)
+                            && !stop.load(Ordering::SeqCst)
+                        {
+                            tracing::warn!(error = %format!("{e:#}"), "standby: could not bring the state up to the job's; trying again");
+                        }
+                        let next = Instant::now() + every;
+                        while !stop.load(Ordering::SeqCst) && Instant::now() < next {
+                            std::thread::sleep(POLL);
+                        }
+                    }
+                })
+                .context("starting the standby thread")?
+        };
+        Ok(Some(WarmStandby {
+            stop,
+            thread: Some(thread),
+        }))
+    }
+}
+
+impl Drop for WarmStandby {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::warn!("the standby thread panicked");
+        }
+    }
 }

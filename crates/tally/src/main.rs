@@ -330,7 +330,7 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Restore { config } => {
             let cfg = Config::load(&config)?;
             let rt = runtime()?;
-            let done = tally::restore::restore(&cfg, rt.handle())?;
+            let done = tally::restore::restore(&cfg, rt.handle(), None, true)?;
             println!(
                 "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
                 done.epoch,

@@ -1,19 +1,21 @@
 //! `tally restore`: rebuilds an empty state directory from the job's changelog, for a worker on
 //! a machine that never held the job (the one that did is lost). The result is exactly the
 //! state of the last epoch the group committed; the directory then continues the commits of
-//! the writer it was restored from.
+//! the writer it was restored from. [`catch_up`] brings a directory that holds an earlier
+//! committed state of the job (a standby's) to the last epoch, reading only what came since.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use rdkafka::Message;
 use tally_clickhouse::ClickHouseSink;
-use tally_core::{Checkpoint, Epoch, PartitionId};
+use tally_core::{Epoch, PartitionId};
 use tally_kafka::{CommitMark, Source};
 use tally_state::StateStore;
-use tally_state::changelog::{ChainCheck, ChangelogRecord, Liveness, RestorePoints};
+use tally_state::replay::{Replay, ReplayError};
 
 use crate::config::Config;
 
@@ -35,7 +37,16 @@ pub struct Restored {
 /// Restores into `job.state_dir`, which must hold no checkpoint. The state is built in a
 /// sibling directory and moved into place when complete, so a failed or interrupted restore
 /// leaves nothing behind and can simply be run again.
-pub fn restore(config: &Config, rt: &tokio::runtime::Handle) -> Result<Restored> {
+///
+/// `check_sink`: whether the last epoch must be complete in ClickHouse or be kept pending (for a
+/// directory that runs the job next); a standby's round passes false and leaves that to its
+/// takeover, since the running worker may be writing that batch just now.
+pub fn restore(
+    config: &Config,
+    rt: &tokio::runtime::Handle,
+    stop: Option<&AtomicBool>,
+    check_sink: bool,
+) -> Result<Restored> {
     let dir = &config.job.state_dir;
     if dir.exists()
         && let Some(meta) = StateStore::open(dir, &config.state_identity())?.meta()
@@ -55,7 +66,7 @@ pub fn restore(config: &Config, rt: &tokio::runtime::Handle) -> Result<Restored>
         Ok(())
     };
     clear(&staging)?;
-    let restored = restore_into(config, rt, &staging);
+    let restored = restore_into(config, rt, &staging, stop, check_sink);
     if restored.is_err() {
         // Best effort: the next attempt clears it first anyway.
         let _ = clear(&staging);
@@ -80,14 +91,17 @@ pub fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     dir.with_file_name(format!("{name}.{suffix}"))
 }
 
-fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Result<Restored> {
-    let started = Instant::now();
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("creating state directory {}", dir.display()))?;
-    let store = StateStore::open(dir, &config.state_identity())?;
-    let kafka = config.kafka_settings();
+/// The group's committed state of the job: the epoch of its last commit, the writer that made
+/// it, and each partition's mark.
+struct Committed {
+    epoch: Epoch,
+    writer: String,
+    marks: BTreeMap<PartitionId, CommitMark>,
+}
+
+fn committed(config: &Config) -> Result<Option<Committed>> {
     let group = Source::connect(
-        &kafka,
+        &config.kafka_settings(),
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
     )?;
@@ -97,10 +111,7 @@ fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Res
         .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
         .collect();
     let Some(last) = marks.values().max_by_key(|m| m.epoch).cloned() else {
-        bail!(
-            "consumer group {} has no commits of this job: there is nothing to restore; `tally run` starts the job",
-            config.kafka.consumer_group
-        );
+        return Ok(None);
     };
     let epoch = last.epoch;
     let Some(writer) = last.writer else {
@@ -114,140 +125,155 @@ fn restore_into(config: &Config, rt: &tokio::runtime::Handle, dir: &Path) -> Res
             m.epoch
         );
     }
+    Ok(Some(Committed {
+        epoch,
+        writer,
+        marks,
+    }))
+}
 
-    let window_size_ms = config.operator().window.size_ms;
-    let topic = config.changelog_topic();
+fn restore_into(
+    config: &Config,
+    rt: &tokio::runtime::Handle,
+    dir: &Path,
+    stop: Option<&AtomicBool>,
+    check_sink: bool,
+) -> Result<Restored> {
+    let started = Instant::now();
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let store = StateStore::open(dir, &config.state_identity())?;
+    let Some(job) = committed(config)? else {
+        bail!(
+            "consumer group {} has no commits of this job: there is nothing to restore; `tally run` starts the job",
+            config.kafka.consumer_group
+        );
+    };
     // From each partition's committed restore point: everything before it is dead.
-    let starts: BTreeMap<PartitionId, i64> = marks
+    let starts = job
+        .marks
         .iter()
         .map(|(&p, m)| (p, m.restore_from.unwrap_or(0)))
         .collect();
-    let ranges = starts.iter().map(|(&p, &from)| (p, (from, None))).collect();
-    let mut chains: BTreeMap<PartitionId, ChainCheck> = starts
-        .iter()
-        .map(|(&p, &from)| {
-            let check = if from > 0 {
-                ChainCheck::from_restore_point()
-            } else {
-                ChainCheck::default()
-            };
-            (p, check)
-        })
-        .collect();
-    // What the restored directory's own restore points are rebuilt from.
-    let mut epochs: BTreeMap<PartitionId, Vec<(i64, Liveness)>> = BTreeMap::new();
-    let mut cutoffs: BTreeMap<PartitionId, (Option<i64>, Option<i64>)> = BTreeMap::new();
-    let mut ends: BTreeMap<PartitionId, i64> = BTreeMap::new();
-    // The records of the last epoch: its batch, should ClickHouse lack it.
-    let mut last_epoch: Vec<Checkpoint> = Vec::new();
-    let mut done = Restored {
-        epoch,
-        writer: writer.clone(),
-        partitions: marks.len(),
-        records: 0,
-        bytes: 0,
-        windows: 0,
-        ids: 0,
-        pending: false,
-        duration: Duration::ZERO,
-    };
-    let mut failure = None;
-    tally_kafka::read_committed_range(&kafka, &topic, &ranges, Duration::from_secs(30), |m| {
-        if failure.is_some() {
-            return;
-        }
-        let applied = (|| -> Result<()> {
-            let bytes = m.payload().unwrap_or_default();
-            let record = ChangelogRecord::decode(bytes).with_context(|| {
-                format!("{topic} partition {} offset {}", m.partition(), m.offset())
-            })?;
-            if record.partition != m.partition() {
-                bail!(
-                    "{topic} partition {} offset {} holds a record of partition {}",
-                    m.partition(),
-                    m.offset(),
-                    record.partition
-                );
-            }
-            // Committed after the group's offsets were read: not part of what is restored.
-            if record.epoch > epoch {
-                return Ok(());
-            }
-            chains
-                .entry(record.partition)
-                .or_default()
-                .accept(&record)?;
-            let p = record.partition;
-            let liveness = Liveness::of_record(&record);
-            let list = epochs.entry(p).or_default();
-            match list.last_mut() {
-                Some((_, merged)) if record.chunk > 0 => *merged = merged.merge(liveness),
-                _ => list.push((m.offset(), liveness)),
-            }
-            cutoffs.insert(p, (record.close_windows_before, record.expire_seen_before));
-            ends.insert(p, m.offset() + 1);
-            let checkpoint = record.to_checkpoint(window_size_ms);
-            store.apply_restored(&checkpoint)?;
-            done.records += 1;
-            done.bytes += bytes.len() as u64;
-            done.windows += record.windows.len() as u64;
-            done.ids += record.seen.len() as u64;
-            if record.epoch == epoch {
-                last_epoch.push(checkpoint);
-            }
-            Ok(())
-        })();
-        if let Err(e) = applied {
-            failure = Some(e);
-        }
-    })
-    .with_context(|| format!("reading changelog {topic}"))?;
-    if let Some(e) = failure {
-        return Err(e.context(format!("restoring from changelog {topic}")));
-    }
-    for &p in marks.keys() {
-        let reached = chains.get(&p).map(|c| c.finish(p)).transpose()?.flatten();
-        if reached != Some(epoch) {
-            bail!(
-                "changelog {topic} partition {p} ends at {}, but the group committed epoch {epoch}: the changelog is incomplete (deleted or written by another job)",
-                reached.map_or("no record".to_string(), |e| format!("epoch {e}"))
-            );
-        }
-    }
-
-    let sink = rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?;
-    let in_clickhouse = rt.block_on(sink.is_committed(epoch))?;
-    let pending = (!in_clickhouse).then(|| merge(epoch, last_epoch));
-    done.pending = pending.is_some();
-    store
-        .finish_restore(epoch, pending.as_ref(), (&writer, epoch))
-        .map_err(|e| anyhow!(e))?;
-    store.save_restore_points(&RestorePoints::rebuilt(&epochs, &cutoffs, &ends))?;
-    done.duration = started.elapsed();
-    Ok(done)
+    let replay = Replay::whole(&store, config.operator().window.size_ms, job.epoch, starts);
+    replay_and_finish(config, rt, &job, replay, started, stop, check_sink)?
+        .ok_or_else(|| anyhow!("a whole restore reads the last epoch"))
 }
 
-/// One epoch's checkpoint from its per-partition records: what its ClickHouse batch needs.
-fn merge(epoch: Epoch, parts: Vec<Checkpoint>) -> Checkpoint {
-    let mut merged = Checkpoint {
-        epoch,
-        ..Checkpoint::default()
+/// Brings `job.state_dir`, which holds an earlier committed state of the job, up to the
+/// group's last commit by replaying only the changelog records committed since. `Ok(None)`:
+/// the directory cannot be caught up (it is empty, holds pre-committed epochs, or diverged)
+/// and needs a whole [`restore`]. `taking_over`: this worker fenced the previous one and runs
+/// the job next, so the last epoch must be complete in ClickHouse or left pending. A catch-up
+/// is not interruptible (it reads what was committed since the last one); one that fails or
+/// dies half-way leaves the directory marked, and the next needs a whole restore.
+pub fn catch_up(
+    config: &Config,
+    rt: &tokio::runtime::Handle,
+    taking_over: bool,
+) -> Result<Option<Restored>> {
+    let started = Instant::now();
+    let Some(job) = committed(config)? else {
+        return Ok(None);
     };
-    for part in parts {
-        merged.partitions.extend(part.partitions);
-        merged.rows.extend(part.rows);
-        merged
-            .close_windows_before
-            .extend(part.close_windows_before);
-        merged.expire_seen_before.extend(part.expire_seen_before);
+    let dir = &config.job.state_dir;
+    if !dir.exists() {
+        return Ok(None);
     }
-    // Chunks of one partition repeat its cutoffs.
-    merged.close_windows_before.dedup();
-    merged.expire_seen_before.dedup();
-    merged
-        .rows
-        .sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
-    merged
+    let store = StateStore::open(dir, &config.state_identity())?;
+    let partitions: Vec<PartitionId> = job.marks.keys().copied().collect();
+    let replay = match Replay::continuing(
+        &store,
+        config.operator().window.size_ms,
+        job.epoch,
+        &partitions,
+    ) {
+        Ok(replay) => replay,
+        Err(ReplayError::NotContinuable(why)) => {
+            tracing::debug!(reason = %why, "the state directory needs a whole restore");
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    replay_and_finish(config, rt, &job, replay, started, None, taking_over)
+}
+
+/// Reads the changelog from the replay's starts, applies it, checks every partition reached
+/// the committed epoch, keeps that epoch pending if ClickHouse lacks its batch, and finishes.
+fn replay_and_finish(
+    config: &Config,
+    rt: &tokio::runtime::Handle,
+    job: &Committed,
+    mut replay: Replay<'_>,
+    started: Instant,
+    stop: Option<&AtomicBool>,
+    check_sink: bool,
+) -> Result<Option<Restored>> {
+    let topic = config.changelog_topic();
+    let kafka = config.kafka_settings();
+    if !replay.is_current() {
+        let ranges = replay
+            .starts()
+            .iter()
+            .map(|(&p, &from)| (p, (from, None)))
+            .collect();
+        let mut failure = None;
+        tally_kafka::read_committed_range(&kafka, &topic, &ranges, Duration::from_secs(30), |m| {
+            if failure.is_some() {
+                return;
+            }
+            if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+                failure = Some(anyhow!(crate::worker::Interrupted("the changelog")));
+                return;
+            }
+            let bytes = m.payload().unwrap_or_default();
+            if let Err(e) = replay.apply(m.partition(), m.offset(), bytes) {
+                failure = Some(anyhow!(e).context(format!(
+                    "{topic} partition {} offset {}",
+                    m.partition(),
+                    m.offset()
+                )));
+            }
+        })
+        .with_context(|| format!("reading changelog {topic}"))?;
+        if let Some(e) = failure {
+            return Err(e.context(format!("restoring from changelog {topic}")));
+        }
+    }
+    replay
+        .check_complete()
+        .with_context(|| format!("restoring from changelog {topic}"))?;
+    // A takeover (and a whole restore) must leave the last epoch pending if ClickHouse lacks
+    // its batch; a standby's catch-up leaves that to its takeover.
+    let pending = if check_sink {
+        let sink = rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?;
+        if rt.block_on(sink.is_committed(job.epoch))? {
+            None
+        } else {
+            match replay.last_epoch() {
+                Some(last) => Some(last),
+                // Applied by an earlier catch-up: its records are not at hand here.
+                None => {
+                    tracing::info!(epoch = %job.epoch, "the last epoch's batch is not in ClickHouse and a standby round applied it: restoring whole, which keeps it to write first");
+                    return Ok(None);
+                }
+            }
+        }
+    } else {
+        None
+    };
+    let stats = replay.finish(&job.writer, pending.as_ref())?;
+    Ok(Some(Restored {
+        epoch: job.epoch,
+        writer: job.writer.clone(),
+        partitions: job.marks.len(),
+        records: stats.records,
+        bytes: stats.bytes,
+        windows: stats.windows,
+        ids: stats.ids,
+        pending: pending.is_some(),
+        duration: started.elapsed(),
+    }))
 }
 
 /// Whether a restore failed on a service (worth retrying) rather than on what it found.

@@ -125,7 +125,7 @@ pub struct AnotherWriter {
 /// The run was asked to stop while waiting on a sink.
 #[derive(Debug, thiserror::Error)]
 #[error("stopped while waiting for {0}")]
-pub struct Interrupted(&'static str);
+pub struct Interrupted(pub &'static str);
 
 /// A job's worker: the operator thread's part and the committing part.
 pub struct Worker {
@@ -1192,8 +1192,14 @@ impl Persister {
             let liveness = tally_state::changelog::liveness_of_cut(&handoff.cut);
             let epoch = checkpoint.epoch;
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
-            if self.fault.is_armed() && self.store.pending_epochs()?.len() >= 2 {
-                self.fault.hit(FaultPoint::TwoInFlight, epoch);
+            if self.fault.is_armed() {
+                // Under the store's lock: the sink thread must not commit the older epoch
+                // between the count and the kill.
+                self.store.with_pending_epochs(|pending| {
+                    if pending.len() >= 2 {
+                        self.fault.hit(FaultPoint::TwoInFlight, epoch);
+                    }
+                })?;
             }
             let next = Persisted {
                 checkpoint,
