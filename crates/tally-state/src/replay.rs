@@ -313,9 +313,10 @@ impl<'s> Replay<'s> {
                 .finish_restore(self.up_to, pending, (writer, self.up_to))?;
         }
         self.store.save_restore_points(&points)?;
-        if self.applied.is_none() {
-            // A whole restore is moved into place next: its files must hold everything, so
-            // that opening it does not replay a long write-ahead log.
+        if self.applied.is_none() || self.stats.records > 0 {
+            // The store is opened again next (a whole restore after its move into place, the
+            // worker after a takeover, the standby's next round): with its files holding
+            // everything, opening it does not replay the write-ahead log of this replay.
             self.store.flush()?;
         }
         Ok(self.stats)
