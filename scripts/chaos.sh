@@ -206,7 +206,7 @@ takeover_ms=$(cat "$dir"/worker-*.log | sed -n "s/.*millis=\([0-9]*\).*caught th
 printf '%-40s %s\n' "zombies (SIGSTOP past the session timeout)" "$done_zombies"
 printf '%-40s %s\n' "exits on a lost lease (started again)" "$zombie_exits"
 printf '%-40s %s\n' "leaves (SIGTERM, then rejoin)" "$done_leaves"
-printf '%-40s %s (%s)\n' "takeovers caught up from the changelog" "$caught_up" "${takeover_ms:+ms: }${takeover_ms% }"
+printf '%-40s %s%s\n' "takeovers caught up from the changelog" "$caught_up" "${takeover_ms:+ (ms: ${takeover_ms% })}"
 printf '%-40s %s\n' "whole restores from the changelog" "$whole"
 printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
 printf '%-40s %s\n' "kafka restarts" "$done_kafka"
