@@ -324,24 +324,6 @@ impl RestorePoints {
             .get(&partition)
             .map_or(0, |p| p.live.front().map_or(p.next_from, |(from, _)| *from))
     }
-
-    /// The points a restore rebuilds: for each epoch read, the offset of its first record and
-    /// its liveness (chunks merged), and the partition's cutoffs at the end.
-    pub fn rebuilt(
-        epochs: &BTreeMap<PartitionId, Vec<(Offset, Liveness)>>,
-        cutoffs: &BTreeMap<PartitionId, (Option<i64>, Option<i64>)>,
-        ends: &BTreeMap<PartitionId, Offset>,
-    ) -> RestorePoints {
-        let mut points = RestorePoints::default();
-        for (&p, list) in epochs {
-            let (close, expire) = cutoffs.get(&p).copied().unwrap_or((None, None));
-            let entry = points.partitions.entry(p).or_default();
-            entry.live.extend(list.iter().copied());
-            entry.forget_dead(close, expire);
-            entry.next_from = ends.get(&p).copied().unwrap_or(0);
-        }
-        points
-    }
 }
 
 /// Liveness of each partition's records in `records` (an epoch's, encoded), chunks merged.

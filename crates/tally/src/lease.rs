@@ -267,7 +267,7 @@ pub fn make_state_current(
         (Some(_), None) if !(taking_over && replica) => return Ok(()),
         (None, _) => {}
         (Some(epoch), foreign) => {
-            if let Some(done) = try_catch_up(config, rt, stop, taking_over)? {
+            if let Some(done) = try_catch_up(config, rt, &marks, stop, taking_over)? {
                 crate::events::StateRestored {
                     restored: &done,
                     whole: false,
@@ -299,7 +299,7 @@ pub fn make_state_current(
     let done = wait_for(
         "the changelog restore",
         stop,
-        || match crate::restore::restore(config, rt, Some(stop), taking_over) {
+        || match crate::restore::restore(config, rt, &marks, Some(stop), taking_over) {
             Ok(done) => Ok(Ok(done)),
             Err(e) if crate::restore::is_transient(&e) => Err(format!("{e:#}")),
             Err(e) => Ok(Err(e.context(
@@ -321,13 +321,14 @@ pub fn make_state_current(
 fn try_catch_up(
     config: &Config,
     rt: &Handle,
+    marks: &BTreeMap<PartitionId, CommitMark>,
     stop: &AtomicBool,
     taking_over: bool,
 ) -> Result<Option<crate::restore::Restored>> {
     wait_for(
         "the changelog catch-up",
         stop,
-        || match crate::restore::catch_up(config, rt, taking_over) {
+        || match crate::restore::catch_up(config, rt, marks, taking_over) {
             Ok(done) => Ok(Ok(done)),
             Err(e) if crate::restore::is_transient(&e) => Err(format!("{e:#}")),
             Err(e) => {

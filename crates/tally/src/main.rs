@@ -330,7 +330,12 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Restore { config } => {
             let cfg = Config::load(&config)?;
             let rt = runtime()?;
-            let done = tally::restore::restore(&cfg, rt.handle(), None, true)?;
+            let marks = tally::lease::commit_marks(&tally_kafka::Source::connect(
+                &cfg.kafka_settings(),
+                &cfg.kafka.source_topic,
+                &cfg.kafka.consumer_group,
+            )?)?;
+            let done = tally::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
             println!(
                 "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
                 done.epoch,

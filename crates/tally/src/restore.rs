@@ -13,7 +13,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use rdkafka::Message;
 use tally_clickhouse::ClickHouseSink;
 use tally_core::{Epoch, PartitionId};
-use tally_kafka::{CommitMark, Source};
+use tally_kafka::CommitMark;
 use tally_state::StateStore;
 use tally_state::replay::{Replay, ReplayError};
 
@@ -34,7 +34,8 @@ pub struct Restored {
     pub duration: Duration,
 }
 
-/// Restores into `job.state_dir`, which must hold no checkpoint. The state is built in a
+/// Restores into `job.state_dir`, which must hold no checkpoint, the epoch the group's `marks`
+/// (`crate::lease::commit_marks`) name. The state is built in a
 /// sibling directory and moved into place when complete, so a failed or interrupted restore
 /// leaves nothing behind and can simply be run again.
 ///
@@ -44,6 +45,7 @@ pub struct Restored {
 pub fn restore(
     config: &Config,
     rt: &tokio::runtime::Handle,
+    marks: &BTreeMap<PartitionId, CommitMark>,
     stop: Option<&AtomicBool>,
     check_sink: bool,
 ) -> Result<Restored> {
@@ -66,7 +68,7 @@ pub fn restore(
         Ok(())
     };
     clear(&staging)?;
-    let restored = restore_into(config, rt, &staging, stop, check_sink);
+    let restored = restore_into(config, rt, &staging, marks, stop, check_sink);
     if restored.is_err() {
         // Best effort: the next attempt clears it first anyway.
         let _ = clear(&staging);
@@ -99,17 +101,9 @@ struct Committed {
     marks: BTreeMap<PartitionId, CommitMark>,
 }
 
-fn committed(config: &Config) -> Result<Option<Committed>> {
-    let group = Source::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?;
-    let marks: BTreeMap<PartitionId, CommitMark> = group
-        .committed(&group.partitions()?)?
-        .into_iter()
-        .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
-        .collect();
+/// The job's committed state from the group's commit marks (`crate::lease::commit_marks`).
+fn committed(marks: &BTreeMap<PartitionId, CommitMark>) -> Result<Option<Committed>> {
+    let marks = marks.clone();
     let Some(last) = marks.values().max_by_key(|m| m.epoch).cloned() else {
         return Ok(None);
     };
@@ -136,6 +130,7 @@ fn restore_into(
     config: &Config,
     rt: &tokio::runtime::Handle,
     dir: &Path,
+    marks: &BTreeMap<PartitionId, CommitMark>,
     stop: Option<&AtomicBool>,
     check_sink: bool,
 ) -> Result<Restored> {
@@ -143,7 +138,7 @@ fn restore_into(
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
     let store = StateStore::open(dir, &config.state_identity())?;
-    let Some(job) = committed(config)? else {
+    let Some(job) = committed(marks)? else {
         bail!(
             "consumer group {} has no commits of this job: there is nothing to restore; `tally run` starts the job",
             config.kafka.consumer_group
@@ -170,10 +165,11 @@ fn restore_into(
 pub fn catch_up(
     config: &Config,
     rt: &tokio::runtime::Handle,
+    marks: &BTreeMap<PartitionId, CommitMark>,
     taking_over: bool,
 ) -> Result<Option<Restored>> {
     let started = Instant::now();
-    let Some(job) = committed(config)? else {
+    let Some(job) = committed(marks)? else {
         return Ok(None);
     };
     let dir = &config.job.state_dir;
