@@ -11,6 +11,8 @@
 #     TALLY_WINDOW__ALLOWED_LATENESS=180s TALLY_WINDOW__DEDUP_HORIZON=2h \
 #       scripts/bench.sh --events 20000000 --customers 1000000 --skew 0 --step-ms 1 --repeat 1 --no-verify
 #   TALLY_BENCH_BIN=/path/to/tally [TALLY_BENCH_CONFIG=file] scripts/bench.sh ...   another build of tally
+#   scripts/bench.sh --compare /path/to/other/tally ...   before/after: both builds on the same topic,
+#       alternating within each repeat, each summarised on its own
 #   scripts/bench.sh --failover [--events N --customers C ...]
 #       takeover by a warm standby after a SIGKILL, against a whole restore of the same state
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
@@ -19,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
-customers=10000 skew=1.1 step_ms=10 verify=1
+customers=10000 skew=1.1 step_ms=10 verify=1 compare=""
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -29,6 +31,7 @@ while (($#)); do
     --skew) skew=$2; shift 2 ;;
     --step-ms) step_ms=$2; shift 2 ;;
     --no-verify) verify=0; shift ;;
+    --compare) compare=$2; shift 2 ;;
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
     --days) days=$2; shift 2 ;;
@@ -185,18 +188,22 @@ export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY
 "$bin" loadgen --config "$config" --events "$events"  --partitions "$partitions" --customers "$customers" \
   --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
 
+manifest="$dir/manifest.json"
+
 # Per run: its own job (state, group, transactional id), dead-letter topic and database.
 run_env() {
-  export TALLY_JOB__NAME="$topic-r$1" TALLY_JOB__STATE_DIR="$dir/r$1/state"
-  export TALLY_KAFKA__CONSUMER_GROUP="tally-$topic-r$1" TALLY_KAFKA__DLQ_TOPIC="$topic-r$1.dlq"
-  export TALLY_CLICKHOUSE__DATABASE="${topic}_r$1"
+  local id="$topic-$2r$1"
+  export TALLY_JOB__NAME="$id" TALLY_JOB__STATE_DIR="$dir/r$1/state"
+  export TALLY_KAFKA__CONSUMER_GROUP="tally-$id" TALLY_KAFKA__DLQ_TOPIC="$id.dlq"
+  export TALLY_CLICKHOUSE__DATABASE="${id//-/_}"
 }
 
-# tally_run R -- catch-up of the whole topic; then a restart of the same state to time restore.
+# tally_run R [LABEL] -- catch-up of the whole topic; then a restart of the same state to time
+# restore. Reads and writes the run's files under $dir (a label's own directory with --compare).
 tally_run() {
   local r=$1 log="$dir/r$1/worker.log" consumed=0 peak_kib=0 kib pid
   mkdir -p "$dir/r$r"
-  run_env "$r"
+  run_env "$r" "${2:-}"
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/started"
   "$bin" run --config "$config" >"$log" 2>&1 &
   pid=$!
@@ -223,17 +230,36 @@ tally_run() {
     sed 's/^/changelog /' "$dir/r$r/changelog_restore" >&2
   fi
   if [ "$verify" = 1 ]; then
-    "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' >"$dir/r$r/verify"
+    "$bin" verify --config "$config" --manifest "$manifest" | grep -E '^verify' >"$dir/r$r/verify"
   else
     echo "verify skipped (--no-verify)" >"$dir/r$r/verify"
   fi
 }
 
-for r in $(seq 1 "$repeat"); do
-  # cargo runs benches in the package's directory: give it an absolute path.
-  cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
-  tally_run "$r"
-  echo "run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
-done
+if [ -z "$compare" ]; then
+  for r in $(seq 1 "$repeat"); do
+    # cargo runs benches in the package's directory: give it an absolute path.
+    cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+    tally_run "$r"
+    echo "run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
+  done
+  python3 benches/summarize.py "$dir" "$events" "$repeat"
+  exit 0
+fi
 
-python3 benches/summarize.py "$dir" "$events" "$repeat"
+# --compare: per repeat, the other build then this one, each after a ceiling run of its own.
+top=$dir this_bin=$bin
+for r in $(seq 1 "$repeat"); do
+  for label in before after; do
+    dir="$top/$label" bin=$this_bin
+    [ "$label" = before ] && bin=$compare
+    mkdir -p "$dir"
+    cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+    tally_run "$r" "$label"
+    echo "$label run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
+  done
+done
+for label in before after; do
+  echo "== $label: $([ "$label" = before ] && echo "$compare" || echo "$this_bin")"
+  python3 benches/summarize.py "$top/$label" "$events" "$repeat"
+done

@@ -8,6 +8,7 @@
 //! and is dropped as a whole once its newest id is past the horizon, so memory follows the ids
 //! within the horizon (about 1.3 bytes each) and deletion is never needed.
 
+use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 
 /// Bits per id: about 1 % false positives for a blocked filter with [`PROBES`] probes.
@@ -187,6 +188,88 @@ impl SeenIdFilter {
     }
 }
 
+/// Builds a partition's filter from its stored ids in any order (the store keeps them by id).
+/// A first pass counts the ids per half horizon of event time, a second inserts each id into the
+/// generation of its span, sized for that count: the generations come out as compact and as
+/// time-ordered as those of ids inserted in time order, so they expire the same way. Ids added
+/// between the passes only make a generation denser (more "maybe"), never forgotten.
+#[derive(Debug, Clone)]
+pub struct FilterBuilder {
+    horizon_ms: i64,
+    counts: BTreeMap<i64, usize>,
+}
+
+impl FilterBuilder {
+    pub fn new(horizon_ms: i64) -> FilterBuilder {
+        FilterBuilder {
+            horizon_ms,
+            counts: BTreeMap::new(),
+        }
+    }
+
+    fn span(horizon_ms: i64) -> i64 {
+        (horizon_ms / 2).max(1)
+    }
+
+    /// First pass: one call per id.
+    pub fn count(&mut self, event_time_ms: i64) {
+        let span = Self::span(self.horizon_ms);
+        *self
+            .counts
+            .entry(event_time_ms.div_euclid(span))
+            .or_default() += 1;
+    }
+
+    /// Ends the first pass.
+    pub fn into_fill(self) -> FilterFill {
+        FilterFill {
+            horizon_ms: self.horizon_ms,
+            generations: self
+                .counts
+                .into_iter()
+                .map(|(span, count)| (span, Generation::new(count.max(1))))
+                .collect(),
+        }
+    }
+}
+
+/// Second pass of a [`FilterBuilder`].
+#[derive(Debug, Clone)]
+pub struct FilterFill {
+    horizon_ms: i64,
+    generations: BTreeMap<i64, Generation>,
+}
+
+impl FilterFill {
+    pub fn insert(&mut self, hash: u64, event_time_ms: i64) {
+        let span = FilterBuilder::span(self.horizon_ms);
+        let g = self
+            .generations
+            .entry(event_time_ms.div_euclid(span))
+            .or_insert_with(|| Generation::new(DEFAULT_FIRST_CAPACITY));
+        g.bloom.insert(hash);
+        g.count += 1;
+        g.earliest_ms = g.earliest_ms.min(event_time_ms);
+        g.latest_ms = g.latest_ms.max(event_time_ms);
+    }
+
+    /// The filter, oldest generation first, for [`SeenIdFilter::absorb`].
+    pub fn finish(self) -> SeenIdFilter {
+        let mut generations: Vec<Generation> = self
+            .generations
+            .into_values()
+            .filter(|g| g.count > 0)
+            .collect();
+        if generations.is_empty() {
+            generations.push(Generation::new(DEFAULT_FIRST_CAPACITY));
+        }
+        SeenIdFilter {
+            horizon_ms: self.horizon_ms,
+            generations,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -224,6 +307,27 @@ mod tests {
         assert!(f.len() < 2_000);
     }
 
+    #[test]
+    fn a_filter_built_from_unordered_ids_has_one_generation_per_half_horizon() {
+        let mut builder = FilterBuilder::new(1_000);
+        let times: Vec<i64> = (0..3_000).map(|n| (n * 7_919) % 1_500).collect();
+        for &t in &times {
+            builder.count(t);
+        }
+        let mut fill = builder.into_fill();
+        for (n, &t) in times.iter().enumerate() {
+            fill.insert(hash(n as u64), t);
+        }
+        let f = fill.finish();
+        assert_eq!(
+            f.generations.len(),
+            3,
+            "spans [0, 500), [500, 1000), [1000, 1500)"
+        );
+        assert_eq!(f.len(), 3_000);
+        assert!(f.bytes() <= 3_000 * BITS_PER_ID / 8 + 3 * 64);
+    }
+
     proptest! {
         /// No false negative for any id within the horizon, whatever the order of event times,
         /// the capacity (tiny capacities saturate and rotate constantly) or the expiries.
@@ -258,6 +362,44 @@ mod tests {
             for (n, &t) in times.iter().enumerate() {
                 if t + horizon > watermark {
                     prop_assert!(f.maybe_contains(hash(n as u64)), "id {n} at {t} forgotten at watermark {watermark}");
+                }
+            }
+        }
+
+        /// Built from the ids in any order, in two passes (with ids the first pass did not
+        /// count, as when the store gains ids between them) and absorbed into a live filter, no
+        /// id within the horizon is forgotten.
+        #[test]
+        fn a_filter_built_in_any_order_never_forgets_an_id_within_the_horizon(
+            times in prop::collection::vec(-3_000i64..5_000, 1..400),
+            uncounted in 0usize..50,
+            horizon in 1i64..3_000,
+            later in prop::collection::vec(0i64..6_000, 0..50),
+        ) {
+            let mut builder = FilterBuilder::new(horizon);
+            for &t in times.iter().skip(uncounted) {
+                builder.count(t);
+            }
+            let mut fill = builder.into_fill();
+            for (n, &t) in times.iter().enumerate() {
+                fill.insert(hash(n as u64), t);
+            }
+            let mut f = SeenIdFilter::new(horizon, 4);
+            f.absorb(fill.finish());
+            let mut watermark = times.iter().copied().max().unwrap_or(0) - horizon / 2;
+            for (n, &t) in later.iter().enumerate() {
+                f.insert(hash(10_000 + n as u64), t);
+                watermark = watermark.max(t - 100);
+                f.expire(watermark);
+            }
+            for (n, &t) in times.iter().enumerate() {
+                if t + horizon > watermark {
+                    prop_assert!(f.maybe_contains(hash(n as u64)), "id {n} at {t} forgotten at watermark {watermark}");
+                }
+            }
+            for (n, &t) in later.iter().enumerate() {
+                if t + horizon > watermark {
+                    prop_assert!(f.maybe_contains(hash(10_000 + n as u64)));
                 }
             }
         }

@@ -58,21 +58,13 @@ pub fn seen_id(p: PartitionId, id: &[u8]) -> Vec<u8> {
     k
 }
 
-pub fn seen_time_prefix(p: PartitionId, t: i64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(12);
-    k.extend_from_slice(&i32_key(p));
-    k.extend_from_slice(&i64_key(t));
-    k
+/// The partition of a dedup id key.
+pub fn seen_partition(k: &[u8]) -> Option<PartitionId> {
+    read_i32(k)
 }
 
-pub fn seen_time(p: PartitionId, t: i64, id: &[u8]) -> Vec<u8> {
-    let mut k = seen_time_prefix(p, t);
-    k.extend_from_slice(id);
-    k
-}
-
-pub fn decode_seen_time(k: &[u8]) -> Option<(PartitionId, i64, &[u8])> {
-    Some((read_i32(k)?, read_i64(k.get(4..)?)?, k.get(12..)?))
+pub fn decode_seen_id(k: &[u8]) -> Option<(PartitionId, &[u8])> {
+    Some((read_i32(k)?, k.get(4..)?))
 }
 
 #[cfg(test)]
@@ -83,10 +75,11 @@ mod tests {
     fn numeric_order_is_byte_order() {
         let values = [i64::MIN, -5, -1, 0, 1, 60_000, i64::MAX];
         for w in values.windows(2) {
-            assert!(seen_time_prefix(-1, w[0]) < seen_time_prefix(-1, w[1]));
             assert!(window_prefix(3, w[0]) < window_prefix(3, w[1]));
         }
         assert!(window_prefix(-1, i64::MAX) < window_prefix(0, i64::MIN));
+        assert!(seen_id(-1, b"\xff\xff") < seen_id(0, b""));
+        assert_eq!(decode_seen_id(&seen_id(-7, b"id")), Some((-7, &b"id"[..])));
     }
 
     #[test]

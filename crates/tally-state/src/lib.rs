@@ -11,8 +11,10 @@ pub mod replay;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
+use rocksdb::compaction_filter::{CompactionFilter, Decision};
+use rocksdb::compaction_filter_factory::{CompactionFilterContext, CompactionFilterFactory};
 use rocksdb::{
     BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options,
     WriteBatch, WriteBufferManager, WriteOptions,
@@ -23,12 +25,16 @@ use tally_core::{
 };
 
 /// Version of the on-disk layout. Bump on any change to keys or encodings.
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: dedup ids expire in compaction; version 1 also kept them in a time index, which an open
+/// drops (the id entries are the same).
+pub const FORMAT_VERSION: u32 = 2;
+const FORMAT_WITH_TIME_INDEX: u32 = 1;
 
 const CF_META: &str = "meta";
 const CF_WINDOWS: &str = "windows";
 const CF_SEEN_ID: &str = "seen_by_id";
-const CF_SEEN_TIME: &str = "seen_by_time";
+/// Format 1's dedup time index, dropped when such a store is opened.
+const CF_SEEN_TIME_V1: &str = "seen_by_time";
 const CF_PENDING: &str = "pending";
 /// The changelog records of each pre-committed epoch, until its transaction carried them.
 const CF_PENDING_CHANGELOG: &str = "pending_changelog";
@@ -141,17 +147,94 @@ pub struct StateStore {
     job: String,
     meta: Mutex<Option<CheckpointMeta>>,
     writer: String,
+    /// The metadata's expiry cutoffs, for lookups (without the metadata's lock, which a
+    /// pre-commit holds through its sync) and for compaction, which drops the ids before them.
+    expiry: ExpiryCutoffs,
+}
+
+/// Per partition, dedup entries with event time before the cutoff are expired.
+#[derive(Debug, Clone, Default)]
+struct ExpiryCutoffs(Arc<RwLock<Cutoffs>>);
+
+#[derive(Debug, Default)]
+struct Cutoffs {
+    /// Of the metadata as it is now: what reads see.
+    current: BTreeMap<PartitionId, i64>,
+    /// Of synced metadata only, for compaction: dropping ids by a cutoff that a crash then
+    /// lost would leave the reopened store without ids it still needs.
+    durable: BTreeMap<PartitionId, i64>,
+}
+
+impl ExpiryCutoffs {
+    fn publish(&self, cutoffs: &BTreeMap<PartitionId, i64>, synced: bool) {
+        let mut c = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        if c.current != *cutoffs {
+            c.current.clone_from(cutoffs);
+        }
+        if synced && c.durable != *cutoffs {
+            c.durable.clone_from(cutoffs);
+        }
+    }
+
+    fn durable(&self) -> BTreeMap<PartitionId, i64> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .durable
+            .clone()
+    }
+
+    fn is_expired(&self, partition: PartitionId, event_time_ms: i64) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .current
+            .get(&partition)
+            .is_some_and(|cutoff| event_time_ms < *cutoff)
+    }
+}
+
+/// Compaction of the id column family drops expired ids: an id is written once and never
+/// deleted (no time index to walk, no tombstones).
+impl CompactionFilterFactory for ExpiryCutoffs {
+    type Filter = ExpiredIds;
+
+    fn create(&mut self, _: CompactionFilterContext) -> ExpiredIds {
+        ExpiredIds(self.durable())
+    }
+
+    fn name(&self) -> &std::ffi::CStr {
+        c"tally-expired-ids"
+    }
+}
+
+struct ExpiredIds(BTreeMap<PartitionId, i64>);
+
+impl CompactionFilter for ExpiredIds {
+    fn filter(&mut self, _level: u32, key: &[u8], value: &[u8]) -> Decision {
+        let expired = keys::seen_partition(key)
+            .zip(<[u8; 8]>::try_from(value).ok().map(i64::from_be_bytes))
+            .is_some_and(|(p, t)| self.0.get(&p).is_some_and(|cutoff| t < *cutoff));
+        if expired {
+            Decision::Remove
+        } else {
+            Decision::Keep
+        }
+    }
+
+    fn name(&self) -> &std::ffi::CStr {
+        c"tally-expired-ids"
+    }
 }
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
-const ALL_CFS: [&str; 6] = [
+const ALL_CFS: [&str; 5] = [
     CF_META,
     CF_WINDOWS,
     CF_SEEN_ID,
-    CF_SEEN_TIME,
     CF_PENDING,
     CF_PENDING_CHANGELOG,
 ];
@@ -199,7 +282,7 @@ impl StateStore {
         table.set_metadata_block_size(4096);
         table.set_pin_top_level_index_and_filter(true);
         table.set_pin_l0_filter_and_index_blocks_in_cache(true);
-        // Column families only ever scanned (the dedup time index, pending epochs) get no bloom
+        // Column families only ever scanned (pending epochs) get no bloom
         // filters: building them cost flush and compaction time, and holding them cost memory
         // that grew with the dedup set, for lookups that never come.
         let mut scan_cf_opts = Options::default();
@@ -223,13 +306,22 @@ impl StateStore {
         db_opts.create_missing_column_families(true);
         db_opts.set_max_background_jobs(2);
         db_opts.set_keep_log_file_num(4);
-        let cfs = ALL_CFS.into_iter().map(|name| {
-            let opts = match name {
-                CF_SEEN_TIME | CF_PENDING | CF_PENDING_CHANGELOG => scan_cf_opts.clone(),
-                _ => cf_opts.clone(),
-            };
-            ColumnFamilyDescriptor::new(name, opts)
-        });
+        let expiry = ExpiryCutoffs::default();
+        let mut id_cf_opts = cf_opts.clone();
+        id_cf_opts.set_compaction_filter_factory(expiry.clone());
+        let has_time_index = DB::list_cf(&db_opts, &path)
+            .is_ok_and(|names| names.iter().any(|n| n == CF_SEEN_TIME_V1));
+        let cfs = ALL_CFS
+            .into_iter()
+            .chain(has_time_index.then_some(CF_SEEN_TIME_V1))
+            .map(|name| {
+                let opts = match name {
+                    CF_SEEN_ID => id_cf_opts.clone(),
+                    CF_SEEN_TIME_V1 | CF_PENDING | CF_PENDING_CHANGELOG => scan_cf_opts.clone(),
+                    _ => cf_opts.clone(),
+                };
+                ColumnFamilyDescriptor::new(name, opts)
+            });
         let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(rocks)?;
         let mut store = StateStore {
             db,
@@ -237,10 +329,14 @@ impl StateStore {
             job: job.to_owned(),
             meta: Mutex::new(None),
             writer: String::new(),
+            expiry,
         };
         store.check_format()?;
         store.writer = store.read_or_create_writer()?;
         let meta = store.read_meta()?;
+        if let Some(meta) = &meta {
+            store.expiry.publish(&meta.expired_seen_before, true);
+        }
         *store.meta_lock() = meta.clone();
         if let Some(meta) = &meta
             && meta.job != job
@@ -312,7 +408,7 @@ impl StateStore {
         })
     }
 
-    fn check_format(&self) -> Result<(), StateError> {
+    fn check_format(&mut self) -> Result<(), StateError> {
         let cf = self.cf(CF_META)?;
         match self.db.get_cf(cf, KEY_FORMAT).map_err(|e| self.rocks(e))? {
             None => {
@@ -332,6 +428,8 @@ impl StateStore {
                     })?;
                 if found == FORMAT_VERSION {
                     Ok(())
+                } else if found == FORMAT_WITH_TIME_INDEX {
+                    self.drop_time_index()
                 } else {
                     Err(StateError::UnknownFormat {
                         path: self.path.clone(),
@@ -340,6 +438,26 @@ impl StateStore {
                 }
             }
         }
+    }
+
+    /// Format 1 to 2: the time index goes (dropped first, so a crash in between leaves a
+    /// format 1 store without it, which this repeats harmlessly).
+    fn drop_time_index(&mut self) -> Result<(), StateError> {
+        if self.db.cf_handle(CF_SEEN_TIME_V1).is_some() {
+            self.db
+                .drop_cf(CF_SEEN_TIME_V1)
+                .map_err(|e| self.rocks(e))?;
+        }
+        let mut opts = WriteOptions::default();
+        opts.set_sync(true);
+        self.db
+            .put_cf_opt(
+                self.cf(CF_META)?,
+                KEY_FORMAT,
+                FORMAT_VERSION.to_be_bytes(),
+                &opts,
+            )
+            .map_err(|e| self.rocks(e))
     }
 
     fn read_meta(&self) -> Result<Option<CheckpointMeta>, StateError> {
@@ -433,6 +551,7 @@ impl StateStore {
         // its metadata over this one's.
         let mut current = self.meta_lock();
         self.write(batch)?;
+        self.expiry.publish(&meta.expired_seen_before, true);
         *current = Some(meta);
         Ok(state_bytes)
     }
@@ -463,8 +582,11 @@ impl StateStore {
             KEY_CHECKPOINT,
             self.encode(&meta, "checkpoint metadata")?,
         );
+        // Not synced, so compaction keeps the ids its cutoffs expire until the restore's synced
+        // end.
         let mut current = self.meta_lock();
         self.db.write(batch).map_err(|e| self.rocks(e))?;
+        self.expiry.publish(&meta.expired_seen_before, false);
         *current = Some(meta);
         Ok(())
     }
@@ -508,6 +630,7 @@ impl StateStore {
             self.encode(&meta, "checkpoint metadata")?,
         );
         self.write(batch)?;
+        self.expiry.publish(&meta.expired_seen_before, true);
         *current = Some(meta);
         Ok(())
     }
@@ -582,11 +705,7 @@ impl StateStore {
         seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
         base: Option<&CheckpointMeta>,
     ) -> Result<(BTreeMap<PartitionId, i64>, BTreeMap<PartitionId, i64>), StateError> {
-        let (windows_cf, id_cf, time_cf) = (
-            self.cf(CF_WINDOWS)?,
-            self.cf(CF_SEEN_ID)?,
-            self.cf(CF_SEEN_TIME)?,
-        );
+        let (windows_cf, id_cf) = (self.cf(CF_WINDOWS)?, self.cf(CF_SEEN_ID)?);
         let (mut expired_seen_before, mut closed_windows_before) = match base {
             Some(m) => (
                 m.expired_seen_before.clone(),
@@ -594,45 +713,20 @@ impl StateStore {
             ),
             None => (BTreeMap::new(), BTreeMap::new()),
         };
-        // Expiry first: a later put in the same batch for a re-seen id must win over its delete.
+        // Expiry only moves the cutoff: compaction drops the ids before it, and lookups ignore
+        // those it has not reached yet.
         for &(p, cutoff) in &checkpoint.expire_seen_before {
-            let done = expired_seen_before.get(&p).copied().unwrap_or(i64::MIN);
-            if cutoff <= done {
-                continue;
-            }
-            let start = keys::seen_time_prefix(p, done);
-            let end = keys::seen_time_prefix(p, cutoff);
-            let mut opts = rocksdb::ReadOptions::default();
-            opts.set_iterate_upper_bound(end.clone());
-            let iter = self.db.iterator_cf_opt(
-                time_cf,
-                opts,
-                IteratorMode::From(&start, Direction::Forward),
-            );
-            for item in iter {
-                let (key, _) = item.map_err(|e| self.rocks(e))?;
-                if key.as_ref() >= end.as_slice() {
-                    break;
-                }
-                batch.delete_cf(time_cf, &key);
-                let (_, _, id) = keys::decode_seen_time(&key)
-                    .ok_or_else(|| self.corrupt_key("dedup time index"))?;
-                // Each id has one time-index entry (see above): this is its id entry.
-                batch.delete_cf(id_cf, keys::seen_id(p, id));
-            }
-            expired_seen_before.insert(p, cutoff);
+            let done = expired_seen_before.entry(p).or_insert(cutoff);
+            *done = (*done).max(cutoff);
         }
-        // Entries already past these cutoffs would be deleted right away: they are not stored.
         let cutoffs = &expired_seen_before;
         for (p, id, t) in seen {
-            let by_id = keys::seen_id(p, id.as_bytes());
-            // Already past the horizon at this checkpoint: it expires with the others.
+            // Already past the horizon at this checkpoint. Any older entry of the id is past it
+            // too (else the operator would have found it a duplicate): nothing to write.
             if cutoffs.get(&p).is_some_and(|cutoff| t < *cutoff) {
-                batch.delete_cf(id_cf, &by_id);
                 continue;
             }
-            batch.put_cf(id_cf, &by_id, t.to_be_bytes());
-            batch.put_cf(time_cf, keys::seen_time(p, t, id.as_bytes()), []);
+            batch.put_cf(id_cf, keys::seen_id(p, id.as_bytes()), t.to_be_bytes());
         }
         let mut close_at = closed_windows_before.clone();
         for &(p, cutoff) in &checkpoint.close_windows_before {
@@ -704,6 +798,30 @@ impl StateStore {
         Ok(())
     }
 
+    /// Compacts the dedup ids whole, which drops every expired one now instead of when
+    /// compaction reaches it (tests; a store whose dedup set shrank).
+    pub fn compact_dedup_ids(&self) -> Result<(), StateError> {
+        let cf = self.cf(CF_SEEN_ID)?;
+        let mut opts = rocksdb::CompactOptions::default();
+        opts.set_bottommost_level_compaction(rocksdb::BottommostLevelCompaction::Force);
+        self.db
+            .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &opts);
+        Ok(())
+    }
+
+    /// Dedup entries stored, expired or not (tests: what compaction has dropped).
+    pub fn stored_dedup_entries(&self) -> Result<usize, StateError> {
+        let mut n = 0;
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_SEEN_ID)?, IteratorMode::Start)
+        {
+            item.map_err(|e| self.rocks(e))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// Epochs pre-committed and not yet marked committed, oldest first: what a restart must
     /// complete before reading new input.
     pub fn pending_epochs(&self) -> Result<Vec<Epoch>, StateError> {
@@ -747,13 +865,10 @@ impl StateStore {
         self.db.write_opt(batch, &opts).map_err(|e| self.rocks(e))
     }
 
-    fn seen_at(&self, cf: &rocksdb::ColumnFamily, key: &[u8]) -> Result<Option<i64>, StateError> {
-        match self.db.get_pinned_cf(cf, key).map_err(|e| self.rocks(e))? {
-            None => Ok(None),
-            Some(v) => <[u8; 8]>::try_from(v.as_ref())
-                .map(|b| Some(i64::from_be_bytes(b)))
-                .map_err(|_| self.corrupt_key("dedup entry")),
-        }
+    fn seen_time(&self, value: &[u8]) -> Result<i64, StateError> {
+        <[u8; 8]>::try_from(value)
+            .map(i64::from_be_bytes)
+            .map_err(|_| self.corrupt_key("dedup entry"))
     }
 
     fn corrupt_key(&self, what: &'static str) -> StateError {
@@ -764,40 +879,40 @@ impl StateStore {
         }
     }
 
-    /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, oldest
-    /// first, from a consistent snapshot (the operator rebuilds its id filter from it).
+    /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, in id
+    /// order, from a consistent snapshot (the operator rebuilds its id filter from it).
     pub fn scan_seen(
         &self,
         partition: PartitionId,
         mut f: impl FnMut(&[u8], i64),
     ) -> Result<u64, StateError> {
-        let time_cf = self.cf(CF_SEEN_TIME)?;
-        let from = self
+        let id_cf = self.cf(CF_SEEN_ID)?;
+        let cutoff = self
             .meta()
             .and_then(|m| m.expired_seen_before.get(&partition).copied())
             .unwrap_or(i64::MIN);
-        let start = keys::seen_time_prefix(partition, from);
+        let start = keys::seen_id(partition, b"");
         let mut opts = rocksdb::ReadOptions::default();
         if let Some(next) = partition.checked_add(1) {
-            opts.set_iterate_upper_bound(keys::seen_time_prefix(next, i64::MIN));
+            opts.set_iterate_upper_bound(keys::seen_id(next, b""));
         }
         // A one-off walk: leave the cache to the lookups.
         opts.fill_cache(false);
-        let iter = self.db.iterator_cf_opt(
-            time_cf,
-            opts,
-            IteratorMode::From(&start, Direction::Forward),
-        );
+        let iter =
+            self.db
+                .iterator_cf_opt(id_cf, opts, IteratorMode::From(&start, Direction::Forward));
         let mut count = 0;
         for item in iter {
-            let (key, _) = item.map_err(|e| self.rocks(e))?;
-            let (p, t, id) =
-                keys::decode_seen_time(&key).ok_or_else(|| self.corrupt_key("dedup time index"))?;
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            let (p, id) = keys::decode_seen_id(&key).ok_or_else(|| self.corrupt_key("dedup id"))?;
             if p != partition {
                 break;
             }
-            f(id, t);
-            count += 1;
+            let t = self.seen_time(&value)?;
+            if t >= cutoff {
+                f(id, t);
+                count += 1;
+            }
         }
         Ok(count)
     }
@@ -814,31 +929,17 @@ impl StateStore {
         Ok(out)
     }
 
-    /// Every live dedup entry as (partition, event id, event time), checking both indexes agree.
+    /// Every live dedup entry as (partition, event id, event time), sorted.
     pub fn seen_entries(&self) -> Result<Vec<(PartitionId, String, i64)>, StateError> {
-        let time_cf = self.cf(CF_SEEN_TIME)?;
         let id_cf = self.cf(CF_SEEN_ID)?;
         let mut out = Vec::new();
-        for item in self.db.iterator_cf(time_cf, IteratorMode::Start) {
-            let (key, _) = item.map_err(|e| self.rocks(e))?;
-            let (p, t, id) =
-                keys::decode_seen_time(&key).ok_or_else(|| self.corrupt_key("dedup time index"))?;
-            if self.seen_at(id_cf, &keys::seen_id(p, id))? != Some(t) {
-                return Err(StateError::Corrupt {
-                    path: self.path.clone(),
-                    what: "dedup indexes",
-                    detail: format!("time index entry without id entry in partition {p}"),
-                });
+        for item in self.db.iterator_cf(id_cf, IteratorMode::Start) {
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            let (p, id) = keys::decode_seen_id(&key).ok_or_else(|| self.corrupt_key("dedup id"))?;
+            let t = self.seen_time(&value)?;
+            if !self.expiry.is_expired(p, t) {
+                out.push((p, String::from_utf8_lossy(id).into_owned(), t));
             }
-            out.push((p, String::from_utf8_lossy(id).into_owned(), t));
-        }
-        let ids = self.db.iterator_cf(id_cf, IteratorMode::Start).count();
-        if ids != out.len() {
-            return Err(StateError::Corrupt {
-                path: self.path.clone(),
-                what: "dedup indexes",
-                detail: format!("{ids} ids but {} time entries", out.len()),
-            });
         }
         out.sort();
         Ok(out)
@@ -869,9 +970,17 @@ impl StateReader for StateStore {
         partition: PartitionId,
         event_id: &str,
     ) -> Result<Option<i64>, StateError> {
-        self.seen_at(
-            self.cf(CF_SEEN_ID)?,
-            &keys::seen_id(partition, event_id.as_bytes()),
-        )
+        let key = keys::seen_id(partition, event_id.as_bytes());
+        match self
+            .db
+            .get_pinned_cf(self.cf(CF_SEEN_ID)?, key)
+            .map_err(|e| self.rocks(e))?
+        {
+            None => Ok(None),
+            Some(v) => {
+                let t = self.seen_time(&v)?;
+                Ok((!self.expiry.is_expired(partition, t)).then_some(t))
+            }
+        }
     }
 }

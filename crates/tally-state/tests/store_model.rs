@@ -144,6 +144,9 @@ proptest! {
                 store.mark_committed(cp.epoch).unwrap();
             }
         }
+        // Compaction drops what expired, and nothing else.
+        store.compact_dedup_ids().unwrap();
+        prop_assert_eq!(store.stored_dedup_entries().unwrap(), model.seen.len());
         drop(store);
         let store = StateStore::open(dir.path(), "job").unwrap();
         let windows: BTreeMap<_, _> = store.windows().unwrap().into_iter().map(|(p, k, v)| ((p, k), v)).collect();
@@ -230,7 +233,6 @@ fn an_unknown_format_version_is_refused_not_misread() {
             "meta",
             "windows",
             "seen_by_id",
-            "seen_by_time",
             "pending",
             "pending_changelog",
         ];
@@ -250,8 +252,63 @@ fn an_unknown_format_version_is_refused_not_misread() {
     assert!(err.to_string().contains("version 99"), "{err}");
 }
 
+/// A format 1 store (ids also in a time index) opens as format 2: the index is dropped, the ids
+/// stay, and a build of format 1 would now refuse it.
 #[test]
-fn reseen_id_moves_its_time_index_entry() {
+fn a_format_1_store_loses_its_time_index_and_keeps_its_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = StateStore::open(dir.path(), "job").unwrap();
+        store
+            .pre_commit(&checkpoint(1, &[Op::Seen { p: 0, id: 1, t: 5 }]))
+            .unwrap();
+    }
+    {
+        let mut opts = rocksdb::Options::default();
+        opts.create_missing_column_families(true);
+        let cfs = [
+            "meta",
+            "windows",
+            "seen_by_id",
+            "seen_by_time",
+            "pending",
+            "pending_changelog",
+        ];
+        let db = rocksdb::DB::open_cf(&opts, dir.path(), cfs).unwrap();
+        db.put_cf(
+            db.cf_handle("seen_by_time").unwrap(),
+            b"time-index-entry",
+            [],
+        )
+        .unwrap();
+        db.put_cf(
+            db.cf_handle("meta").unwrap(),
+            b"format_version",
+            1u32.to_be_bytes(),
+        )
+        .unwrap();
+    }
+    let store = StateStore::open(dir.path(), "job").unwrap();
+    assert_eq!(
+        store.seen_entries().unwrap(),
+        vec![(0, "e1".to_string(), 5)]
+    );
+    drop(store);
+    let cfs = rocksdb::DB::list_cf(&rocksdb::Options::default(), dir.path()).unwrap();
+    assert!(!cfs.iter().any(|c| c == "seen_by_time"), "{cfs:?}");
+    let db =
+        rocksdb::DB::open_cf_for_read_only(&rocksdb::Options::default(), dir.path(), &cfs, false)
+            .unwrap();
+    let version = db
+        .get_cf(db.cf_handle("meta").unwrap(), b"format_version")
+        .unwrap()
+        .unwrap();
+    assert_eq!(version, tally_state::FORMAT_VERSION.to_be_bytes());
+    assert_eq!(tally_state::FORMAT_VERSION, 2);
+}
+
+#[test]
+fn a_reseen_id_keeps_its_new_time_through_expiry_and_compaction() {
     let dir = tempfile::tempdir().unwrap();
     let store = StateStore::open(dir.path(), "job").unwrap();
     store
@@ -283,6 +340,45 @@ fn reseen_id_moves_its_time_index_entry() {
     assert_eq!(
         store.seen_entries().unwrap(),
         vec![(0, "e1".to_string(), 30)]
+    );
+    store.compact_dedup_ids().unwrap();
+    assert_eq!(store.stored_dedup_entries().unwrap(), 1);
+    assert_eq!(store.seen_event_time(0, "e1").unwrap(), Some(30));
+}
+
+/// An expired id no compaction has reached yet reads as absent, and compaction then drops it,
+/// across a reopen (the cutoff is durable metadata).
+#[test]
+fn an_expired_id_reads_as_absent_before_compaction_drops_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path(), "job").unwrap();
+    store
+        .pre_commit(&checkpoint(
+            1,
+            &[
+                Op::Seen { p: 0, id: 1, t: 5 },
+                Op::Seen { p: 1, id: 1, t: 5 },
+            ],
+        ))
+        .unwrap();
+    store
+        .pre_commit(&checkpoint(2, &[Op::Expire { p: 0, cutoff: 10 }]))
+        .unwrap();
+    assert_eq!(store.stored_dedup_entries().unwrap(), 2);
+    assert_eq!(store.seen_event_time(0, "e1").unwrap(), None);
+    assert_eq!(store.seen_event_time(1, "e1").unwrap(), Some(5));
+    let mut scanned = Vec::new();
+    store
+        .scan_seen(0, |id, t| scanned.push((id.to_vec(), t)))
+        .unwrap();
+    assert!(scanned.is_empty(), "{scanned:?}");
+    drop(store);
+    let store = StateStore::open(dir.path(), "job").unwrap();
+    store.compact_dedup_ids().unwrap();
+    assert_eq!(store.stored_dedup_entries().unwrap(), 1);
+    assert_eq!(
+        store.seen_entries().unwrap(),
+        vec![(1, "e1".to_string(), 5)]
     );
 }
 

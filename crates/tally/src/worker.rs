@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, WriteOutcome, WriteStep};
+use tally_core::seen_filter::{FilterBuilder, id_hash};
 use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
     SeenIdFilter, WithInFlight,
@@ -1140,26 +1141,31 @@ fn rebuild_seen_filters(
         .spawn(move || {
             for partition in partitions {
                 let started = Instant::now();
-                let mut filter =
-                    SeenIdFilter::new(horizon_ms, tally_core::seen_filter::DEFAULT_FIRST_CAPACITY);
-                let scanned = store.scan_seen(partition, |id, t| {
-                    filter.insert(tally_core::seen_filter::id_hash(id), t)
-                });
+                let mut builder = FilterBuilder::new(horizon_ms);
+                let scanned = store
+                    .scan_seen(partition, |_, t| builder.count(t))
+                    .and_then(|_| {
+                        let mut fill = builder.into_fill();
+                        let ids = store.scan_seen(partition, |id, t| fill.insert(id_hash(id), t))?;
+                        Ok((ids, fill.finish()))
+                    });
                 match scanned {
-                    Ok(ids) => tracing::info!(
-                        partition,
-                        ids,
-                        bytes = filter.bytes(),
-                        millis = started.elapsed().as_millis() as u64,
-                        "rebuilt the dedup id filter"
-                    ),
+                    Ok((ids, filter)) => {
+                        tracing::info!(
+                            partition,
+                            ids,
+                            bytes = filter.bytes(),
+                            millis = started.elapsed().as_millis() as u64,
+                            "rebuilt the dedup id filter"
+                        );
+                        if tx.send((partition, filter)).is_err() {
+                            return;
+                        }
+                    }
                     Err(e) => {
                         tracing::warn!(partition, error = %e, "could not rebuild the dedup id filter; every lookup goes to the store");
                         return;
                     }
-                }
-                if tx.send((partition, filter)).is_err() {
-                    return;
                 }
             }
         })
