@@ -230,9 +230,17 @@ fn classify(raw: &RawValue) -> Raw<'_> {
     }
 }
 
-fn string_of(raw: &RawValue) -> Result<String, Poison> {
-    serde_json::from_str::<String>(raw.get())
-        .map_err(|e| Poison::new(PoisonReason::InvalidJson, format!("bad string: {e}")))
+/// A JSON string's text, borrowed from the record when it has no escape (almost always): serde_json
+/// has validated the raw value, so the text between the quotes is the string. Decoding then
+/// allocates only for the fields the operator keeps.
+fn string_of(raw: &RawValue) -> Result<Cow<'_, str>, Poison> {
+    let text = raw.get();
+    match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
+        Some(inner) if !inner.contains('\\') => Ok(Cow::Borrowed(inner)),
+        _ => serde_json::from_str::<String>(text)
+            .map(Cow::Owned)
+            .map_err(|e| Poison::new(PoisonReason::InvalidJson, format!("bad string: {e}"))),
+    }
 }
 
 impl RecordDecoder {
@@ -286,7 +294,7 @@ impl RecordDecoder {
                 )),
             }
         };
-        let required_string = |field: Field, name: &str| -> Result<String, Poison> {
+        let required_string = |field: Field, name: &str| -> Result<Cow<'_, str>, Poison> {
             match classify(get(field, name)?) {
                 Raw::Str(raw) => string_of(raw),
                 Raw::Number(_) => Err(Poison::new(
@@ -327,7 +335,7 @@ impl RecordDecoder {
         }
         let amount_text = match classify(get(Field::Amount, &m.amount)?) {
             Raw::Str(raw) => string_of(raw)?,
-            Raw::Number(text) => text.to_owned(),
+            Raw::Number(text) => Cow::Borrowed(text),
             Raw::Other(kind) => {
                 return Err(Poison::new(
                     PoisonReason::WrongType,
@@ -385,9 +393,9 @@ impl RecordDecoder {
             ));
         }
         Ok(OrderEvent {
-            event_id,
-            customer_id,
-            currency,
+            event_id: event_id.into_owned(),
+            customer_id: customer_id.into_owned(),
+            currency: currency.into_owned(),
             amount,
             event_time_ms,
         })
@@ -429,6 +437,22 @@ mod tests {
         assert_eq!(ev.customer_id, "c\"1");
         assert_eq!(ev.amount, Amount(-5_000));
         assert_eq!(ev.event_time_ms, 1000);
+    }
+
+    /// Strings without escapes are read in place: that relies on serde_json rejecting what a
+    /// JSON string may not hold raw, and escaped amounts and times still decode.
+    #[test]
+    fn strings_read_in_place_are_validated_and_escaped_ones_unescaped() {
+        let raw_newline = b"{\"event_id\":\"e\n1\",\"customer_id\":\"c1\",\"currency\":\"EUR\",\"amount\":\"1.5\",\"event_time\":1000}";
+        let err = decoder()
+            .decode(Some(raw_newline))
+            .expect_err("control character");
+        assert_eq!(err.reason, PoisonReason::InvalidJson, "{err:?}");
+        let escaped = br#"{"event_id":"e1","customer_id":"c1","currency":"E\u0055R","amount":"1\u002e5","event_time":"2026-12-01T00:00:00\u005a"}"#;
+        let ev = decoder().decode(Some(escaped)).expect("valid");
+        assert_eq!(ev.currency, "EUR");
+        assert_eq!(ev.amount, Amount(15_000));
+        assert_eq!(ev.event_time_ms, 1_796_083_200_000);
     }
 
     #[test]
