@@ -96,6 +96,13 @@ impl Generation {
             latest_ms: i64::MIN,
         }
     }
+
+    fn add(&mut self, hash: u64, event_time_ms: i64) {
+        self.bloom.insert(hash);
+        self.count += 1;
+        self.earliest_ms = self.earliest_ms.min(event_time_ms);
+        self.latest_ms = self.latest_ms.max(event_time_ms);
+    }
 }
 
 /// The ids of one partition's dedup set, as a filter. See the module documentation.
@@ -137,10 +144,7 @@ impl SeenIdFilter {
             self.generations.push(Generation::new(capacity));
         }
         if let Some(g) = self.generations.last_mut() {
-            g.bloom.insert(hash);
-            g.count += 1;
-            g.earliest_ms = g.earliest_ms.min(event_time_ms);
-            g.latest_ms = g.latest_ms.max(event_time_ms);
+            g.add(hash, event_time_ms);
         }
     }
 
@@ -243,14 +247,10 @@ pub struct FilterFill {
 impl FilterFill {
     pub fn insert(&mut self, hash: u64, event_time_ms: i64) {
         let span = FilterBuilder::span(self.horizon_ms);
-        let g = self
-            .generations
+        self.generations
             .entry(event_time_ms.div_euclid(span))
-            .or_insert_with(|| Generation::new(DEFAULT_FIRST_CAPACITY));
-        g.bloom.insert(hash);
-        g.count += 1;
-        g.earliest_ms = g.earliest_ms.min(event_time_ms);
-        g.latest_ms = g.latest_ms.max(event_time_ms);
+            .or_insert_with(|| Generation::new(DEFAULT_FIRST_CAPACITY))
+            .add(hash, event_time_ms);
     }
 
     /// The filter, oldest generation first, for [`SeenIdFilter::absorb`].

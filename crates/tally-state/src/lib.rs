@@ -887,10 +887,6 @@ impl StateStore {
         mut f: impl FnMut(&[u8], i64),
     ) -> Result<u64, StateError> {
         let id_cf = self.cf(CF_SEEN_ID)?;
-        let cutoff = self
-            .meta()
-            .and_then(|m| m.expired_seen_before.get(&partition).copied())
-            .unwrap_or(i64::MIN);
         let start = keys::seen_id(partition, b"");
         let mut opts = rocksdb::ReadOptions::default();
         if let Some(next) = partition.checked_add(1) {
@@ -909,7 +905,7 @@ impl StateStore {
                 break;
             }
             let t = self.seen_time(&value)?;
-            if t >= cutoff {
+            if !self.expiry.is_expired(partition, t) {
                 f(id, t);
                 count += 1;
             }
