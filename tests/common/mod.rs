@@ -447,6 +447,28 @@ pub fn assert_stops_exact(
     assert_eq!(sorted(dead), expected_dead_letters(manifest));
 }
 
+/// Asserts the job's last checkpoint is committed and accounts for every record exactly once:
+/// each partition's counts balance and reach its offset, and they sum to `produced`. Returns
+/// the partitions it holds.
+pub fn assert_accounting(job: &Job, produced: u64) -> usize {
+    let store =
+        tally_state::StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+    let meta = store.meta().expect("a checkpoint");
+    assert_eq!(meta.status, tally_state::EpochStatus::Committed);
+    let mut consumed = 0;
+    for (p, c) in &meta.partitions {
+        assert!(c.totals.balances(), "partition {p}: {:?}", c.totals);
+        assert_eq!(
+            c.totals.consumed as i64, c.next_offset,
+            "partition {p}: every offset consumed exactly once"
+        );
+        consumed += c.totals.consumed;
+    }
+    // A record processed twice would make this larger, one skipped smaller.
+    assert_eq!(consumed, produced);
+    meta.partitions.len()
+}
+
 /// Reads a topic to its end with read_committed and returns (source partition, source offset, reason)
 /// per dead letter, in read order.
 pub fn read_dead_letters(topic: &str) -> Vec<(i32, i64, String)> {

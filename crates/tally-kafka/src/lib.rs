@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
@@ -204,6 +204,47 @@ pub async fn ensure_topic(
         }
         Some(Err((name, code))) => Err(Error::Kafka {
             context: format!("creating topic {name}"),
+            source: KafkaError::AdminOp(code),
+        }),
+    }
+}
+
+/// Grows `topic` to `partitions` partitions if it has fewer (tally's per-source-partition
+/// topics follow the source topic when partitions are added to it). True when it grew.
+pub async fn ensure_partitions(
+    settings: &KafkaSettings,
+    topic: &str,
+    partitions: usize,
+) -> Result<bool> {
+    let admin: AdminClient<DefaultClientContext> = settings
+        .client_config()
+        .create()
+        .map_err(kafka("creating admin client"))?;
+    let metadata = admin
+        .inner()
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .map_err(kafka(format!("fetching metadata of {topic}")))?;
+    let has = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .map_or(0, |t| t.partitions().len());
+    if has >= partitions {
+        return Ok(false);
+    }
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let results = admin
+        .create_partitions([&NewPartitions::new(topic, partitions)], &opts)
+        .await
+        .map_err(kafka(format!("adding partitions to {topic}")))?;
+    match results.into_iter().next() {
+        Some(Ok(_)) | None => Ok(true),
+        // Another worker grew it first.
+        Some(Err((_, RDKafkaErrorCode::InvalidPartitions))) => Ok(false),
+        Some(Err((name, code))) => Err(Error::Kafka {
+            context: format!(
+                "adding partitions to {name} (it has {has}, the source topic {partitions})"
+            ),
             source: KafkaError::AdminOp(code),
         }),
     }

@@ -4,6 +4,7 @@
 //! committed metadata says whether that transaction committed, and who commits the job.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use rdkafka::consumer::ConsumerGroupMetadata;
@@ -13,7 +14,7 @@ use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedPr
 use rdkafka::{Offset as KOffset, TopicPartitionList};
 use tally_core::{DeadLetter, Epoch, Offset, PartitionId};
 
-use crate::{KafkaSettings, Result, kafka, set_default};
+use crate::{Error, KafkaSettings, Result, kafka, set_default};
 
 pub const HEADER_REASON: &str = "tally.reason";
 pub const HEADER_ERROR: &str = "tally.error";
@@ -79,6 +80,10 @@ pub struct EpochProducer {
     topic: String,
     changelog_topic: String,
     source_topic: String,
+    /// Partitions of the changelog topic this producer's metadata is known to have: a partition
+    /// added since (the source topic grew) is looked up before its first record, which
+    /// librdkafka would otherwise fail for a partition its cached metadata lacks.
+    changelog_partitions: AtomicUsize,
 }
 
 /// What one epoch's transaction carries.
@@ -125,6 +130,7 @@ impl EpochProducer {
             topic: topics.dead_letters.to_owned(),
             changelog_topic: topics.changelog.to_owned(),
             source_topic: topics.source.to_owned(),
+            changelog_partitions: AtomicUsize::new(0),
         })
     }
 
@@ -159,6 +165,9 @@ impl EpochProducer {
         }: &EpochCommit<'_>,
         group: &ConsumerGroupMetadata,
     ) -> Result<()> {
+        if let Some(needed) = changelog.iter().map(|(p, _)| *p).max() {
+            self.know_changelog_partition(needed)?;
+        }
         self.producer
             .begin_transaction()
             .map_err(kafka("beginning transaction"))?;
@@ -199,6 +208,36 @@ impl EpochProducer {
             .map_err(kafka(format!(
                 "committing dead-letter transaction of epoch {epoch}"
             )))
+    }
+
+    /// Makes sure the producer's metadata has changelog partition `partition`, refreshing it
+    /// (which updates librdkafka's cache) when it was not known to.
+    fn know_changelog_partition(&self, partition: PartitionId) -> Result<()> {
+        let needed = usize::try_from(partition).unwrap_or(0) + 1;
+        if self.changelog_partitions.load(Ordering::Relaxed) >= needed {
+            return Ok(());
+        }
+        let metadata = self
+            .producer
+            .client()
+            .fetch_metadata(Some(&self.changelog_topic), TIMEOUT)
+            .map_err(kafka(format!(
+                "fetching metadata of {}",
+                self.changelog_topic
+            )))?;
+        let has = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == self.changelog_topic)
+            .map_or(0, |t| t.partitions().len());
+        self.changelog_partitions.store(has, Ordering::Relaxed);
+        if has < needed {
+            return Err(Error::Other(format!(
+                "changelog topic {} has {has} partitions and source partition {partition} has none; tally adds them when it discovers the source partition",
+                self.changelog_topic
+            )));
+        }
+        Ok(())
     }
 
     fn send(&self, dl: &DeadLetter) -> Result<()> {

@@ -157,6 +157,9 @@ fn default_max_epochs_in_flight() -> u64 {
 fn default_session_timeout() -> Millis {
     Millis(10_000)
 }
+fn default_partition_discovery_interval() -> Millis {
+    Millis(30_000)
+}
 fn default_standby_refresh() -> Millis {
     Millis(10_000)
 }
@@ -181,6 +184,10 @@ pub struct KafkaConfig {
     /// broker's `default.replication.factor`.
     #[serde(default)]
     pub topic_replication_factor: Option<i32>,
+    /// How often a running worker looks for partitions added to the source topic; "0s": only
+    /// at its start.
+    #[serde(default = "default_partition_discovery_interval")]
+    pub partition_discovery_interval: Millis,
     /// librdkafka properties passed through to every client (TLS, SASL, tuning).
     #[serde(default)]
     pub client: BTreeMap<String, String>,
@@ -655,6 +662,7 @@ password = "hunter2"
         assert_eq!(c.dlq_topic(), "orders.dlq");
         assert_eq!(c.transactional_id(), "tally-revenue_agg");
         assert_eq!(c.job.checkpoint_interval, Millis(5_000));
+        assert_eq!(c.kafka.partition_discovery_interval, Millis(30_000));
     }
 
     #[test]

@@ -218,6 +218,22 @@ impl LagMeasured {
     }
 }
 
+/// Partitions added to the source topic while the worker ran: consumed from their earliest
+/// offsets, since every record in them arrived after the job started.
+pub struct PartitionsAdded<'a> {
+    /// Each new partition with the offset it starts at.
+    pub added: &'a [(tally_core::PartitionId, i64)],
+    pub partitions: usize,
+}
+
+impl PartitionsAdded<'_> {
+    pub fn emit(&self) {
+        tracing::info!(added = ?self.added, partitions = self.partitions, "partitions added to the source topic; consuming them from their earliest offsets");
+        counter!("tally_source_partitions_added_total").increment(self.added.len() as u64);
+        gauge!("tally_source_partitions").set(self.partitions as f64);
+    }
+}
+
 /// The state directory was brought to the job's committed state from the changelog: `whole`,
 /// a restore into an empty directory; otherwise a catch-up of what was committed since its
 /// state (a warm standby's round, or the rest at a takeover).

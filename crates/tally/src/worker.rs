@@ -40,7 +40,7 @@ use tokio::runtime::Handle;
 use crate::config::{self, Config};
 use crate::events::{
     BarrierPause, ChangelogTruncated, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes,
-    EpochRecovered, Folded, LagMeasured, SinkRetry,
+    EpochRecovered, Folded, LagMeasured, PartitionsAdded, SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
@@ -280,38 +280,14 @@ impl Worker {
             }
             source.partitions().map(Ok).map_err(|e| e.to_string())
         })??;
-        // tally's own topics, one partition per source partition.
-        let own_topics = [
-            (
-                config.dlq_topic(),
-                &[("max.message.bytes", "16777216")][..],
-                "dead-letter",
-            ),
-            (
-                config.changelog_topic(),
-                CHANGELOG_TOPIC_CONFIG,
-                "changelog",
-            ),
-        ];
-        for (topic, settings, what) in own_topics {
-            let created = wait_for("kafka", &shutdown, || {
-                match rt.block_on(tally_kafka::ensure_topic(
-                    &kafka,
-                    &topic,
-                    partitions.len() as i32,
-                    config.kafka.topic_replication_factor,
-                    settings,
-                )) {
-                    Ok(created) => Ok(Ok(created)),
-                    // Retrying cannot help: stop and say what to change.
-                    Err(e @ tally_kafka::Error::Refused(_)) => Ok(Err(e)),
-                    Err(e) => Err(e.to_string()),
-                }
-            })??;
-            if created {
-                tracing::info!(%topic, "created {what} topic");
+        wait_for("kafka", &shutdown, || {
+            match ensure_own_topics(&config, &kafka, &rt, partitions.len()) {
+                Ok(()) => Ok(Ok(())),
+                // Retrying cannot help: stop and say what to change.
+                Err(e @ tally_kafka::Error::Refused(_)) => Ok(Err(e)),
+                Err(e) => Err(e.to_string()),
             }
-        }
+        })??;
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
         let sinks = Sinks {
             config: config.clone(),
@@ -387,6 +363,14 @@ impl Worker {
         )?;
         consumer.source.assign(&operator.next_offsets())?;
         consumer.readiness.set_restored();
+        let (_discovery, added) = match PartitionDiscovery::start(
+            &consumer.config,
+            &sinks.rt,
+            consumer.partitions.clone(),
+        )? {
+            Some((thread, added)) => (Some(thread), Some(added)),
+            None => (None, None),
+        };
 
         let (handoff_tx, handoff_rx) = mpsc::channel::<Handoff>();
         let (persisted_tx, persisted_rx) = mpsc::channel::<Persisted>();
@@ -406,7 +390,7 @@ impl Worker {
             .spawn(move || sinks.run(persisted_rx, committed_tx))
             .context("starting the sink thread")?;
 
-        let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx, filters);
+        let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx, filters, added);
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -476,6 +460,7 @@ impl Consumer {
         handoff: Sender<Handoff>,
         committed: Receiver<Epoch>,
         mut filters: Option<Receiver<(PartitionId, SeenIdFilter)>>,
+        added: Option<Receiver<AddedPartitions>>,
     ) -> Result<Stop> {
         let interval = self.config.job.checkpoint_interval.as_duration();
         let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
@@ -512,6 +497,23 @@ impl Consumer {
                     // Done (or failed, which it logged): lookups go to the store meanwhile.
                     Err(TryRecvError::Disconnected) => filters = None,
                 }
+            }
+            if let Some(new) = added.as_ref().and_then(|rx| rx.try_recv().ok()) {
+                for &(partition, offset) in &new {
+                    operator.add_partition(partition, offset);
+                    if !self.partitions.contains(&partition) {
+                        self.partitions.push(partition);
+                    }
+                }
+                // Every record polled so far is processed: the others resume where they are.
+                self.source.assign(&operator.next_offsets())?;
+                // Its start offset is checkpointed even before it has records.
+                must_checkpoint = true;
+                PartitionsAdded {
+                    added: &new,
+                    partitions: self.partitions.len(),
+                }
+                .emit();
             }
             loop {
                 match committed.try_recv() {
@@ -653,6 +655,13 @@ impl Consumer {
             config::StartFrom::Earliest => StartFrom::Earliest,
             config::StartFrom::Latest => StartFrom::Latest,
         };
+        // `start_from` places a new job in its topic. A partition added to the topic after the
+        // job's first checkpoint holds only records that came after the job started: all of them.
+        let from = if partitions.is_empty() {
+            from
+        } else {
+            StartFrom::Earliest
+        };
         for &p in &self.partitions {
             if !partitions.contains_key(&p) {
                 let offset = wait_for("kafka", &self.shutdown, || {
@@ -694,6 +703,137 @@ fn connect_clickhouse(
             Err(e) => Err(e.to_string()),
         }
     })??)
+}
+
+/// Creates tally's own topics, one partition per source partition (the dead-letter topic and
+/// the changelog), or grows them to `partitions` when the source topic grew. One attempt.
+fn ensure_own_topics(
+    config: &Config,
+    kafka: &KafkaSettings,
+    rt: &Handle,
+    partitions: usize,
+) -> Result<(), tally_kafka::Error> {
+    let own_topics = [
+        (
+            config.dlq_topic(),
+            &[("max.message.bytes", "16777216")][..],
+            "dead-letter",
+        ),
+        (
+            config.changelog_topic(),
+            CHANGELOG_TOPIC_CONFIG,
+            "changelog",
+        ),
+    ];
+    for (topic, settings, what) in own_topics {
+        if rt.block_on(tally_kafka::ensure_topic(
+            kafka,
+            &topic,
+            i32::try_from(partitions).unwrap_or(i32::MAX),
+            config.kafka.topic_replication_factor,
+            settings,
+        ))? {
+            tracing::info!(%topic, "created {what} topic");
+        } else if rt.block_on(tally_kafka::ensure_partitions(kafka, &topic, partitions))? {
+            tracing::info!(%topic, partitions, "grew the {what} topic to the source topic's partitions");
+        }
+    }
+    Ok(())
+}
+
+/// Looks for partitions added to the source topic every `kafka.partition_discovery_interval`,
+/// on a thread with a client of its own (a metadata request on the consuming client waits
+/// behind its fetches). tally's own topics grow first; then each new partition goes to the
+/// operator with its earliest offset. Dropping it stops the thread.
+struct PartitionDiscovery {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+type AddedPartitions = Vec<(PartitionId, i64)>;
+
+impl PartitionDiscovery {
+    fn start(
+        config: &Config,
+        rt: &Handle,
+        mut known: Vec<PartitionId>,
+    ) -> Result<Option<(PartitionDiscovery, Receiver<AddedPartitions>)>> {
+        let every = config.kafka.partition_discovery_interval.as_duration();
+        if every.is_zero() {
+            return Ok(None);
+        }
+        let client = Source::connect(
+            &config.kafka_settings(),
+            &config.kafka.source_topic,
+            &config.kafka.consumer_group,
+        )?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let thread = {
+            let (config, rt, stop) = (config.clone(), rt.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("tally-discover".into())
+                .spawn(move || {
+                    let kafka = config.kafka_settings();
+                    while sleep_unless_stopped(&stop, every).is_ok() {
+                        let current = match client.partitions() {
+                            Ok(current) => current,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "could not read the source topic's partitions; trying again later");
+                                continue;
+                            }
+                        };
+                        let new: Vec<PartitionId> =
+                            current.iter().copied().filter(|p| !known.contains(p)).collect();
+                        if new.is_empty() {
+                            continue;
+                        }
+                        let grown = ensure_own_topics(&config, &kafka, &rt, current.len())
+                            .map_err(|e| e.to_string())
+                            .and_then(|()| {
+                                new.iter()
+                                    .map(|&p| {
+                                        client
+                                            .resolve_start(p, StartFrom::Earliest)
+                                            .map(|offset| (p, offset))
+                                            .map_err(|e| e.to_string())
+                                    })
+                                    .collect::<Result<AddedPartitions, String>>()
+                            });
+                        match grown {
+                            Ok(added) => {
+                                if tx.send(added).is_err() {
+                                    return;
+                                }
+                                known = current;
+                            }
+                            Err(e) => {
+                                tracing::warn!(partitions = ?new, error = %e, "partitions were added to the source topic, but tally could not prepare them yet; trying again later")
+                            }
+                        }
+                    }
+                })
+                .context("starting the partition discovery thread")?
+        };
+        Ok(Some((
+            PartitionDiscovery {
+                stop,
+                thread: Some(thread),
+            },
+            rx,
+        )))
+    }
+}
+
+impl Drop for PartitionDiscovery {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::warn!("the partition discovery thread panicked");
+        }
+    }
 }
 
 impl Folder {

@@ -1,0 +1,126 @@
+//! Partitions added to the source topic are consumed, while the worker runs and across a
+//! restart, with the same exactness as the others: the view and the dead-letter topic equal the
+//! ground truth, and every partition's accounting balances.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use tally::loadgen::Manifest;
+
+const CATCH_UP: Duration = Duration::from_secs(90);
+
+/// Grows `topic` to `count` partitions, as an operator would (`kafka-topics --alter`).
+async fn add_partitions(topic: &str, count: usize) {
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .create()
+        .unwrap();
+    let result = admin
+        .create_partitions(
+            &[NewPartitions::new(topic, count)],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .unwrap();
+    assert!(result.iter().all(|r| r.is_ok()), "{result:?}");
+}
+
+fn partition_count(topic: &str) -> usize {
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .create()
+        .unwrap();
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .unwrap();
+    metadata.topics()[0].partitions().len()
+}
+
+/// The records of a `partitions`-partition stream that fall on partitions `from..`: each
+/// partition's stream is generated on its own, so a subset is a stream with known fates too.
+fn records_on_new_partitions(
+    seed: u64,
+    partitions: i32,
+    from: i32,
+    n: usize,
+) -> Vec<tally::loadgen::GeneratedRecord> {
+    generate(seed, partitions, n)
+        .into_iter()
+        .filter(|r| r.partition >= from)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn partitions_added_while_running_and_while_stopped_are_consumed_exactly() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let first = generate(31, 2, 4_000);
+    let mut manifest = Manifest {
+        source_topic: topic.clone(),
+        ..Manifest::default()
+    };
+    produce_into(&topic, &first[..2_000], &mut manifest).await;
+    let job = Job::new(&topic, "");
+    // Discovery every second rather than the default, to keep the test short.
+    let config = std::fs::read_to_string(&job.config).unwrap().replace(
+        "consumer_group =",
+        "partition_discovery_interval = \"1s\"\nconsumer_group =",
+    );
+    write_file(&job.config, &config);
+
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    let view = wait_for_view(&job, &manifest, CATCH_UP).await;
+    assert_view_eq(&view, &manifest.rows, &job.log());
+
+    // While it runs: two more partitions, with records on them and on the old ones.
+    let grown = job.log().len();
+    add_partitions(&topic, 4).await;
+    produce_into(
+        &topic,
+        &records_on_new_partitions(32, 4, 2, 4_000),
+        &mut manifest,
+    )
+    .await;
+    produce_into(&topic, &first[2_000..], &mut manifest).await;
+    job.wait_for_log(grown, "partitions added to the source topic", CATCH_UP)
+        .await;
+    let view = wait_for_view(&job, &manifest, CATCH_UP).await;
+    assert_stops_exact(&job, &mut worker, &view, &manifest);
+    assert_eq!(assert_accounting(&job, manifest.produced), 4);
+    // tally's own per-partition topic grew with the source.
+    assert_eq!(partition_count(&format!("tally-{topic}-changelog")), 4);
+
+    // While it is stopped: two more, with records, then a restart.
+    add_partitions(&topic, 6).await;
+    produce_into(
+        &topic,
+        &records_on_new_partitions(33, 6, 4, 6_000),
+        &mut manifest,
+    )
+    .await;
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    let view = wait_for_view(&job, &manifest, CATCH_UP).await;
+    assert_stops_exact(&job, &mut worker, &view, &manifest);
+    assert_eq!(assert_accounting(&job, manifest.produced), 6);
+    assert_eq!(partition_count(&format!("tally-{topic}-changelog")), 6);
+
+    // The producer learnt the changelog's new partitions before writing to them: no
+    // transaction failed on the way.
+    assert!(
+        !job.log().contains("sink write failed"),
+        "a commit was retried:\n{}",
+        job.log()
+    );
+    let (ok, out) = doctor(&job);
+    assert!(ok, "doctor after the partitions were added:\n{out}");
+}
