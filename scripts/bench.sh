@@ -13,6 +13,8 @@
 #   TALLY_BENCH_BIN=/path/to/tally [TALLY_BENCH_CONFIG=file] scripts/bench.sh ...   another build of tally
 #   scripts/bench.sh --compare /path/to/other/tally ...   before/after: both builds on the same topic,
 #       alternating within each repeat, each summarised on its own
+#   scripts/bench.sh --with-standby ...   the same build alone and with a warm standby worker of the
+#       job beside it on this machine (as docker-compose runs two workers), alternating
 #   scripts/bench.sh --failover [--events N --customers C ...]
 #       takeover by a warm standby after a SIGKILL, against a whole restore of the same state
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
@@ -21,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
-customers=10000 skew=1.1 step_ms=10 verify=1 compare=""
+customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -32,6 +34,7 @@ while (($#)); do
     --step-ms) step_ms=$2; shift 2 ;;
     --no-verify) verify=0; shift ;;
     --compare) compare=$2; shift 2 ;;
+    --with-standby) with_standby=1; shift ;;
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
     --days) days=$2; shift 2 ;;
@@ -198,16 +201,24 @@ run_env() {
   export TALLY_CLICKHOUSE__DATABASE="${id//-/_}"
 }
 
-# tally_run R [LABEL] -- catch-up of the whole topic; then a restart of the same state to time
-# restore. Reads and writes the run's files under $dir (a label's own directory with --compare).
+# tally_run R [LABEL] [STANDBY] -- catch-up of the whole topic (STANDBY=1: with a second worker
+# of the job standing by beside it); then a restart of the same state to time restore. Reads and
+# writes the run's files under $dir (a label's own directory with --compare).
 tally_run() {
-  local r=$1 log="$dir/r$1/worker.log" consumed=0 peak_kib=0 kib pid
+  local r=$1 log="$dir/r$1/worker.log" consumed=0 peak_kib=0 kib pid standby=""
   mkdir -p "$dir/r$r"
   run_env "$r" "${2:-}"
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/started"
   "$bin" run --config "$config" >"$log" 2>&1 &
   pid=$!
   trap "kill -9 $pid 2>/dev/null || true" EXIT
+  if [ "${3:-0}" = 1 ]; then
+    # Started once the first worker holds the lease, so that it stands by.
+    until grep -q "holding the job's lease" "$log"; do sleep 0.05; done
+    TALLY_JOB__STATE_DIR="$dir/r$r/standby" "$bin" run --config "$config" >"$dir/r$r/standby.log" 2>&1 &
+    standby=$!
+    trap "kill -9 $pid $standby 2>/dev/null || true" EXIT
+  fi
   while [ "$consumed" -lt "$events" ]; do
     sleep 0.2
     kill -0 "$pid" 2>/dev/null || { echo "worker exited" >&2; tail -20 "$log" >&2; exit 1; }
@@ -216,6 +227,8 @@ tally_run() {
     [ "${kib:-0}" -gt "$peak_kib" ] && peak_kib=$kib
   done
   echo "$peak_kib" >"$dir/r$r/peak_kib"
+  # The standby goes first: it would take the job over from the stopping worker.
+  if [ -n "$standby" ]; then kill -9 "$standby"; wait "$standby" 2>/dev/null || true; fi
   kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
   # Restore: start again on the same state until it consumes, then stop.
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/restarted"
@@ -236,7 +249,7 @@ tally_run() {
   fi
 }
 
-if [ -z "$compare" ]; then
+if [ -z "$compare" ] && [ "$with_standby" = 0 ]; then
   for r in $(seq 1 "$repeat"); do
     # cargo runs benches in the package's directory: give it an absolute path.
     cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
@@ -247,19 +260,21 @@ if [ -z "$compare" ]; then
   exit 0
 fi
 
-# --compare: per repeat, the other build then this one, each after a ceiling run of its own.
-top=$dir this_bin=$bin
+# --compare: per repeat, the other build then this one, each after a ceiling run of its own;
+# --with-standby: this build alone, then with a standby beside it.
+top=$dir this_bin=$bin labels="before after"
+[ "$with_standby" = 1 ] && labels="alone standby"
 for r in $(seq 1 "$repeat"); do
-  for label in before after; do
+  for label in $labels; do
     dir="$top/$label" bin=$this_bin
     [ "$label" = before ] && bin=$compare
     mkdir -p "$dir"
     cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
-    tally_run "$r" "$label"
+    tally_run "$r" "$label" "$([ "$label" = standby ] && echo 1 || echo 0)"
     echo "$label run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
   done
 done
-for label in before after; do
+for label in $labels; do
   echo "== $label: $([ "$label" = before ] && echo "$compare" || echo "$this_bin")"
   python3 benches/summarize.py "$top/$label" "$events" "$repeat"
 done

@@ -166,9 +166,113 @@ pub fn check_connection(settings: &KafkaSettings, timeout: Duration) -> Result<(
     }
 }
 
-/// Creates `topic` unless it exists; `Ok(true)` when this call created it. `replication: None`
-/// takes the broker's `default.replication.factor`, so that tally's own topics are as durable
-/// as the cluster is set up to make topics.
+/// A topic tally needs: created with these settings when missing, grown when it has fewer
+/// partitions (tally's per-source-partition topics follow the source topic).
+pub struct TopicSpec<'a> {
+    pub name: &'a str,
+    pub partitions: usize,
+    /// `None`: the broker's default (Kafka >= 2.4).
+    pub replication: Option<i32>,
+    pub configs: &'a [(&'a str, &'a str)],
+}
+
+/// What [`ensure_topics`] did to a topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopicChange {
+    Existed,
+    Created,
+    Grew { from: usize },
+}
+
+/// Creates the missing topics and grows those with fewer partitions than asked, through one
+/// admin client: one CreateTopics and one metadata request per existing topic when nothing is
+/// to do (each new client costs a connection, the start waits for it).
+pub async fn ensure_topics(
+    settings: &KafkaSettings,
+    specs: &[TopicSpec<'_>],
+) -> Result<Vec<TopicChange>> {
+    let admin: AdminClient<DefaultClientContext> = settings
+        .client_config()
+        .create()
+        .map_err(kafka("creating admin client"))?;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let new_topics: Vec<NewTopic<'_>> = specs
+        .iter()
+        .map(|spec| {
+            let mut topic = NewTopic::new(
+                spec.name,
+                i32::try_from(spec.partitions).unwrap_or(i32::MAX),
+                TopicReplication::Fixed(spec.replication.unwrap_or(-1)),
+            );
+            for (k, v) in spec.configs {
+                topic = topic.set(k, v);
+            }
+            topic
+        })
+        .collect();
+    let created = admin
+        .create_topics(&new_topics, &opts)
+        .await
+        .map_err(kafka("creating topics"))?;
+    let mut changes = Vec::with_capacity(specs.len());
+    let mut grow = Vec::new();
+    for (spec, result) in specs.iter().zip(created) {
+        match result {
+            Ok(_) => changes.push(TopicChange::Created),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {
+                // Asked by name only once it exists: a metadata request for a missing topic
+                // may auto-create it with the broker's defaults.
+                let metadata = admin
+                    .inner()
+                    .fetch_metadata(Some(spec.name), Duration::from_secs(10))
+                    .map_err(kafka(format!("fetching metadata of {}", spec.name)))?;
+                let has = metadata
+                    .topics()
+                    .iter()
+                    .find(|t| t.name() == spec.name)
+                    .map_or(0, |t| t.partitions().len());
+                if has < spec.partitions {
+                    grow.push(NewPartitions::new(spec.name, spec.partitions));
+                    changes.push(TopicChange::Grew { from: has });
+                } else {
+                    changes.push(TopicChange::Existed);
+                }
+            }
+            Err((name, code @ RDKafkaErrorCode::InvalidReplicationFactor)) => {
+                return Err(Error::Refused(format!(
+                    "creating topic {name}: {code}: the cluster has fewer brokers than the replication factor asked for (kafka.topic_replication_factor)"
+                )));
+            }
+            Err((name, code)) => {
+                return Err(Error::Kafka {
+                    context: format!("creating topic {name}"),
+                    source: KafkaError::AdminOp(code),
+                });
+            }
+        }
+    }
+    if !grow.is_empty() {
+        let grown = admin
+            .create_partitions(&grow, &opts)
+            .await
+            .map_err(kafka("adding partitions"))?;
+        for result in grown {
+            match result {
+                // Grown by another worker meanwhile.
+                Ok(_) | Err((_, RDKafkaErrorCode::InvalidPartitions)) => {}
+                Err((name, code)) => {
+                    return Err(Error::Kafka {
+                        context: format!("adding partitions to {name}"),
+                        source: KafkaError::AdminOp(code),
+                    });
+                }
+            }
+        }
+    }
+    Ok(changes)
+}
+
+/// [`ensure_topics`] for one topic. True when it was created.
 pub async fn ensure_topic(
     settings: &KafkaSettings,
     topic: &str,
@@ -176,78 +280,14 @@ pub async fn ensure_topic(
     replication: Option<i32>,
     configs: &[(&str, &str)],
 ) -> Result<bool> {
-    let admin: AdminClient<DefaultClientContext> = settings
-        .client_config()
-        .create()
-        .map_err(kafka("creating admin client"))?;
-    // -1: the broker's default (Kafka >= 2.4).
-    let mut new_topic = NewTopic::new(
-        topic,
-        partitions,
-        TopicReplication::Fixed(replication.unwrap_or(-1)),
-    );
-    for (k, v) in configs {
-        new_topic = new_topic.set(k, v);
-    }
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    let results = admin
-        .create_topics([&new_topic], &opts)
-        .await
-        .map_err(kafka(format!("creating topic {topic}")))?;
-    match results.into_iter().next() {
-        Some(Ok(_)) => Ok(true),
-        Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
-        Some(Err((name, code @ RDKafkaErrorCode::InvalidReplicationFactor))) => {
-            Err(Error::Refused(format!(
-                "creating topic {name}: {code}: the cluster has fewer brokers than the replication factor asked for (kafka.topic_replication_factor)"
-            )))
-        }
-        Some(Err((name, code))) => Err(Error::Kafka {
-            context: format!("creating topic {name}"),
-            source: KafkaError::AdminOp(code),
-        }),
-    }
-}
-
-/// Grows `topic` to `partitions` partitions if it has fewer (tally's per-source-partition
-/// topics follow the source topic when partitions are added to it). True when it grew.
-pub async fn ensure_partitions(
-    settings: &KafkaSettings,
-    topic: &str,
-    partitions: usize,
-) -> Result<bool> {
-    let admin: AdminClient<DefaultClientContext> = settings
-        .client_config()
-        .create()
-        .map_err(kafka("creating admin client"))?;
-    let metadata = admin
-        .inner()
-        .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .map_err(kafka(format!("fetching metadata of {topic}")))?;
-    let has = metadata
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic)
-        .map_or(0, |t| t.partitions().len());
-    if has >= partitions {
-        return Ok(false);
-    }
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    let results = admin
-        .create_partitions([&NewPartitions::new(topic, partitions)], &opts)
-        .await
-        .map_err(kafka(format!("adding partitions to {topic}")))?;
-    match results.into_iter().next() {
-        Some(Ok(_)) | None => Ok(true),
-        // Another worker grew it first.
-        Some(Err((_, RDKafkaErrorCode::InvalidPartitions))) => Ok(false),
-        Some(Err((name, code))) => Err(Error::Kafka {
-            context: format!(
-                "adding partitions to {name} (it has {has}, the source topic {partitions})"
-            ),
-            source: KafkaError::AdminOp(code),
-        }),
-    }
+    let spec = TopicSpec {
+        name: topic,
+        partitions: usize::try_from(partitions).unwrap_or(0),
+        replication,
+        configs,
+    };
+    let changes = ensure_topics(settings, &[spec]).await?;
+    Ok(changes.first() == Some(&TopicChange::Created))
 }
 
 /// Deletes the records of `topic` before the given offset of each partition (`DeleteRecords`).

@@ -37,6 +37,9 @@ pub struct LostLease(pub String);
 /// until dropped. Losing it sets the worker's shutdown flag.
 pub struct Lease {
     member: Arc<Source>,
+    /// The producer whose `init_transactions` fenced the previous holder: the worker's first
+    /// transaction uses it rather than initialising another.
+    producer: Option<EpochProducer>,
     lost: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     poller: Option<JoinHandle<()>>,
@@ -46,6 +49,10 @@ impl Lease {
     /// The group member: its committed offsets and group metadata are the job's.
     pub fn member(&self) -> &Arc<Source> {
         &self.member
+    }
+
+    pub fn take_producer(&mut self) -> Option<EpochProducer> {
+        self.producer.take()
     }
 
     pub fn is_lost(&self) -> bool {
@@ -195,8 +202,9 @@ pub fn acquire(
             })
             .context("starting the group member's thread")?
     };
-    let lease = Lease {
+    let mut lease = Lease {
         member,
+        producer: None,
         lost,
         stop,
         poller: Some(poller),
@@ -205,7 +213,7 @@ pub fn acquire(
     drop(standby);
     // Fence the previous holder first: its open transaction is aborted here, so the group's
     // offsets and the changelog read below are final.
-    wait_for("kafka", shutdown, || {
+    let producer = wait_for("kafka", shutdown, || {
         settle(EpochProducer::connect(
             &kafka,
             &config.transactional_id(),
@@ -224,6 +232,7 @@ pub fn acquire(
         &config.kafka.consumer_group,
     )?;
     make_state_current(config, rt, &reader, shutdown, true)?;
+    lease.producer = Some(producer);
     Ok(Some(lease))
 }
 

@@ -520,14 +520,16 @@ fn real_main(cli: Cli) -> Result<()> {
                 let handle = tokio::runtime::Handle::current();
                 let flag = shutdown.clone();
                 let result = tokio::task::spawn_blocking(move || {
-                    let Some(lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)?
+                    let Some(mut lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)?
                     else {
                         tracing::info!("stopped while standing by");
                         return Ok(());
                     };
                     let job = cfg.job.name.clone();
+                    let fenced = lease.take_producer();
+                    let member = lease.member().clone();
                     let result =
-                        worker::Worker::start(cfg, handle, flag, readiness, lease.member().clone())
+                        worker::Worker::start(cfg, handle, flag, readiness, member, fenced)
                             .and_then(worker::Worker::run);
                     if lease.is_lost() {
                         return Err(anyhow::anyhow!(tally::lease::LostLease(job)));

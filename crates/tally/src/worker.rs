@@ -143,6 +143,9 @@ struct Sinks {
     store: Arc<StateStore>,
     sink: ClickHouseSink,
     dlq: Option<EpochProducer>,
+    /// The producer that fenced the job's previous worker when this one took the lease: the
+    /// first transaction's, instead of initialising another.
+    fenced: Option<EpochProducer>,
     kafka: KafkaSettings,
     /// This worker's member of the job's group (it holds the job's lease): it reads the
     /// group's committed offsets and gives the group metadata for the transactions.
@@ -235,6 +238,7 @@ impl Worker {
         shutdown: Arc<AtomicBool>,
         readiness: Arc<Readiness>,
         member: Arc<Source>,
+        fenced: Option<EpochProducer>,
     ) -> Result<Worker> {
         let fault = FaultPlan::from_env().map_err(|e| anyhow!(e))?;
         if fault.is_armed() {
@@ -297,6 +301,7 @@ impl Worker {
             store: store.clone(),
             sink,
             dlq: None,
+            fenced,
             kafka,
             group: member,
             offsets: Source::connect(
@@ -337,9 +342,12 @@ impl Worker {
         sinks.recover()?;
         if sinks.dlq.is_none() {
             // Fence any earlier instance now, not at the first checkpoint.
-            let producer = wait_for("kafka", &sinks.shutdown, || {
-                SinkFailure::settle(sinks.connect_dead_letters())
-            })??;
+            let producer = match sinks.fenced.take() {
+                Some(producer) => producer,
+                None => wait_for("kafka", &sinks.shutdown, || {
+                    SinkFailure::settle(sinks.connect_dead_letters())
+                })??,
+            };
             sinks.dlq = Some(producer);
         }
         // Fold at once (which also repairs a step a crash interrupted), then every interval.
@@ -713,29 +721,32 @@ fn ensure_own_topics(
     rt: &Handle,
     partitions: usize,
 ) -> Result<(), tally_kafka::Error> {
-    let own_topics = [
-        (
-            config.dlq_topic(),
-            &[("max.message.bytes", "16777216")][..],
-            "dead-letter",
-        ),
-        (
-            config.changelog_topic(),
-            CHANGELOG_TOPIC_CONFIG,
-            "changelog",
-        ),
+    let (dlq, changelog) = (config.dlq_topic(), config.changelog_topic());
+    let spec = |name, configs| tally_kafka::TopicSpec {
+        name,
+        partitions,
+        replication: config.kafka.topic_replication_factor,
+        configs,
+    };
+    let specs = [
+        spec(&dlq, &[("max.message.bytes", "16777216")][..]),
+        spec(&changelog, CHANGELOG_TOPIC_CONFIG),
     ];
-    for (topic, settings, what) in own_topics {
-        if rt.block_on(tally_kafka::ensure_topic(
-            kafka,
-            &topic,
-            i32::try_from(partitions).unwrap_or(i32::MAX),
-            config.kafka.topic_replication_factor,
-            settings,
-        ))? {
-            tracing::info!(%topic, "created {what} topic");
-        } else if rt.block_on(tally_kafka::ensure_partitions(kafka, &topic, partitions))? {
-            tracing::info!(%topic, partitions, "grew the {what} topic to the source topic's partitions");
+    let changes = rt.block_on(tally_kafka::ensure_topics(kafka, &specs))?;
+    for ((spec, change), what) in specs.iter().zip(changes).zip(["dead-letter", "changelog"]) {
+        match change {
+            tally_kafka::TopicChange::Existed => {}
+            tally_kafka::TopicChange::Created => {
+                tracing::info!(topic = spec.name, "created {what} topic")
+            }
+            tally_kafka::TopicChange::Grew { from } => {
+                tracing::info!(
+                    topic = spec.name,
+                    from,
+                    partitions,
+                    "grew the {what} topic to the source topic's partitions"
+                )
+            }
         }
     }
     Ok(())
@@ -1107,7 +1118,10 @@ impl Sinks {
             // init_transactions fences an earlier producer of this id and settles its open
             // transaction; only after that does the group's offset metadata tell for certain
             // whether this epoch's transaction committed (after a crash or a failed commit).
-            let producer = self.connect_dead_letters()?;
+            let producer = match self.fenced.take() {
+                Some(producer) => producer,
+                None => self.connect_dead_letters()?,
+            };
             self.dlq = Some(producer);
             if self
                 .dead_letters_committed(checkpoint.epoch)
