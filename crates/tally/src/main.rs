@@ -228,8 +228,20 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// jemalloc: the operator allocates each epoch's keys and other threads free them, a pattern
+/// glibc's per-thread arenas hold at their peak.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's options, read at its start: freed pages go back to the system within a second, by
+/// a background thread, rather than after jemalloc's default 10 s, so that peak RSS follows the
+/// memory in use. `_RJEM_MALLOC_CONF` in the environment overrides them.
+#[allow(unsafe_code)]
+// SAFETY: a NUL-terminated byte string; jemalloc only reads it.
+#[unsafe(export_name = "_rjem_malloc_conf")]
+static MALLOC_CONF: &[u8; 60] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
+
 fn main() {
-    limit_malloc_arenas();
     let cli = Cli::parse();
     init_logging(cli.log_format);
     if let Err(e) = real_main(cli) {
@@ -237,24 +249,6 @@ fn main() {
         std::process::exit(1);
     }
 }
-
-/// The operator allocates each epoch and other threads free it: glibc gives every such thread
-/// an arena of its own, each holding its peak. Two arenas keep the worker's peak memory about
-/// 50 MiB lower at 1M live keys (BENCHMARKS.md). A `MALLOC_ARENA_MAX` set in the environment
-/// is left as it is.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[allow(unsafe_code)]
-fn limit_malloc_arenas() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt only sets an allocator parameter; no thread has started yet.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 2);
-        }
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn limit_malloc_arenas() {}
 
 fn real_main(cli: Cli) -> Result<()> {
     match cli.command {
