@@ -42,18 +42,23 @@ fn partition_count(topic: &str) -> usize {
     metadata.topics()[0].partitions().len()
 }
 
-/// The records of a `partitions`-partition stream that fall on partitions `from..`: each
-/// partition's stream is generated on its own, so a subset is a stream with known fates too.
-fn records_on_new_partitions(
-    seed: u64,
-    partitions: i32,
+/// Grows `topic` from `from` to `to` partitions and produces records on the new ones: those of
+/// a `to`-partition stream that fall on them. Each partition's stream is generated on its own,
+/// so that subset is a stream with known fates too.
+async fn grow_and_produce(
+    topic: &str,
     from: i32,
+    to: i32,
+    seed: u64,
     n: usize,
-) -> Vec<tally::loadgen::GeneratedRecord> {
-    generate(seed, partitions, n)
+    manifest: &mut Manifest,
+) {
+    add_partitions(topic, to as usize).await;
+    let records: Vec<_> = generate(seed, to, n)
         .into_iter()
         .filter(|r| r.partition >= from)
-        .collect()
+        .collect();
+    produce_into(topic, &records, manifest).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -82,13 +87,7 @@ async fn partitions_added_while_running_and_while_stopped_are_consumed_exactly()
 
     // While it runs: two more partitions, with records on them and on the old ones.
     let grown = job.log().len();
-    add_partitions(&topic, 4).await;
-    produce_into(
-        &topic,
-        &records_on_new_partitions(32, 4, 2, 4_000),
-        &mut manifest,
-    )
-    .await;
+    grow_and_produce(&topic, 2, 4, 32, 4_000, &mut manifest).await;
     produce_into(&topic, &first[2_000..], &mut manifest).await;
     job.wait_for_log(grown, "partitions added to the source topic", CATCH_UP)
         .await;
@@ -99,13 +98,7 @@ async fn partitions_added_while_running_and_while_stopped_are_consumed_exactly()
     assert_eq!(partition_count(&format!("tally-{topic}-changelog")), 4);
 
     // While it is stopped: two more, with records, then a restart.
-    add_partitions(&topic, 6).await;
-    produce_into(
-        &topic,
-        &records_on_new_partitions(33, 6, 4, 6_000),
-        &mut manifest,
-    )
-    .await;
+    grow_and_produce(&topic, 4, 6, 33, 6_000, &mut manifest).await;
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;

@@ -58,11 +58,6 @@ pub fn seen_id(p: PartitionId, id: &[u8]) -> Vec<u8> {
     k
 }
 
-/// The partition of a dedup id key.
-pub fn seen_partition(k: &[u8]) -> Option<PartitionId> {
-    read_i32(k)
-}
-
 pub fn decode_seen_id(k: &[u8]) -> Option<(PartitionId, &[u8])> {
     Some((read_i32(k)?, k.get(4..)?))
 }

@@ -212,7 +212,8 @@ struct ExpiredIds(BTreeMap<PartitionId, i64>);
 
 impl CompactionFilter for ExpiredIds {
     fn filter(&mut self, _level: u32, key: &[u8], value: &[u8]) -> Decision {
-        let expired = keys::seen_partition(key)
+        let expired = keys::decode_seen_id(key)
+            .map(|(p, _)| p)
             .zip(<[u8; 8]>::try_from(value).ok().map(i64::from_be_bytes))
             .is_some_and(|(p, t)| self.0.get(&p).is_some_and(|cutoff| t < *cutoff));
         if expired {

@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -19,6 +18,7 @@ use tally_kafka::{CommitMark, EpochProducer, EpochTopics, Source};
 use tally_state::{StateError, StateStore};
 use tokio::runtime::Handle;
 
+use crate::background::Background;
 use crate::config::Config;
 use crate::health::Readiness;
 use crate::worker::wait_for;
@@ -41,8 +41,7 @@ pub struct Lease {
     /// transaction uses it rather than initialising another.
     producer: Option<EpochProducer>,
     lost: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
-    poller: Option<JoinHandle<()>>,
+    _poller: Background,
 }
 
 impl Lease {
@@ -57,17 +56,6 @@ impl Lease {
 
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(poller) = self.poller.take()
-            && poller.join().is_err()
-        {
-            tracing::warn!("the group member's thread panicked");
-        }
     }
 }
 
@@ -173,7 +161,7 @@ pub fn acquire(
             tracing::info!(group = %config.kafka.consumer_group, "standing by: another worker of the job holds its lease");
             readiness.set_standby(true);
             said = true;
-            standby = WarmStandby::start(config, rt)?;
+            standby = start_warm_standby(config, rt)?;
         }
     }
     readiness.set_standby(false);
@@ -186,28 +174,23 @@ pub fn acquire(
     let lost = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let poller = {
-        let (member, lost, stop, shutdown) =
-            (member.clone(), lost.clone(), stop.clone(), shutdown.clone());
+        let (member, lost, shutdown) = (member.clone(), lost.clone(), shutdown.clone());
         let job = config.job.name.clone();
-        std::thread::Builder::new()
-            .name("tally-member".into())
-            .spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    let held = member.poll_membership(&lease_topic, POLL);
-                    if !held && !lost.swap(true, Ordering::SeqCst) {
-                        tracing::error!("{}", LostLease(job.clone()));
-                        shutdown.store(true, Ordering::SeqCst);
-                    }
+        Background::spawn("tally-member", stop.clone(), move || {
+            while !stop.load(Ordering::SeqCst) {
+                let held = member.poll_membership(&lease_topic, POLL);
+                if !held && !lost.swap(true, Ordering::SeqCst) {
+                    tracing::error!("{}", LostLease(job.clone()));
+                    shutdown.store(true, Ordering::SeqCst);
                 }
-            })
-            .context("starting the group member's thread")?
+            }
+        })?
     };
     let mut lease = Lease {
         member,
         producer: None,
         lost,
-        stop,
-        poller: Some(poller),
+        _poller: poller,
     };
     // Its round in progress ends first: the directory is then between two committed epochs.
     drop(standby);
@@ -350,64 +333,38 @@ fn try_catch_up(
 
 /// A standby's state kept near the job's: every `job.standby_refresh` a thread of its own
 /// catches the state directory up with the changelog (restoring it whole first, if it holds
-/// nothing of the job), so that taking the lease replays only the last few epochs. Dropping it
-/// stops and joins the thread; a whole restore in progress is abandoned.
-struct WarmStandby {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl WarmStandby {
-    fn start(config: &Config, rt: &Handle) -> Result<Option<WarmStandby>> {
-        let every = config.job.standby_refresh.as_duration();
-        if every.is_zero() {
-            return Ok(None);
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (config, rt, stop) = (config.clone(), rt.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("tally-standby".into())
-                .spawn(move || {
-                    let reader = match Source::connect(
-                        &config.kafka_settings(),
-                        &config.kafka.source_topic,
-                        &config.kafka.consumer_group,
-                    ) {
-                        Ok(reader) => reader,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "standby: no client for the group's offsets; the state is restored on taking the lease");
-                            return;
-                        }
-                    };
-                    while !stop.load(Ordering::SeqCst) {
-                        if let Err(e) = make_state_current(&config, &rt, &reader, &stop, false)
-                            && !stop.load(Ordering::SeqCst)
-                        {
-                            tracing::warn!(error = %format!("{e:#}"), "standby: could not bring the state up to the job's; trying again");
-                        }
-                        let next = Instant::now() + every;
-                        while !stop.load(Ordering::SeqCst) && Instant::now() < next {
-                            std::thread::sleep(POLL);
-                        }
-                    }
-                })
-                .context("starting the standby thread")?
+/// nothing of the job), so that taking the lease replays only the last few epochs. Dropping the
+/// guard stops and joins the thread; a whole restore in progress is abandoned.
+fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<Background>> {
+    let every = config.job.standby_refresh.as_duration();
+    if every.is_zero() {
+        return Ok(None);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let (config, rt) = (config.clone(), rt.clone());
+    Background::spawn("tally-standby", stop.clone(), move || {
+        let reader = match Source::connect(
+            &config.kafka_settings(),
+            &config.kafka.source_topic,
+            &config.kafka.consumer_group,
+        ) {
+            Ok(reader) => reader,
+            Err(e) => {
+                tracing::warn!(error = %e, "standby: no client for the group's offsets; the state is restored on taking the lease");
+                return;
+            }
         };
-        Ok(Some(WarmStandby {
-            stop,
-            thread: Some(thread),
-        }))
-    }
-}
-
-impl Drop for WarmStandby {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
-            tracing::warn!("the standby thread panicked");
+        while !stop.load(Ordering::SeqCst) {
+            if let Err(e) = make_state_current(&config, &rt, &reader, &stop, false)
+                && !stop.load(Ordering::SeqCst)
+            {
+                tracing::warn!(error = %format!("{e:#}"), "standby: could not bring the state up to the job's; trying again");
+            }
+            let next = Instant::now() + every;
+            while !stop.load(Ordering::SeqCst) && Instant::now() < next {
+                std::thread::sleep(POLL);
+            }
         }
-    }
+    })
+    .map(Some)
 }

@@ -1,5 +1,6 @@
 //! The tally job runtime and its tools, as a library so integration tests can drive them.
 
+mod background;
 pub mod config;
 pub mod doctor;
 pub mod events;

@@ -37,6 +37,7 @@ use tally_state::changelog::{EpochLiveness, RestorePoints};
 use tally_state::{EncodedRecord, StateStore};
 use tokio::runtime::Handle;
 
+use crate::background::Background;
 use crate::config::{self, Config};
 use crate::events::{
     BarrierPause, ChangelogTruncated, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes,
@@ -178,37 +179,27 @@ struct Folder {
 /// abandoned at its next await (the next start repairs it, as after a crash), so a stop never
 /// waits for a long step and no fold request outlives the worker's runtime.
 struct FoldThread {
-    stop: Arc<AtomicBool>,
     stop_tx: tokio::sync::watch::Sender<bool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    _thread: Background,
 }
 
 impl FoldThread {
     fn start(folder: Folder) -> Result<FoldThread> {
         let stop = folder.stop.clone();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let thread = std::thread::Builder::new()
-            .name("tally-fold".into())
-            .spawn(move || folder.run(stop_rx))
-            .context("starting the fold thread")?;
+        let thread = Background::spawn("tally-fold", stop, move || folder.run(stop_rx))?;
         Ok(FoldThread {
-            stop,
             stop_tx,
-            thread: Some(thread),
+            _thread: thread,
         })
     }
 }
 
 impl Drop for FoldThread {
+    /// Wakes a step waiting in the runtime; the thread's guard then sets the flag and joins.
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
         // Fails only if the thread already ended.
         let _ = self.stop_tx.send(true);
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
-            tracing::warn!("the fold thread panicked");
-        }
     }
 }
 
@@ -371,7 +362,7 @@ impl Worker {
         )?;
         consumer.source.assign(&operator.next_offsets())?;
         consumer.readiness.set_restored();
-        let (_discovery, added) = match PartitionDiscovery::start(
+        let (_discovery, added) = match start_partition_discovery(
             &consumer.config,
             &sinks.rt,
             consumer.partitions.clone(),
@@ -506,23 +497,6 @@ impl Consumer {
                     Err(TryRecvError::Disconnected) => filters = None,
                 }
             }
-            if let Some(new) = added.as_ref().and_then(|rx| rx.try_recv().ok()) {
-                for &(partition, offset) in &new {
-                    operator.add_partition(partition, offset);
-                    if !self.partitions.contains(&partition) {
-                        self.partitions.push(partition);
-                    }
-                }
-                // Every record polled so far is processed: the others resume where they are.
-                self.source.assign(&operator.next_offsets())?;
-                // Its start offset is checkpointed even before it has records.
-                must_checkpoint = true;
-                PartitionsAdded {
-                    added: &new,
-                    partitions: self.partitions.len(),
-                }
-                .emit();
-            }
             loop {
                 match committed.try_recv() {
                     Ok(epoch) => retire(epoch, &mut in_flight),
@@ -541,6 +515,7 @@ impl Consumer {
             if idle && Instant::now() >= next_barrier {
                 next_barrier = Instant::now() + interval;
                 self.maybe_report_lag(&operator.next_offsets());
+                must_checkpoint |= self.adopt_added_partitions(operator, added.as_ref())?;
             }
             let full = operator.pending_records() >= MAX_EPOCH_RECORDS
                 || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES
@@ -584,8 +559,8 @@ impl Consumer {
                     return Ok(Stop::Idle);
                 }
                 next_barrier = Instant::now() + interval;
-                must_checkpoint = false;
                 self.maybe_report_lag(&operator.next_offsets());
+                must_checkpoint = self.adopt_added_partitions(operator, added.as_ref())?;
                 if stopping {
                     return Ok(Stop::Final(epoch));
                 }
@@ -616,6 +591,33 @@ impl Consumer {
                 }
             }
         }
+    }
+
+    /// Takes over the partitions discovery found added to the topic, if any, at a barrier (off
+    /// the per-record path). True when some were: their start offsets need a checkpoint even
+    /// before they have records.
+    fn adopt_added_partitions(
+        &mut self,
+        operator: &mut RevenueOperator,
+        added: Option<&Receiver<AddedPartitions>>,
+    ) -> Result<bool> {
+        let Some(new) = added.and_then(|rx| rx.try_recv().ok()) else {
+            return Ok(false);
+        };
+        for &(partition, offset) in &new {
+            operator.add_partition(partition, offset);
+            if !self.partitions.contains(&partition) {
+                self.partitions.push(partition);
+            }
+        }
+        // Every record polled so far is processed: the others resume where they are.
+        self.source.assign(&operator.next_offsets())?;
+        PartitionsAdded {
+            added: &new,
+            partitions: self.partitions.len(),
+        }
+        .emit();
+        Ok(true)
     }
 
     /// Exports the records each partition has on the broker beyond what tally consumed, at
@@ -755,97 +757,74 @@ fn ensure_own_topics(
 /// Looks for partitions added to the source topic every `kafka.partition_discovery_interval`,
 /// on a thread with a client of its own (a metadata request on the consuming client waits
 /// behind its fetches). tally's own topics grow first; then each new partition goes to the
-/// operator with its earliest offset. Dropping it stops the thread.
-struct PartitionDiscovery {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-type AddedPartitions = Vec<(PartitionId, i64)>;
-
-impl PartitionDiscovery {
-    fn start(
-        config: &Config,
-        rt: &Handle,
-        mut known: Vec<PartitionId>,
-    ) -> Result<Option<(PartitionDiscovery, Receiver<AddedPartitions>)>> {
-        let every = config.kafka.partition_discovery_interval.as_duration();
-        if every.is_zero() {
-            return Ok(None);
-        }
-        let client = Source::connect(
-            &config.kafka_settings(),
-            &config.kafka.source_topic,
-            &config.kafka.consumer_group,
-        )?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
-        let thread = {
-            let (config, rt, stop) = (config.clone(), rt.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("tally-discover".into())
-                .spawn(move || {
-                    let kafka = config.kafka_settings();
-                    while sleep_unless_stopped(&stop, every).is_ok() {
-                        let current = match client.partitions() {
-                            Ok(current) => current,
-                            Err(e) => {
-                                tracing::debug!(error = %e, "could not read the source topic's partitions; trying again later");
-                                continue;
-                            }
-                        };
-                        let new: Vec<PartitionId> =
-                            current.iter().copied().filter(|p| !known.contains(p)).collect();
-                        if new.is_empty() {
-                            continue;
-                        }
-                        let grown = ensure_own_topics(&config, &kafka, &rt, current.len())
-                            .map_err(|e| e.to_string())
-                            .and_then(|()| {
-                                new.iter()
-                                    .map(|&p| {
-                                        client
-                                            .resolve_start(p, StartFrom::Earliest)
-                                            .map(|offset| (p, offset))
-                                            .map_err(|e| e.to_string())
-                                    })
-                                    .collect::<Result<AddedPartitions, String>>()
-                            });
-                        match grown {
-                            Ok(added) => {
-                                if tx.send(added).is_err() {
-                                    return;
-                                }
-                                known = current;
-                            }
-                            Err(e) => {
-                                tracing::warn!(partitions = ?new, error = %e, "partitions were added to the source topic, but tally could not prepare them yet; trying again later")
-                            }
-                        }
+/// operator with its earliest offset. Dropping the guard stops the thread.
+fn start_partition_discovery(
+    config: &Config,
+    rt: &Handle,
+    mut known: Vec<PartitionId>,
+) -> Result<Option<(Background, Receiver<AddedPartitions>)>> {
+    let every = config.kafka.partition_discovery_interval.as_duration();
+    if every.is_zero() {
+        return Ok(None);
+    }
+    let client = Source::connect(
+        &config.kafka_settings(),
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel();
+    let thread = {
+        let (config, rt) = (config.clone(), rt.clone());
+        Background::spawn("tally-discover", stop.clone(), move || {
+            let kafka = config.kafka_settings();
+            while sleep_unless_stopped(&stop, every).is_ok() {
+                let current = match client.partitions() {
+                    Ok(current) => current,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "could not read the source topic's partitions; trying again later");
+                        continue;
                     }
-                })
-                .context("starting the partition discovery thread")?
-        };
-        Ok(Some((
-            PartitionDiscovery {
-                stop,
-                thread: Some(thread),
-            },
-            rx,
-        )))
-    }
+                };
+                let new: Vec<PartitionId> = current
+                    .iter()
+                    .copied()
+                    .filter(|p| !known.contains(p))
+                    .collect();
+                if new.is_empty() {
+                    continue;
+                }
+                let grown = ensure_own_topics(&config, &kafka, &rt, current.len())
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| {
+                        new.iter()
+                            .map(|&p| {
+                                client
+                                    .resolve_start(p, StartFrom::Earliest)
+                                    .map(|offset| (p, offset))
+                                    .map_err(|e| e.to_string())
+                            })
+                            .collect::<Result<AddedPartitions, String>>()
+                    });
+                match grown {
+                    Ok(added) => {
+                        if tx.send(added).is_err() {
+                            return;
+                        }
+                        known = current;
+                    }
+                    Err(e) => {
+                        tracing::warn!(partitions = ?new, error = %e, "partitions were added to the source topic, but tally could not prepare them yet; trying again later")
+                    }
+                }
+            }
+        })?
+    };
+    Ok(Some((thread, rx)))
 }
 
-impl Drop for PartitionDiscovery {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
-            tracing::warn!("the partition discovery thread panicked");
-        }
-    }
-}
+/// Partitions added to the source topic, each with the offset it starts at.
+type AddedPartitions = Vec<(PartitionId, i64)>;
 
 impl Folder {
     /// Runs a fold step now and then every `fold_interval`, until `stop` changes. Folding only
