@@ -35,10 +35,10 @@ def main():
     runs = int(sys.argv[4]) if len(sys.argv) > 4 else 30
     from chdb import session
 
-    frontier = server_query(url, f"SELECT toUInt32(frontier), first_epoch FROM {db}.revenue_agg_folds "
-                                 "ORDER BY frontier DESC LIMIT 1").decode().split() or ["0", "0"]
+    frontier = server_query(url, f"SELECT toUInt32(frontier) FROM {db}.revenue_agg_folds "
+                                 "ORDER BY frontier DESC LIMIT 1").decode().split() or ["0"]
     args = [tally, "schema", "--print-sql", "--database", db, "--table", "revenue_agg", "--atomic",
-            "--to", f"{frontier[0]}:{frontier[1]}"]
+            "--to", frontier[0]]
     catalog = [json.loads(l) for l in subprocess.run(args, check=True, capture_output=True, text=True)
                .stdout.splitlines()]
     with tempfile.TemporaryDirectory() as path:

@@ -15,6 +15,8 @@
 #       alternating within each repeat, each summarised on its own
 #   scripts/bench.sh --with-standby ...   the same build alone and with a warm standby worker of the
 #       job beside it on this machine (as docker-compose runs two workers), alternating
+#   scripts/bench.sh --shared ...   the job split into one task per partition (job.tasks), run by one
+#       worker and then shared by two workers on this machine, alternating
 #   scripts/bench.sh --failover [--events N --customers C ...]
 #       takeover by a warm standby after a SIGKILL, against a whole restore of the same state
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
@@ -23,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
-customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0
+customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -35,6 +37,7 @@ while (($#)); do
     --no-verify) verify=0; shift ;;
     --compare) compare=$2; shift 2 ;;
     --with-standby) with_standby=1; shift ;;
+    --shared) shared=1; shift ;;
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
     --days) days=$2; shift 2 ;;
@@ -201,13 +204,15 @@ run_env() {
   export TALLY_CLICKHOUSE__DATABASE="${id//-/_}"
 }
 
-# tally_run R [LABEL] [STANDBY] -- catch-up of the whole topic (STANDBY=1: with a second worker
-# of the job standing by beside it); then a restart of the same state to time restore. Reads and
-# writes the run's files under $dir (a label's own directory with --compare).
+# tally_run R [LABEL] [SECOND] -- catch-up of the whole topic (SECOND=1: with a second worker of
+# the job standing by beside it; 2: with a second worker sharing the job's tasks); then a restart
+# of the same state to time restore. Reads and writes the run's files under $dir (a label's own
+# directory with --compare).
 tally_run() {
-  local r=$1 log="$dir/r$1/worker.log" consumed=0 peak_kib=0 kib pid standby=""
+  local r=$1 log="$dir/r$1/worker.log" consumed=0 peak_kib=0 kib pid standby="" second=""
   mkdir -p "$dir/r$r"
   run_env "$r" "${2:-}"
+  [ "$shared" = 1 ] && export TALLY_JOB__TASKS="$partitions"
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/started"
   "$bin" run --config "$config" >"$log" 2>&1 &
   pid=$!
@@ -219,17 +224,30 @@ tally_run() {
     standby=$!
     trap "kill -9 $pid $standby 2>/dev/null || true" EXIT
   fi
+  if [ "${3:-0}" = 2 ]; then
+    # Started once the first worker runs a task: the group then moves half of them over.
+    until grep -q "starting task" "$log"; do sleep 0.05; done
+    TALLY_JOB__STATE_DIR="$dir/r$r/second" "$bin" run --config "$config" >"$dir/r$r/second.log" 2>&1 &
+    second=$!
+    trap "kill -9 $pid $second 2>/dev/null || true" EXIT
+  fi
   while [ "$consumed" -lt "$events" ]; do
     sleep 0.2
     kill -0 "$pid" 2>/dev/null || { echo "worker exited" >&2; tail -20 "$log" >&2; exit 1; }
     consumed=$(sum_field consumed "$log")
+    [ -n "$second" ] && consumed=$((consumed + $(sum_field consumed "$dir/r$r/second.log")))
     kib=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
     [ "${kib:-0}" -gt "$peak_kib" ] && peak_kib=$kib
   done
   echo "$peak_kib" >"$dir/r$r/peak_kib"
   # The standby goes first: it would take the job over from the stopping worker.
   if [ -n "$standby" ]; then kill -9 "$standby"; wait "$standby" 2>/dev/null || true; fi
-  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+  if [ -n "$second" ]; then
+    kill -TERM "$pid" "$second"; wait "$pid" "$second" 2>/dev/null || true
+    # Both workers' checkpoints, in time order, for the summary.
+    sort -s -k1,1 "$log" "$dir/r$r/second.log" >"$log.both" && mv "$log.both" "$log"
+  fi
+  kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
   # Restore: start again on the same state until it consumes, then stop.
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/restarted"
   "$bin" run --config "$config" >"$dir/r$r/restore.log" 2>&1 &
@@ -238,7 +256,7 @@ tally_run() {
   trap - EXIT
   grep 'rebuilt the dedup id filter' "$dir/r$r/restore.log" | sed 's/.*rebuilt/restore: rebuilt/' >&2 || true
   # The same state rebuilt from the changelog on a "new machine" (builds with a changelog).
-  if "$bin" restore --help >/dev/null 2>&1; then
+  if [ "$shared" = 0 ] && "$bin" restore --help >/dev/null 2>&1; then
     TALLY_JOB__STATE_DIR="$dir/r$r/from-changelog" "$bin" restore --config "$config" >"$dir/r$r/changelog_restore"
     sed 's/^/changelog /' "$dir/r$r/changelog_restore" >&2
   fi
@@ -249,7 +267,7 @@ tally_run() {
   fi
 }
 
-if [ -z "$compare" ] && [ "$with_standby" = 0 ]; then
+if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do
     # cargo runs benches in the package's directory: give it an absolute path.
     cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
@@ -264,13 +282,14 @@ fi
 # --with-standby: this build alone, then with a standby beside it.
 top=$dir this_bin=$bin labels="before after"
 [ "$with_standby" = 1 ] && labels="alone standby"
+[ "$shared" = 1 ] && labels="one two"
 for r in $(seq 1 "$repeat"); do
   for label in $labels; do
     dir="$top/$label" bin=$this_bin
     [ "$label" = before ] && bin=$compare
     mkdir -p "$dir"
     cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
-    tally_run "$r" "$label" "$([ "$label" = standby ] && echo 1 || echo 0)"
+    tally_run "$r" "$label" "$(case $label in standby) echo 1 ;; two) echo 2 ;; *) echo 0 ;; esac)"
     echo "$label run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
   done
 done

@@ -6,6 +6,7 @@
 #   scripts/chaos.sh                                   CI defaults (200k events, 10 kills, 1 restart each)
 #   scripts/chaos.sh --events 10000000 --rate 40000 --kills 100 --restarts 3   the big run
 #   scripts/chaos.sh --workers 3 --zombies 2 --leaves 2   replicas: one runs the job, the others stand by
+#   scripts/chaos.sh --workers 3 --tasks 4 --zombies 2 --leaves 2   the workers share the job's tasks
 #
 # Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
 #          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
@@ -13,12 +14,14 @@
 #          --workers W (replicas of the job, each with its own state directory; kills hit the one
 #          running the job)  --zombies Z (SIGSTOP the running worker past the session timeout,
 #          then SIGCONT it)  --leaves L (SIGTERM a random worker and start it again)
+#          --tasks T (job.tasks: the workers share T tasks; kills and zombies hit a worker running
+#          tasks, whose tasks move to the others)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
-workers=1 zombies=0 leaves=0
+workers=1 zombies=0 leaves=0 tasks=1
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -32,6 +35,7 @@ while (($#)); do
     --workers) workers=$2; shift 2 ;;
     --zombies) zombies=$2; shift 2 ;;
     --leaves) leaves=$2; shift 2 ;;
+    --tasks) tasks=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +62,7 @@ mkdir -p "$dir"
 export TALLY_JOB__NAME="$run"
 export TALLY_JOB__CHECKPOINT_INTERVAL="1s"
 export TALLY_JOB__SESSION_TIMEOUT="6s"
+export TALLY_JOB__TASKS="$tasks"
 export TALLY_JOB__MAX_RECORD_BYTES="4096"
 export TALLY_KAFKA__SOURCE_TOPIC="$run"
 export TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
@@ -80,12 +85,18 @@ start_worker() {
   TALLY_JOB__STATE_DIR="$dir/state-$1" "$TALLY_BIN" run --config "$config" >>"$log" 2>&1 &
   pids[$1]=$!
 }
-# The worker running the job: it took the lease since its last start.
+# The worker running the job: it took the lease since its last start. With tasks, a random
+# worker among those that started a task since their last start.
 active_worker() {
+  local w running=()
   for ((w = 0; w < workers; w++)); do
-    if tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "holding the job's lease"; then echo "$w"; return; fi
+    if ((tasks > 1)); then
+      tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "starting task" && running+=("$w")
+    elif tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "holding the job's lease"; then
+      echo "$w"; return
+    fi
   done
-  echo 0
+  if ((${#running[@]})); then echo "${running[RANDOM % ${#running[@]}]}"; else echo 0; fi
 }
 cleanup() {
   for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null || true; kill -9 "$pid" 2>/dev/null || true; done
@@ -197,6 +208,11 @@ printf '%-40s %s\n' "events produced" "$produced"
 printf '%-40s %s\n' "duplicates injected" "$dups"
 printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
 printf '%-40s %s\n' "workers (replicas of the job)" "$workers"
+if ((tasks > 1)); then
+  printf '%-40s %s\n' "tasks shared by the workers" "$tasks"
+  printf '%-40s %s\n' "task starts (a worker given a task)" "$(cat "$dir"/worker-*.log | grep -c "starting task" || true)"
+  printf '%-40s %s\n' "tasks moved away from a worker" "$(cat "$dir"/worker-*.log | grep -c "task moved to another worker" || true)"
+fi
 printf '%-40s %s\n' "worker SIGKILLs (of the running one)" "$done_kills"
 # Takeovers: a warm standby catches up (only what was committed since its last round), a cold one
 # or one that cannot be caught up restores whole; standby rounds restore whole once each.

@@ -132,6 +132,14 @@ svc_pid() {
     echo "$pid"
     return 0
   fi
+  # A process in the middle of exec reads with an empty command line for a moment: look again.
+  if [[ -d /proc/$pid ]]; then
+    sleep 0.5
+    if is_ours "$pid" "$marker"; then
+      echo "$pid"
+      return 0
+    fi
+  fi
   log "$1: removing stale PID file (pid ${pid:-?} is not running)"
   rm -f "$pidfile"
   return 1
@@ -467,7 +475,7 @@ svc_await() {
   fi
   deadline=$((SECONDS + READY_TIMEOUT))
   while ((SECONDS < deadline)); do
-    if ! is_ours "$pid" "$(marker_of "$svc")"; then
+    if ! is_ours "$pid" "$(marker_of "$svc")" && ! { sleep 0.5; is_ours "$pid" "$(marker_of "$svc")"; }; then
       rm -f "$(pidfile_of "$svc")"
       log "$svc: exited during startup"
       show_log_tail "$svc"

@@ -48,6 +48,8 @@ if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   scripts/chaos.sh
   echo "== chaos (3 workers: failovers under load)"
   scripts/chaos.sh --workers 3 --events 100000 --rate 4000 --kills 3 --zombies 1 --leaves 1 --restarts 1
+  echo "== chaos (3 workers sharing 4 tasks: rebalances under load)"
+  scripts/chaos.sh --workers 3 --tasks 4 --events 100000 --rate 4000 --kills 3 --zombies 1 --leaves 1 --restarts 1
 fi
 echo "wall time: $(( $(date +%s) - started ))s"
 echo "tests: $passed passed, $failed failed"

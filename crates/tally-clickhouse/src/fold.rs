@@ -111,23 +111,32 @@ impl ClickHouseSink {
         settled
     }
 
-    /// The lowest committed watermark over the job's partitions.
-    async fn committed_watermark(&self, since_epoch: u64) -> Result<Option<i64>> {
+    /// The lowest committed watermark over the job's `partitions` source partitions, once
+    /// every one of them has committed a watermark past `from` (seconds).
+    async fn committed_watermark(&self, from: u32, partitions: usize) -> Result<Option<i64>> {
         let (w, n): (i64, u64) = self
             .fetch(
-                &self.names.committed_watermark_sql(since_epoch),
+                &self.names.committed_watermark_sql(from),
                 "reading committed watermarks",
             )
             .await?;
-        Ok((n > 0 && w != i64::MIN).then_some(w))
+        // A partition missing here (a writer behind, a partition just added) holds the
+        // frontier back: windows are final only once every partition says so.
+        let all = n > 0 && usize::try_from(n).is_ok_and(|n| n >= partitions);
+        Ok((all && w != i64::MIN).then_some(w))
     }
 
-    /// The frontier the committed watermarks allow now, in seconds (`None` before every
-    /// partition has one): how far folding could go; `frontier()` says how far it went.
-    pub async fn foldable_frontier(&self, rules: FoldRules) -> Result<Option<u32>> {
+    /// The frontier the committed watermarks of the job's `partitions` source partitions allow
+    /// now, in seconds (`None` before every partition has one): how far folding could go;
+    /// `frontier()` says how far it went.
+    pub async fn foldable_frontier(
+        &self,
+        rules: FoldRules,
+        partitions: usize,
+    ) -> Result<Option<u32>> {
         let logged = self.frontier().await?;
         Ok(self
-            .committed_watermark(logged.first_epoch)
+            .committed_watermark(logged.seconds, partitions)
             .await?
             .and_then(|w| u32::try_from(rules.frontier_ms(w).div_euclid(1000)).ok())
             .map(|f| f.max(logged.seconds)))
@@ -146,22 +155,6 @@ impl ClickHouseSink {
             )
             .await?;
         Ok((n > 0).then_some(oldest))
-    }
-
-    /// The first epoch that may hold a row at or after `seconds`.
-    async fn first_epoch_from(&self, seconds: u32, since_epoch: u64) -> Result<u64> {
-        let (first, n, last): (u64, u64, u64) = self
-            .fetch(
-                &self.names.first_epoch_sql(seconds, since_epoch),
-                "reading the commit log",
-            )
-            .await?;
-        // With no such batch yet, only batches after the newest one can have such rows.
-        Ok(if n > 0 {
-            first
-        } else {
-            last.max(since_epoch.saturating_sub(1)) + 1
-        })
     }
 
     /// Removes folded rows at or after `from`: they belong to a step that did not log its
@@ -192,14 +185,7 @@ impl ClickHouseSink {
     }
 
     async fn install_view(&self, frontier: Frontier) -> Result<()> {
-        let engines: Vec<EngineRow> = schema::json_rows(
-            &self.client,
-            &self.names.database_engine_sql(),
-            &self.url,
-            "reading the database engine",
-        )
-        .await?;
-        let atomic = engines.first().is_some_and(|e| e.engine != "Ordinary");
+        let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
         for sql in self.names.install_view_sql(frontier, atomic) {
             self.exec(&sql).await?;
         }
@@ -249,8 +235,14 @@ impl ClickHouseSink {
         Ok(dropped)
     }
 
-    /// One fold step (see the module docs). Safe to rerun after a crash at any point.
-    pub async fn fold(&self, rules: FoldRules, fault: impl Fn(FoldStep)) -> Result<FoldOutcome> {
+    /// One fold step (see the module docs) for a job of `partitions` source partitions. Safe
+    /// to rerun after a crash at any point; one folder per job at a time.
+    pub async fn fold(
+        &self,
+        rules: FoldRules,
+        partitions: usize,
+        fault: impl Fn(FoldStep),
+    ) -> Result<FoldOutcome> {
         let logged = self.frontier().await?;
         let repaired = self.drop_unlogged_folds(logged.seconds).await?;
         let mut outcome = FoldOutcome {
@@ -258,14 +250,11 @@ impl ClickHouseSink {
             repaired,
             ..FoldOutcome::default()
         };
-        if let Some(watermark) = self.committed_watermark(logged.first_epoch).await?
+        if let Some(watermark) = self.committed_watermark(logged.seconds, partitions).await?
             && let Ok(seconds) = u32::try_from(rules.frontier_ms(watermark).div_euclid(1000))
             && seconds > logged.seconds
         {
-            let next = Frontier {
-                seconds,
-                first_epoch: self.first_epoch_from(seconds, logged.first_epoch).await?,
-            };
+            let next = Frontier { seconds };
             self.exec(&self.names.fold_insert_sql(logged, seconds))
                 .await?;
             // The repair above left no rows at or after the logged frontier: these are all new.
@@ -281,6 +270,13 @@ impl ClickHouseSink {
             fault(FoldStep::Logged);
             outcome.frontier = next;
         }
+        // Another folder got further meanwhile (the job's previous folder, woken from a pause
+        // before it noticed it lost its task): its view stays, and this step stops here.
+        let newest = self.frontier().await?;
+        if newest.seconds > outcome.frontier.seconds {
+            outcome.frontier = newest;
+            return Ok(outcome);
+        }
         // Install unconditionally: the logged frontier may not be installed yet (a step that
         // died after logging), and reinstalling the same one is harmless.
         self.install_view(outcome.frontier).await?;
@@ -293,11 +289,6 @@ impl ClickHouseSink {
         }
         Ok(outcome)
     }
-}
-
-#[derive(Debug, Deserialize)]
-struct EngineRow {
-    engine: String,
 }
 
 /// End (exclusive, seconds since the epoch, UTC) of a `YYYYMMDD` day.

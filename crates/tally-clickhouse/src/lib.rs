@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use tally_core::{Epoch, OutputRow, PartitionId};
 
 pub use fold::{FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
-pub use schema::{Frontier, TableNames};
+pub use schema::{Cut, Frontier, TableNames};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
@@ -75,7 +75,8 @@ pub struct SinkSettings {
     pub request_timeout: Duration,
 }
 
-/// One checkpoint's output, identified by (job, source partitions, epoch).
+/// One checkpoint's output, identified by what it commits: its source partitions and the
+/// offsets it ends at. The epoch is the writer's own numbering, for logs.
 #[derive(Debug, Clone)]
 pub struct Batch<'a> {
     pub job: &'a str,
@@ -92,16 +93,29 @@ pub struct Batch<'a> {
 }
 
 impl Batch<'_> {
-    /// Stable id of the batch, e.g. `revenue_agg/orders[0,1,2,3]/42`.
+    /// Stable id of the batch whoever writes it, e.g. `revenue_agg/orders[0:1200,1:1188]`.
     pub fn id(&self, source_topic: &str) -> String {
-        let parts: Vec<String> = self.offsets.iter().map(|(p, _, _)| p.to_string()).collect();
-        format!(
-            "{}/{}[{}]/{}",
-            self.job,
-            source_topic,
-            parts.join(","),
-            self.epoch
-        )
+        let parts: Vec<String> = self
+            .offsets
+            .iter()
+            .map(|(p, _, to)| format!("{p}:{to}"))
+            .collect();
+        format!("{}/{}[{}]", self.job, source_topic, parts.join(","))
+    }
+
+    fn max_window_start(&self) -> Result<u32> {
+        match self.rows.iter().map(|r| r.key.window_start_ms).max() {
+            Some(ms) => seconds(ms),
+            None => Ok(0),
+        }
+    }
+
+    fn partitions(&self) -> Vec<PartitionId> {
+        self.offsets.iter().map(|o| o.0).collect()
+    }
+
+    fn to_offsets(&self) -> Vec<i64> {
+        self.offsets.iter().map(|o| o.2).collect()
     }
 }
 
@@ -259,30 +273,31 @@ impl ClickHouseSink {
         Ok(value != "0")
     }
 
-    pub async fn is_committed(&self, epoch: Epoch) -> Result<bool> {
-        let sql = format!(
-            "SELECT count() FROM {} WHERE epoch = ?",
-            self.names.commits_q()
+    /// Whether the commit log holds `batch` (written by this worker or any other).
+    pub async fn is_committed(&self, batch: &Batch<'_>) -> Result<bool> {
+        let sql = self.names.is_committed_sql(
+            batch.max_window_start()?,
+            &batch.partitions(),
+            &batch.to_offsets(),
         );
         let n = self
             .client
             .query(&sql)
-            .bind(epoch.0)
             .fetch_one::<u64>()
             .await
             .map_err(self.err("reading the commit log"))?;
         Ok(n > 0)
     }
 
-    pub async fn max_committed_epoch(&self) -> Result<Option<Epoch>> {
-        let sql = format!("SELECT max(epoch), count() FROM {}", self.names.commits_q());
-        let (max, n) = self
+    /// Per source partition, the newest offset a committed batch ends at.
+    pub async fn committed_offsets(&self) -> Result<std::collections::BTreeMap<PartitionId, i64>> {
+        let rows: Vec<(i32, i64)> = self
             .client
-            .query(&sql)
-            .fetch_one::<(u64, u64)>()
+            .query(&self.names.committed_offsets_sql())
+            .fetch_all()
             .await
             .map_err(self.err("reading the commit log"))?;
-        Ok((n > 0).then_some(Epoch(max)))
+        Ok(rows.into_iter().collect())
     }
 
     /// Writes a batch idempotently: skip if committed, else data rows then the commit-log row.
@@ -314,7 +329,7 @@ impl ClickHouseSink {
         source_topic: &str,
         fault: impl Fn(WriteStep),
     ) -> Result<WriteOutcome> {
-        if self.is_committed(batch.epoch).await? {
+        if self.is_committed(batch).await? {
             return Ok(WriteOutcome::AlreadyCommitted);
         }
         let half = batch.rows.len() / 2;
@@ -323,18 +338,15 @@ impl ClickHouseSink {
             fault(WriteStep::HalfInserted);
             self.insert_rows(batch, &batch.rows[half..]).await?;
         }
-        let max_window_start = match batch.rows.iter().map(|r| r.key.window_start_ms).max() {
-            Some(ms) => seconds(ms)?,
-            None => 0,
-        };
+        let max_window_start = batch.max_window_start()?;
         fault(WriteStep::Inserted);
         let commit = CommitRow {
             batch_id: batch.id(source_topic),
             job: batch.job.to_owned(),
             epoch: batch.epoch.0,
-            partitions: batch.offsets.iter().map(|o| o.0).collect(),
+            partitions: batch.partitions(),
             from_offsets: batch.offsets.iter().map(|o| o.1).collect(),
-            to_offsets: batch.offsets.iter().map(|o| o.2).collect(),
+            to_offsets: batch.to_offsets(),
             watermarks: batch.watermarks.clone(),
             max_window_start,
             row_count: batch.rows.len() as u64,
@@ -430,6 +442,7 @@ struct ViewRow {
 /// Offsets of one committed batch, from the commit log.
 #[derive(Debug, Clone, Deserialize, clickhouse::Row)]
 pub struct CommittedBatch {
+    /// The writer's epoch (the lowest, if copies were written under several).
     pub epoch: u64,
     pub partitions: Vec<i32>,
     pub from_offsets: Vec<i64>,
@@ -443,16 +456,16 @@ impl ClickHouseSink {
             .await
     }
 
-    /// The view's rows as of committed epoch `epoch`: what readers saw right after it. Folded
-    /// windows are final, so they read the same at any later epoch.
+    /// The view's rows as readers saw them once the batches up to `cut` were committed.
+    /// Folded windows are final, so they read the same at any later cut.
     pub async fn read_view_at(
         &self,
-        epoch: Epoch,
+        cut: &Cut,
     ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         let frontier = self.frontier().await?;
         self.collect_rows(
-            &self.names.read_view_at_sql(frontier, epoch.0, None),
-            "reading the view at an epoch",
+            &self.names.read_view_at_sql(frontier, cut, None),
+            "reading the view at a cut",
         )
         .await
     }
@@ -460,15 +473,15 @@ impl ClickHouseSink {
     /// [`read_view_at`](Self::read_view_at) for windows starting in `[from_ms, to_ms]` only.
     pub async fn read_view_at_windows(
         &self,
-        epoch: Epoch,
+        cut: &Cut,
         from_ms: i64,
         to_ms: i64,
     ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         let frontier = self.frontier().await?;
         let range = (seconds(from_ms)?, seconds(to_ms)?);
         self.collect_rows(
-            &self.names.read_view_at_sql(frontier, epoch.0, Some(range)),
-            "reading the view at an epoch",
+            &self.names.read_view_at_sql(frontier, cut, Some(range)),
+            "reading the view at a cut",
         )
         .await
     }
@@ -496,26 +509,21 @@ impl ClickHouseSink {
         Ok(map)
     }
 
-    /// The commit log, one entry per epoch, in epoch order.
+    /// The commit log, one entry per batch.
     pub async fn committed_batches(&self) -> Result<Vec<CommittedBatch>> {
-        self.committed_batches_after(Epoch(0)).await
-    }
-
-    /// The commit log's entries after `epoch`, in epoch order.
-    pub async fn committed_batches_after(&self, epoch: Epoch) -> Result<Vec<CommittedBatch>> {
         self.client
-            .query(&self.names.committed_batches_sql(epoch.0))
+            .query(&self.names.committed_batches_sql())
             .fetch_all()
             .await
             .map_err(self.err("reading the commit log"))
     }
 
-    /// Totals the commit log records, one row per epoch: (events aggregated, revenue as a
+    /// Totals the commit log records, once per batch: (events aggregated, revenue as a
     /// decimal string, dead letters).
     pub async fn commit_totals(&self) -> Result<(u64, String, u64)> {
         let sql = format!(
             "SELECT toUInt64(sum(e)), toString(sum(r)), toUInt64(sum(d)) FROM \
-             (SELECT epoch, any(event_count) AS e, any(revenue_sum) AS r, any(dead_letters) AS d FROM {} GROUP BY epoch)",
+             (SELECT any(event_count) AS e, any(revenue_sum) AS r, any(dead_letters) AS d FROM {} GROUP BY partitions, to_offsets)",
             self.names.commits
         );
         self.client
@@ -538,5 +546,19 @@ impl ClickHouseSink {
             .fetch_one()
             .await
             .map_err(self.err("summing the view"))
+    }
+}
+
+impl Cut {
+    /// The point after every batch of `batches`: per partition, the newest offset.
+    pub fn after(batches: &[CommittedBatch]) -> Cut {
+        let mut cut = std::collections::BTreeMap::new();
+        for b in batches {
+            for (p, to) in b.partitions.iter().zip(&b.to_offsets) {
+                let end = cut.entry(*p).or_insert(*to);
+                *end = (*end).max(*to);
+            }
+        }
+        Cut(cut)
     }
 }

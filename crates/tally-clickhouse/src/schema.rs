@@ -3,6 +3,8 @@
 use clickhouse::Client;
 use serde::Deserialize;
 
+use tally_core::PartitionId;
+
 use crate::{Result, SinkError};
 
 const DATA_COLUMNS: &[(&str, &str)] = &[
@@ -35,7 +37,12 @@ const COMMIT_COLUMNS: &[(&str, &str)] = &[
     ("dead_letters", "UInt64"),
     ("committed_at", "DateTime"),
 ];
-const COMMIT_SORTING_KEY: &str = "epoch";
+/// Sorted by the newest window a batch holds: the view reads only batches that can hold a row at
+/// or after the fold frontier, a range of this key whoever wrote them. Epochs are numbered per
+/// writer, so they cannot bound that set once several workers write a job.
+const COMMIT_SORTING_KEY: &str = "max_window_start, batch_id";
+/// The key of commit logs created before the view pruned by window.
+const LEGACY_COMMIT_SORTING_KEY: &str = "epoch";
 
 const VIEW_COLUMNS: &[(&str, &str)] = &[
     ("window_start", "DateTime"),
@@ -51,6 +58,8 @@ const FINAL_SORTING_KEY: &str = "window_start, customer_id, currency";
 
 const FOLD_COLUMNS: &[(&str, &str)] = &[
     ("frontier", "DateTime"),
+    // Unused since the view prunes batches by window (written as 0); kept so that fold logs
+    // of earlier versions validate.
     ("first_epoch", "UInt64"),
     ("folded_rows", "UInt64"),
     ("folded_at", "DateTime"),
@@ -133,7 +142,7 @@ impl TableNames {
 
     fn create_commits(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY {COMMIT_SORTING_KEY}",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({COMMIT_SORTING_KEY})",
             self.commits,
             columns_sql(COMMIT_COLUMNS)
         )
@@ -155,20 +164,31 @@ impl TableNames {
     }
 
     /// Per (source partition, window, customer, currency) the value of the newest committed
-    /// version (of batches up to epoch `as_of`, if given), summed over source partitions, for
-    /// windows from `from` (and before `to_seconds`, if given). Only batches of epoch
-    /// `from.first_epoch` or later can hold rows at or after `from`, which bounds the commit
-    /// set however old the job is.
+    /// version (of batches at or below the per-partition offsets `cut`, if given), summed over
+    /// source partitions, for windows from `from` (and before `to_seconds`, if given). Only
+    /// batches whose newest window is at or after `from` can hold such rows, which bounds the
+    /// commit set however old the job is and whoever wrote the batches.
     pub(crate) fn versions_sql(
         &self,
         from: Frontier,
         to_seconds: Option<u32>,
-        as_of: Option<u64>,
+        cut: Option<&Cut>,
     ) -> String {
         let upper = to_seconds.map_or(String::new(), |t| {
             format!(" AND window_start < toDateTime({t})")
         });
-        let up_to = as_of.map_or(String::new(), |e| format!(" AND epoch <= {e}"));
+        let pairs = "arrayMap((cp, cv) -> (cp, cv), partitions, arrayResize(to_offsets, length(partitions)))";
+        // A cut keeps, per partition, the versions up to its offset; a partition it does not
+        // name finds index 0, whose element is 0, below every version.
+        let pairs = match cut {
+            None => pairs.to_owned(),
+            Some(cut) if cut.0.is_empty() => format!("arrayFilter(pv -> 0, {pairs})"),
+            Some(cut) => format!(
+                "arrayFilter(pv -> tupleElement(pv, 2) <= arrayElement([{offsets}], indexOf([{partitions}], tupleElement(pv, 1))), {pairs})",
+                partitions = cut.partitions_sql(),
+                offsets = cut.offsets_sql(),
+            ),
+        };
         // `+ 0` keeps the IN off the sorting key: 18.16 otherwise builds the set for index
         // analysis on every analysis pass of the query, which costs more than it prunes.
         // The commit set is unnested with `arrayJoin` into one tuple column rather than with an
@@ -183,13 +203,12 @@ impl TableNames {
                    FROM {data} \
                    WHERE window_start >= toDateTime({f}){upper} \
                      AND (toInt32(source_partition + 0), version + 0) IN \
-                         (SELECT arrayJoin(arrayMap((cp, cv) -> (cp, cv), partitions, arrayResize(to_offsets, length(partitions)))) FROM {commits} WHERE epoch >= {e}{up_to}) \
+                         (SELECT arrayJoin({pairs}) FROM {commits} WHERE max_window_start >= toDateTime({f})) \
                    GROUP BY source_partition, window_start, customer_id, currency) \
              GROUP BY window_start, customer_id, currency",
             data = self.data,
             commits = self.commits,
             f = from.seconds,
-            e = from.first_epoch,
         )
     }
 
@@ -207,35 +226,26 @@ impl TableNames {
         )
     }
 
-    /// The two newest logged frontiers, newest first.
+    /// The `n` newest logged frontiers, newest first.
     pub(crate) fn logged_frontiers_sql(&self, n: u32) -> String {
         format!(
-            "SELECT toUInt32(frontier) AS seconds, first_epoch FROM {} ORDER BY frontier DESC LIMIT {n}",
+            "SELECT toUInt32(frontier) AS seconds FROM {} ORDER BY frontier DESC LIMIT {n}",
             self.folds
         )
     }
 
-    /// The lowest committed watermark over the job's partitions, and how many partitions.
-    /// Every batch lists every partition of the job and watermarks only grow, so the newest
-    /// batches since `since_epoch` have each partition's current one. A malformed commit-log
-    /// row (arrays of other lengths) reads as "no watermark" and "offset 0", never as an error
-    /// that would stop readers or folding.
-    pub(crate) fn committed_watermark_sql(&self, since_epoch: u64) -> String {
+    /// The lowest committed watermark over the partitions of the batches that can hold windows
+    /// at or after `from` (each partition's newest watermark among them), and how many
+    /// partitions. Watermarks only grow, and a partition whose watermark passed `from` had an
+    /// event, not late, in a window at or after it, so its newest batch of that kind is here;
+    /// a partition missing from the answer has not got that far. A malformed commit-log row
+    /// (arrays of other lengths) reads as "no watermark", never as an error that would stop
+    /// readers or folding.
+    pub(crate) fn committed_watermark_sql(&self, from: u32) -> String {
         format!(
             "SELECT toInt64(min(wm)) AS w, count() AS n FROM \
              (SELECT p, max(w) AS wm FROM {} ARRAY JOIN partitions AS p, arrayResize(watermarks, length(partitions), toInt64(-9223372036854775808)) AS w \
-              WHERE epoch >= {since_epoch} GROUP BY p)",
-            self.commits
-        )
-    }
-
-    /// (first epoch since `since_epoch` with a row at or after `seconds`, how many such
-    /// batches, the newest epoch).
-    pub(crate) fn first_epoch_sql(&self, seconds: u32, since_epoch: u64) -> String {
-        format!(
-            "SELECT minIf(epoch, max_window_start >= toDateTime({seconds})) AS first, \
-                    countIf(max_window_start >= toDateTime({seconds})) AS n, max(epoch) AS last \
-             FROM {} WHERE epoch >= {since_epoch}",
+              WHERE max_window_start >= toDateTime({from}) GROUP BY p)",
             self.commits
         )
     }
@@ -280,8 +290,8 @@ impl TableNames {
 
     pub(crate) fn fold_log_sql(&self, frontier: Frontier, folded_rows: u64) -> String {
         format!(
-            "INSERT INTO {} (frontier, first_epoch, folded_rows, folded_at) VALUES (toDateTime({}), {}, {folded_rows}, now())",
-            self.folds, frontier.seconds, frontier.first_epoch
+            "INSERT INTO {} (frontier, first_epoch, folded_rows, folded_at) VALUES (toDateTime({}), 0, {folded_rows}, now())",
+            self.folds, frontier.seconds
         )
     }
 
@@ -338,12 +348,12 @@ impl TableNames {
         )
     }
 
-    /// The view's rows as of committed epoch `epoch`, for the logged `frontier`, for windows
-    /// starting in `[from_seconds, to_seconds]` when given.
+    /// The view's rows as readers saw them once the batches up to `cut` were committed, for
+    /// the logged `frontier`, for windows starting in `[from_seconds, to_seconds]` when given.
     pub fn read_view_at_sql(
         &self,
         frontier: Frontier,
-        epoch: u64,
+        cut: &Cut,
         window_range: Option<(u32, u32)>,
     ) -> String {
         let range = window_range.map_or(String::new(), |(from, to)| {
@@ -357,16 +367,78 @@ impl TableNames {
               UNION ALL {versions}){range}",
             final_rows = self.final_rows,
             f = frontier.seconds,
-            versions = self.versions_sql(frontier, None, Some(epoch)),
+            versions = self.versions_sql(frontier, None, Some(cut)),
         )
     }
 
-    /// The commit log, one entry per epoch after `after_epoch`, in epoch order.
-    pub fn committed_batches_sql(&self, after_epoch: u64) -> String {
+    /// The commit log, one entry per batch (a batch whose commit row was written twice once),
+    /// oldest first per writer. A batch is identified by what it commits, its partitions and
+    /// their offsets: writers number their epochs independently.
+    pub fn committed_batches_sql(&self) -> String {
         format!(
-            "SELECT epoch, any(partitions) AS ps, any(from_offsets) AS fs, any(to_offsets) AS ts FROM {} WHERE epoch > {after_epoch} GROUP BY epoch ORDER BY epoch",
+            "SELECT min(epoch) AS e, partitions, any(from_offsets) AS fs, to_offsets FROM {} GROUP BY partitions, to_offsets ORDER BY min(committed_at), e",
             self.commits
         )
+    }
+
+    /// Whether a batch is in the commit log: found by its newest window (the sorting key) and
+    /// what it commits, so that a copy written by another worker counts as the same batch.
+    pub(crate) fn is_committed_sql(
+        &self,
+        max_window_start: u32,
+        partitions: &[PartitionId],
+        to_offsets: &[i64],
+    ) -> String {
+        format!(
+            "SELECT count() FROM {} WHERE max_window_start = toDateTime({max_window_start}) AND partitions = [{}] AND to_offsets = [{}]",
+            self.commits,
+            join(partitions),
+            join(to_offsets),
+        )
+    }
+
+    /// Per source partition, the newest offset the commit log holds.
+    pub(crate) fn committed_offsets_sql(&self) -> String {
+        format!(
+            "SELECT p, max(o) FROM {} ARRAY JOIN partitions AS p, arrayResize(to_offsets, length(partitions)) AS o GROUP BY p ORDER BY p",
+            self.commits
+        )
+    }
+
+    /// A commit log of the earlier layout (sorted by epoch) rebuilt with the current key: built
+    /// aside, swapped in atomically, the old one dropped. Every step can be rerun.
+    pub(crate) fn migrate_commits_sql(&self, atomic_database: bool) -> Vec<String> {
+        let (commits, next, old) = (
+            &self.commits,
+            format!("{}__next", self.commits),
+            format!("{}__old", self.commits),
+        );
+        let mut sql = vec![
+            format!("DROP TABLE IF EXISTS {next}"),
+            format!(
+                "CREATE TABLE {next} ({}) ENGINE = MergeTree ORDER BY ({COMMIT_SORTING_KEY})",
+                columns_sql(COMMIT_COLUMNS)
+            ),
+            format!(
+                "INSERT INTO {next} SELECT {} FROM {commits}",
+                COMMIT_COLUMNS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ];
+        if atomic_database {
+            sql.push(format!("EXCHANGE TABLES {commits} AND {next}"));
+            sql.push(format!("DROP TABLE {next}"));
+        } else {
+            sql.push(format!("DROP TABLE IF EXISTS {old}"));
+            sql.push(format!(
+                "RENAME TABLE {commits} TO {old}, {next} TO {commits}"
+            ));
+            sql.push(format!("DROP TABLE {old}"));
+        }
+        sql
     }
 
     /// Every statement tally issues, named, in the order of one fold step from `from` to `to`
@@ -377,7 +449,7 @@ impl TableNames {
         &self,
         from: Frontier,
         to: Frontier,
-        as_of: u64,
+        as_of: &Cut,
         day: &str,
         data_partition: &str,
         atomic_database: bool,
@@ -389,14 +461,11 @@ impl TableNames {
         let reads = [
             ("read.view", self.read_view_sql()),
             ("read.view_at", self.read_view_at_sql(from, as_of, None)),
-            ("read.committed_batches", self.committed_batches_sql(0)),
+            ("read.committed_batches", self.committed_batches_sql()),
+            ("read.committed_offsets", self.committed_offsets_sql()),
             (
                 "read.committed_watermark",
-                self.committed_watermark_sql(from.first_epoch),
-            ),
-            (
-                "read.first_epoch",
-                self.first_epoch_sql(to.seconds, from.first_epoch),
+                self.committed_watermark_sql(from.seconds),
             ),
             ("read.logged_frontiers", self.logged_frontiers_sql(2)),
             ("read.count_final", self.count_final_sql(None)),
@@ -411,6 +480,13 @@ impl TableNames {
             .enumerate()
         {
             out.push((format!("repair.{i}"), sql));
+        }
+        for (i, sql) in self
+            .migrate_commits_sql(atomic_database)
+            .into_iter()
+            .enumerate()
+        {
+            out.push((format!("migrate.{i}"), sql));
         }
         out.push(("fold.insert".into(), self.fold_insert_sql(from, to.seconds)));
         out.push(("fold.log".into(), self.fold_log_sql(to, 0)));
@@ -446,12 +522,32 @@ impl TableNames {
     }
 }
 
-/// Windows starting before `seconds` are final and read from the folded table; batches before
-/// `first_epoch` hold no row at or after it.
+/// Windows starting before `seconds` are final and read from the folded table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Frontier {
     pub seconds: u32,
-    pub first_epoch: u64,
+}
+
+/// A point of the commit log: per source partition, the offset up to which batches count.
+/// With several writers there is no job-wide epoch; each partition's offsets are its order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Cut(pub std::collections::BTreeMap<PartitionId, i64>);
+
+impl Cut {
+    fn partitions_sql(&self) -> String {
+        join(self.0.keys())
+    }
+    fn offsets_sql(&self) -> String {
+        join(self.0.values())
+    }
+}
+
+fn join<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    items
+        .into_iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn columns_sql(columns: &[(&str, &str)]) -> String {
@@ -607,8 +703,7 @@ pub(crate) async fn latest_frontier(
     names: &TableNames,
     url: &str,
 ) -> Result<Frontier> {
-    // RowBinary, not JSON: JSON quotes 64-bit integers.
-    let rows: Vec<(u32, u64)> = client
+    let rows: Vec<u32> = client
         .query(&names.logged_frontiers_sql(1))
         .fetch_all()
         .await
@@ -620,11 +715,29 @@ pub(crate) async fn latest_frontier(
     Ok(rows
         .into_iter()
         .next()
-        .map(|(seconds, first_epoch)| Frontier {
-            seconds,
-            first_epoch,
-        })
+        .map(|seconds| Frontier { seconds })
         .unwrap_or_default())
+}
+
+/// Whether the job's database is Atomic (current servers) rather than Ordinary (18.16): they
+/// swap tables atomically with different statements.
+pub(crate) async fn atomic_database(
+    client: &Client,
+    names: &TableNames,
+    url: &str,
+) -> Result<bool> {
+    #[derive(Debug, Deserialize)]
+    struct EngineRow {
+        engine: String,
+    }
+    let engines: Vec<EngineRow> = json_rows(
+        client,
+        &names.database_engine_sql(),
+        url,
+        "reading the database engine",
+    )
+    .await?;
+    Ok(engines.first().is_some_and(|e| e.engine != "Ordinary"))
 }
 
 pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()> {
@@ -674,21 +787,41 @@ pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()
     ];
     let mut problems = Vec::new();
     let mut old_layout = false;
+    let mut migrated = false;
     for (full, name, key, columns, create) in tables {
         match inspect(client, url, &names.database, &name).await? {
             None => execute(client, &create, url).await?,
             Some(info) => {
                 old_layout |= name == short("_data") && info.1.iter().any(|c| c.name == "epoch");
-                problems.extend(check(&full, &info, "MergeTree", key, columns));
+                let legacy_commits = name == short("_commits")
+                    && info.0.sorting_key.as_deref() == Some(LEGACY_COMMIT_SORTING_KEY);
+                let found = check(&full, &info, "MergeTree", key, columns);
+                // Only the key differs: same rows, sorted for the view's pruning by window.
+                if legacy_commits && found.len() == 1 {
+                    for sql in names.migrate_commits_sql(atomic_database(client, names, url).await?)
+                    {
+                        execute(client, &sql, url).await?;
+                    }
+                    tracing::info!(table = %full, "rebuilt the commit log sorted by window (it was sorted by epoch)");
+                    migrated = true;
+                } else {
+                    problems.extend(found);
+                }
             }
         }
     }
     if problems.is_empty() {
         // Created last: it reads the tables, and its frontier is the fold log's newest.
+        let frontier = latest_frontier(client, names, url).await?;
         match inspect(client, url, &names.database, &names.view).await? {
-            None => {
-                let frontier = latest_frontier(client, names, url).await?;
-                execute(client, &names.create_view(&names.view_q(), frontier), url).await?;
+            None => execute(client, &names.create_view(&names.view_q(), frontier), url).await?,
+            // A view of the earlier layout pruned by epoch: the same rows, read by window now.
+            Some(_) if migrated => {
+                for sql in
+                    names.install_view_sql(frontier, atomic_database(client, names, url).await?)
+                {
+                    execute(client, &sql, url).await?;
+                }
             }
             Some(info) => {
                 problems.extend(check(&names.view_q(), &info, "View", None, VIEW_COLUMNS))
@@ -777,14 +910,18 @@ mod tests {
         let names = TableNames::new("tally", "r").unwrap_or_else(|e| unreachable!("{e}"));
         let frontier = Frontier {
             seconds: 1_790_000_400,
-            first_epoch: 7,
         };
         let sql = names.create_view("tally.r__next", frontier);
         assert!(sql.contains("FROM tally.r_final WHERE window_start < toDateTime(1790000400)"));
         assert!(sql.contains("WHERE window_start >= toDateTime(1790000400)"));
-        assert!(sql.contains("WHERE epoch >= 7)"), "{sql}");
+        // Batches are pruned by the newest window they hold, not by a writer's epoch.
+        assert!(
+            sql.contains("WHERE max_window_start >= toDateTime(1790000400))"),
+            "{sql}"
+        );
+        assert!(!sql.contains("epoch"), "{sql}");
         // The folded range must not read versions, nor the version range folded rows.
-        assert_eq!(sql.matches("toDateTime(1790000400)").count(), 2);
+        assert_eq!(sql.matches("toDateTime(1790000400)").count(), 3);
         let swap = names.install_view_sql(frontier, true);
         assert_eq!(swap[3], "EXCHANGE TABLES tally.r AND tally.r__next");
         let swap = names.install_view_sql(frontier, false);

@@ -119,6 +119,20 @@ impl Source {
             .is_ok_and(|a| a.find_partition(lease_topic, 0).is_some())
     }
 
+    /// Serves the group protocol and returns the partitions of `lease_topic` this member holds.
+    pub fn poll_leases(&self, lease_topic: &str, timeout: Duration) -> Vec<PartitionId> {
+        let _ = self.consumer.poll(timeout);
+        self.consumer.assignment().map_or_else(
+            |_| Vec::new(),
+            |a| {
+                a.elements_for_topic(lease_topic)
+                    .iter()
+                    .map(|e| e.partition())
+                    .collect()
+            },
+        )
+    }
+
     pub fn topic(&self) -> &str {
         &self.topic
     }

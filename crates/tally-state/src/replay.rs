@@ -172,6 +172,11 @@ impl<'s> Replay<'s> {
     }
 
     /// Whether the store already is at the epoch to replay to: nothing to read.
+    /// The state directory the replay applies to.
+    pub fn store(&self) -> &'s StateStore {
+        self.store
+    }
+
     pub fn is_current(&self) -> bool {
         self.applied == Some(self.up_to)
     }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde::de::{self, Deserializer};
 use tally_clickhouse::Secret;
-use tally_core::{FieldMapping, OperatorConfig, WindowSpec};
+use tally_core::{FieldMapping, OperatorConfig, PartitionId, WindowSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -140,6 +140,16 @@ pub struct JobConfig {
     /// replays only what was committed since; "0s": only at the takeover (a cold standby).
     #[serde(default = "default_standby_refresh")]
     pub standby_refresh: Millis,
+    /// How many tasks the job is split into: source partition `p` belongs to task
+    /// `p % tasks`, and the job's workers share the tasks through the group protocol (each
+    /// task runs on one worker at a time, with its own state directory under `state_dir`
+    /// and its own transactional id). 1: one worker runs the whole job, the others stand by.
+    /// Fixed for the life of a job.
+    #[serde(default = "default_tasks", deserialize_with = "de_u64")]
+    pub tasks: u64,
+    /// The task this configuration runs, when the job has several (set by the worker).
+    #[serde(skip)]
+    pub task: Option<u32>,
 }
 
 fn default_checkpoint_interval() -> Millis {
@@ -159,6 +169,9 @@ fn default_session_timeout() -> Millis {
 }
 fn default_partition_discovery_interval() -> Millis {
     Millis(30_000)
+}
+fn default_tasks() -> u64 {
+    1
 }
 fn default_standby_refresh() -> Millis {
     Millis(10_000)
@@ -460,6 +473,12 @@ impl Config {
         if self.job.max_record_bytes == 0 {
             return Err(("job.max_record_bytes", "must be greater than zero".into()));
         }
+        if !(1..=1024).contains(&self.job.tasks) {
+            return Err((
+                "job.tasks",
+                format!("{} is outside 1..=1024", self.job.tasks),
+            ));
+        }
         for (key, value) in [
             ("kafka.brokers", &self.kafka.brokers),
             ("kafka.source_topic", &self.kafka.source_topic),
@@ -551,10 +570,38 @@ impl Config {
     }
 
     pub fn transactional_id(&self) -> String {
-        self.kafka
+        let id = self
+            .kafka
             .transactional_id
             .clone()
-            .unwrap_or_else(|| format!("tally-{}", self.job.name))
+            .unwrap_or_else(|| format!("tally-{}", self.job.name));
+        match self.job.task {
+            Some(task) => format!("{id}-task-{task}"),
+            None => id,
+        }
+    }
+
+    /// The job's task count (at least 1).
+    pub fn tasks(&self) -> u32 {
+        u32::try_from(self.job.tasks).unwrap_or(1).max(1)
+    }
+
+    /// The configuration of task `task` of a job of several: its own state directory and
+    /// transactional id, and only its source partitions.
+    pub fn for_task(&self, task: u32) -> Config {
+        let mut config = self.clone();
+        config.job.state_dir = self.job.state_dir.join(format!("task-{task}"));
+        config.job.task = Some(task);
+        config
+    }
+
+    /// Whether this configuration runs source partition `partition`: every one, unless it
+    /// is one task of several.
+    pub fn owns(&self, partition: PartitionId) -> bool {
+        match self.job.task {
+            Some(task) => u32::try_from(partition).is_ok_and(|p| p % self.tasks() == task),
+            None => true,
+        }
     }
 
     pub fn operator(&self) -> OperatorConfig {
@@ -608,7 +655,10 @@ impl Config {
 
     /// Identity stored in the state directory: the job and the topic it reads.
     pub fn state_identity(&self) -> String {
-        format!("{}@{}", self.job.name, self.kafka.source_topic)
+        match self.job.task {
+            Some(task) => format!("{}@{}#task-{task}", self.job.name, self.kafka.source_topic),
+            None => format!("{}@{}", self.job.name, self.kafka.source_topic),
+        }
     }
 }
 
@@ -663,6 +713,28 @@ password = "hunter2"
         assert_eq!(c.transactional_id(), "tally-revenue_agg");
         assert_eq!(c.job.checkpoint_interval, Millis(5_000));
         assert_eq!(c.kafka.partition_discovery_interval, Millis(30_000));
+    }
+
+    #[test]
+    fn a_task_runs_its_partitions_with_its_own_directory_and_transactional_id() {
+        let c = parse(BASE, &[("TALLY_JOB__TASKS", "3")]).unwrap();
+        assert_eq!(c.tasks(), 3);
+        assert!(
+            (0..9).all(|p| c.owns(p)),
+            "the job as a whole runs every partition"
+        );
+        let t = c.for_task(1);
+        assert_eq!(
+            (0..9).filter(|p| t.owns(*p)).collect::<Vec<_>>(),
+            vec![1, 4, 7]
+        );
+        assert_eq!(t.transactional_id(), "tally-revenue_agg-task-1");
+        assert_eq!(t.job.state_dir, PathBuf::from("/tmp/x/task-1"));
+        assert_ne!(t.state_identity(), c.state_identity());
+        let err = parse(BASE, &[("TALLY_JOB__TASKS", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("job.tasks"), "{err}");
     }
 
     #[test]

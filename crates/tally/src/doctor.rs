@@ -130,11 +130,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
 
     // Persisted → Processed: the checkpoint accounts for every offset consumed, once, and one
     // writer (state directory) commits the job.
-    let marks = crate::lease::commit_marks(&tally_kafka::Source::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?)?;
+    let marks = crate::lease::job_commit_marks(config)?;
     let writers: std::collections::BTreeSet<&str> =
         marks.values().filter_map(|m| m.writer.as_deref()).collect();
     rows.push(match tally_state::StateStore::open(&config.job.state_dir, &config.state_identity()) {
@@ -282,7 +278,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let frontier = sink.frontier().await?;
     let mut problems = Vec::new();
     let foldable = sink
-        .foldable_frontier(config.fold_rules())
+        .foldable_frontier(config.fold_rules(), ranges.len())
         .await
         .unwrap_or_else(|e| {
             problems.push(format!("the committed watermarks cannot be read: {e}"));

@@ -105,26 +105,42 @@ pub fn foreign_mark(
         .map(|(p, m)| (*p, m.clone())))
 }
 
-/// The group's committed offsets of the source topic, each with the mark of its transaction.
-pub fn commit_marks(member: &Source) -> Result<BTreeMap<PartitionId, CommitMark>> {
+/// [`commit_marks`] through a client of its own.
+pub fn job_commit_marks(config: &Config) -> Result<BTreeMap<PartitionId, CommitMark>> {
+    let reader = Source::connect(
+        &config.kafka_settings(),
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?;
+    commit_marks(&reader, config)
+}
+
+/// The group's committed offsets of the source partitions `config` runs, each with the mark of
+/// its transaction.
+pub fn commit_marks(member: &Source, config: &Config) -> Result<BTreeMap<PartitionId, CommitMark>> {
+    let partitions: Vec<PartitionId> = member
+        .partitions()?
+        .into_iter()
+        .filter(|p| config.owns(*p))
+        .collect();
     Ok(member
-        .committed(&member.partitions()?)?
+        .committed(&partitions)?
         .into_iter()
         .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
         .collect())
 }
 
-/// Joins the job's group and waits, standing by, until this worker holds the lease; then makes
-/// the state directory the job's current state. `None`: asked to stop while standing by.
-pub fn acquire(
+/// Joins the job's group, subscribed to its lease topic of `lease_partitions` partitions
+/// (created, or grown, first). Kafka may be down or slow to come up: waited for, unless it
+/// refuses this configuration.
+fn join_group(
     config: &Config,
     rt: &Handle,
-    shutdown: &Arc<AtomicBool>,
-    readiness: &Readiness,
-) -> Result<Option<Lease>> {
+    shutdown: &AtomicBool,
+    lease_partitions: i32,
+) -> Result<Arc<Source>> {
     let kafka = config.kafka_settings();
     let lease_topic = config.lease_topic();
-    // Kafka may be down or slow to come up: wait for it, unless it refuses this configuration.
     wait_for("kafka", shutdown, || {
         if let Err(refused) = settle(tally_kafka::check_connection(
             &kafka,
@@ -135,19 +151,31 @@ pub fn acquire(
         settle(rt.block_on(tally_kafka::ensure_topic(
             &kafka,
             &lease_topic,
-            1,
+            lease_partitions,
             config.kafka.topic_replication_factor,
             &[],
         )))
     })??;
-    let member = Arc::new(Source::join(
+    Ok(Arc::new(Source::join(
         &kafka,
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
         &lease_topic,
         &instance_id(config)?,
         config.job.session_timeout.as_duration(),
-    )?);
+    )?))
+}
+
+/// Joins the job's group and waits, standing by, until this worker holds the lease; then makes
+/// the state directory the job's current state. `None`: asked to stop while standing by.
+pub fn acquire(
+    config: &Config,
+    rt: &Handle,
+    shutdown: &Arc<AtomicBool>,
+    readiness: &Readiness,
+) -> Result<Option<Lease>> {
+    let lease_topic = config.lease_topic();
+    let member = join_group(config, rt, shutdown, 1)?;
 
     let waiting = Instant::now();
     let mut said = false;
@@ -194,9 +222,21 @@ pub fn acquire(
     };
     // Its round in progress ends first: the directory is then between two committed epochs.
     drop(standby);
-    // Fence the previous holder first: its open transaction is aborted here, so the group's
-    // offsets and the changelog read below are final.
-    let producer = wait_for("kafka", shutdown, || {
+    lease.producer = Some(fence_and_make_current(config, rt, shutdown)?);
+    Ok(Some(lease))
+}
+
+/// Fences the previous holder of `config`'s job (or task) and brings the state directory to
+/// its last commit; returns the producer that fenced. Fencing comes first: the previous
+/// holder's open transaction is aborted there, so the group's offsets and the changelog read
+/// next are final.
+fn fence_and_make_current(
+    config: &Config,
+    rt: &Handle,
+    stop: &AtomicBool,
+) -> Result<EpochProducer> {
+    let kafka = config.kafka_settings();
+    let producer = wait_for("kafka", stop, || {
         settle(EpochProducer::connect(
             &kafka,
             &config.transactional_id(),
@@ -214,9 +254,8 @@ pub fn acquire(
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
     )?;
-    make_state_current(config, rt, &reader, shutdown, true)?;
-    lease.producer = Some(producer);
-    Ok(Some(lease))
+    make_state_current(config, rt, &reader, stop, true)?;
+    Ok(producer)
 }
 
 /// Keeps the state directory if it holds the job's state (the commits are its own, or those of
@@ -232,7 +271,7 @@ pub fn make_state_current(
     taking_over: bool,
 ) -> Result<()> {
     let marks = wait_for("kafka", stop, || {
-        commit_marks(reader).map_err(|e| format!("{e:#}"))
+        commit_marks(reader, config).map_err(|e| format!("{e:#}"))
     })?;
     if marks.is_empty() {
         // A new job (or one started over): nothing to restore.
@@ -367,4 +406,151 @@ fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<Background>
         }
     })
     .map(Some)
+}
+
+/// A task of a shared job running on this worker.
+struct RunningTask {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<()>>,
+}
+
+/// Runs a job of several tasks (`job.tasks > 1`) until SIGTERM: joins the job's group
+/// subscribed to the lease topic, one partition per task, and runs every task the group
+/// assigns this worker, each on a thread of its own, exactly as a one-task job runs (fence
+/// the task's previous holder with `init_transactions` on the task's transactional id,
+/// bring its state directory to the task's last commit, consume and commit). A task the group
+/// takes away stops (a final checkpoint, unless its new holder fenced it first); its new
+/// holder carries on from the task's last commit. At SIGTERM every task takes its final
+/// checkpoint, then the worker leaves the group.
+pub fn share(
+    config: &Config,
+    rt: &Handle,
+    shutdown: &Arc<AtomicBool>,
+    readiness: &Arc<Readiness>,
+) -> Result<()> {
+    let lease_topic = config.lease_topic();
+    let tasks = config.tasks();
+    let member = join_group(
+        config,
+        rt,
+        shutdown,
+        i32::try_from(tasks).unwrap_or(i32::MAX),
+    )?;
+    let mut running: BTreeMap<u32, RunningTask> = BTreeMap::new();
+    // Warm standbys of the tasks this worker does not run (`job.standby_refresh`), so that a
+    // task moving here replays only its last few epochs.
+    let mut standbys: BTreeMap<u32, Background> = BTreeMap::new();
+    let mut held_before: Vec<u32> = Vec::new();
+    let mut failures: BTreeMap<u32, Instant> = BTreeMap::new();
+    readiness.set_standby(true);
+    while !shutdown.load(Ordering::SeqCst) {
+        let held: Vec<u32> = member
+            .poll_leases(&lease_topic, POLL)
+            .into_iter()
+            .filter_map(|p| u32::try_from(p).ok())
+            .filter(|t| *t < tasks)
+            .collect();
+        if held != held_before {
+            tracing::info!(tasks = ?held, of = tasks, "the group assigned this worker its tasks");
+            held_before.clone_from(&held);
+        }
+        // Taken away: stop it; its thread ends with a final checkpoint or fenced.
+        for (task, run) in &running {
+            if !held.contains(task) && !run.stop.swap(true, Ordering::SeqCst) {
+                tracing::info!(task, "task moved to another worker: stopping it here");
+            }
+        }
+        // Ended: joined; one that failed while still held starts again after a pause.
+        let ended: Vec<u32> = running
+            .iter()
+            .filter(|(_, r)| r.thread.is_finished())
+            .map(|(t, _)| *t)
+            .collect();
+        for task in ended {
+            let Some(run) = running.remove(&task) else {
+                continue;
+            };
+            let moved = run.stop.load(Ordering::SeqCst);
+            match run.thread.join() {
+                Ok(Ok(())) => tracing::info!(task, "task stopped"),
+                Ok(Err(e)) if moved => {
+                    tracing::info!(task, error = %format!("{e:#}"), "task stopped after it moved (its new holder fenced it)")
+                }
+                Ok(Err(e)) => {
+                    tracing::error!(task, error = %format!("{e:#}"), "task failed; starting it again in 5 s");
+                    failures.insert(task, Instant::now());
+                }
+                Err(_) => {
+                    tracing::error!(task, "task thread panicked; starting it again in 5 s");
+                    failures.insert(task, Instant::now());
+                }
+            }
+        }
+        for &task in &held {
+            let waiting = failures
+                .get(&task)
+                .is_some_and(|at| at.elapsed() < Duration::from_secs(5));
+            if running.contains_key(&task) || waiting {
+                continue;
+            }
+            failures.remove(&task);
+            // Its standby round in progress ends first: the directory is then between two
+            // committed epochs.
+            drop(standbys.remove(&task));
+            running.insert(task, start_task(config, rt, &member, readiness, task)?);
+        }
+        for task in 0..tasks {
+            if held.contains(&task) || running.contains_key(&task) || standbys.contains_key(&task) {
+                continue;
+            }
+            match start_warm_standby(&config.for_task(task), rt)? {
+                Some(standby) => standbys.insert(task, standby),
+                None => break,
+            };
+        }
+        readiness.set_standby(running.is_empty());
+    }
+    drop(standbys);
+    for run in running.values() {
+        run.stop.store(true, Ordering::SeqCst);
+    }
+    let mut outcome = Ok(());
+    for (task, run) in running {
+        match run.thread.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.is::<crate::worker::Interrupted>() => {
+                tracing::info!(task, "stopped before the task's first record: {e:#}")
+            }
+            Ok(Err(e)) => {
+                tracing::error!(task, error = %format!("{e:#}"), "task failed at stop");
+                outcome = Err(e);
+            }
+            Err(_) => outcome = Err(anyhow::anyhow!("task {task}'s thread panicked")),
+        }
+    }
+    outcome
+}
+
+/// Starts task `task` on a thread of its own: fences the task's previous holder, makes its
+/// state directory current and runs it until `stop`.
+fn start_task(
+    config: &Config,
+    rt: &Handle,
+    member: &Arc<Source>,
+    readiness: &Arc<Readiness>,
+    task: u32,
+) -> Result<RunningTask> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let config = config.for_task(task);
+    let (rt, member, readiness, flag) =
+        (rt.clone(), member.clone(), readiness.clone(), stop.clone());
+    let thread = std::thread::Builder::new()
+        .name(format!("tally-task-{task}"))
+        .spawn(move || -> Result<()> {
+            tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
+            let producer = fence_and_make_current(&config, &rt, &flag)?;
+            crate::worker::Worker::start(config, rt, flag, readiness, member, Some(producer))?.run()
+        })
+        .context("starting a task thread")?;
+    Ok(RunningTask { stop, thread })
 }

@@ -114,15 +114,15 @@ struct SchemaArgs {
     database: String,
     #[arg(long, default_value = "revenue_agg")]
     table: String,
-    /// Fold frontier before the step, as SECONDS:FIRST_EPOCH.
-    #[arg(long, default_value = "0:0")]
-    from: String,
-    /// Fold frontier after the step, as SECONDS:FIRST_EPOCH.
-    #[arg(long, default_value = "0:0")]
-    to: String,
-    /// Epoch for the as-of read.
+    /// Fold frontier before the step, in seconds.
     #[arg(long, default_value_t = 0)]
-    as_of: u64,
+    from: u32,
+    /// Fold frontier after the step, in seconds.
+    #[arg(long, default_value_t = 0)]
+    to: u32,
+    /// The cut for the as-of read, as PARTITION:OFFSET,… (empty: nothing committed).
+    #[arg(long, default_value = "")]
+    as_of: String,
     /// Day partition (YYYYMMDD) for the repair and retention statements.
     #[arg(long, default_value = "19700101")]
     day: String,
@@ -134,16 +134,16 @@ struct SchemaArgs {
     atomic: bool,
 }
 
-fn parse_frontier(text: &str, flag: &str) -> Result<tally_clickhouse::Frontier> {
-    let parsed = text
-        .split_once(':')
-        .and_then(|(s, e)| Some((s.parse().ok()?, e.parse().ok()?)));
-    let (seconds, first_epoch) =
-        parsed.with_context(|| format!("{flag} {text:?} is not SECONDS:FIRST_EPOCH"))?;
-    Ok(tally_clickhouse::Frontier {
-        seconds,
-        first_epoch,
-    })
+fn parse_cut(text: &str) -> Result<tally_clickhouse::Cut> {
+    text.split(',')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            pair.split_once(':')
+                .and_then(|(p, o)| Some((p.parse().ok()?, o.parse().ok()?)))
+                .with_context(|| format!("--as-of {pair:?} is not PARTITION:OFFSET"))
+        })
+        .collect::<Result<_>>()
+        .map(tally_clickhouse::Cut)
 }
 
 #[derive(clap::Args)]
@@ -323,12 +323,14 @@ fn real_main(cli: Cli) -> Result<()> {
         }
         Command::Restore { config } => {
             let cfg = Config::load(&config)?;
+            if cfg.tasks() > 1 {
+                anyhow::bail!(
+                    "job.tasks = {}: a worker restores each task it is given on its own (from the changelog, into <state_dir>/task-N); `tally restore` is for jobs of one task",
+                    cfg.tasks()
+                );
+            }
             let rt = runtime()?;
-            let marks = tally::lease::commit_marks(&tally_kafka::Source::connect(
-                &cfg.kafka_settings(),
-                &cfg.kafka.source_topic,
-                &cfg.kafka.consumer_group,
-            )?)?;
+            let marks = tally::lease::job_commit_marks(&cfg)?;
             let done = tally::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
             println!(
                 "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
@@ -354,20 +356,26 @@ fn real_main(cli: Cli) -> Result<()> {
             runtime()?.block_on(async {
                 let sink = tally_clickhouse::ClickHouseSink::connect(&cfg.sink_settings()).await?;
                 sink.ensure_schema().await?;
+                let partitions =
+                    tally_kafka::topic_extent(&cfg.kafka_settings(), &cfg.kafka.source_topic)?
+                        .len();
                 // The second step drops the versions the first one folded: a step only drops
                 // below a frontier installed READER_MARGIN before it.
                 for step in 0..2 {
                     if step > 0 {
                         tokio::time::sleep(tally_clickhouse::READER_MARGIN).await;
                     }
-                    let outcome = sink.fold(cfg.fold_rules(), |_| {}).await?;
+                    let outcome = sink.fold(cfg.fold_rules(), partitions, |_| {}).await?;
                     println!(
-                        "fold: frontier {} (first epoch {}), {} rows folded, {} partitions dropped{}",
+                        "fold: frontier {}, {} rows folded, {} partitions dropped{}",
                         tally_core::time::format_ms(i64::from(outcome.frontier.seconds) * 1000),
-                        outcome.frontier.first_epoch,
                         outcome.folded_rows,
                         outcome.dropped_partitions,
-                        if outcome.repaired { ", repaired an interrupted step" } else { "" }
+                        if outcome.repaired {
+                            ", repaired an interrupted step"
+                        } else {
+                            ""
+                        }
                     );
                 }
                 anyhow::Ok(())
@@ -410,9 +418,9 @@ fn real_main(cli: Cli) -> Result<()> {
             }
             let names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
             let catalog = names.statement_catalog(
-                parse_frontier(&args.from, "--from")?,
-                parse_frontier(&args.to, "--to")?,
-                args.as_of,
+                tally_clickhouse::Frontier { seconds: args.from },
+                tally_clickhouse::Frontier { seconds: args.to },
+                &parse_cut(&args.as_of)?,
                 &args.day,
                 &args.data_partition,
                 args.atomic,
@@ -514,6 +522,9 @@ fn real_main(cli: Cli) -> Result<()> {
                 let handle = tokio::runtime::Handle::current();
                 let flag = shutdown.clone();
                 let result = tokio::task::spawn_blocking(move || {
+                    if cfg.tasks() > 1 {
+                        return tally::lease::share(&cfg, &handle, &flag, &readiness);
+                    }
                     let Some(mut lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)?
                     else {
                         tracing::info!("stopped while standing by");

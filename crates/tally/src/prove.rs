@@ -384,6 +384,7 @@ pub async fn reconcile(
         return Ok(Reconciliation::default());
     };
     let epoch = Epoch(last.epoch);
+    let cut = tally_clickhouse::Cut::after(&batches);
     let mut gaps = commit_log_gaps(&batches);
     let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
     for b in &batches {
@@ -398,6 +399,11 @@ pub async fn reconcile(
     // A commit log that claims offsets the topic never had is corrupt: say so, and read only
     // what exists rather than wait for records that will never come.
     let extent = tally_kafka::topic_extent(&settings, &topic)?;
+    if matches!(config.job.start_from, crate::config::StartFrom::Earliest) {
+        let starts: BTreeMap<i32, i64> = ranges.iter().map(|(p, (s, _))| (*p, *s)).collect();
+        let lows: BTreeMap<i32, i64> = extent.iter().map(|(p, (low, _))| (*p, *low)).collect();
+        gaps.extend(missing_first_batches(&starts, &lows));
+    }
     for (p, (_, end)) in ranges.iter_mut() {
         let high = extent.get(p).map_or(0, |(_, high)| *high);
         if let Some(to) = end
@@ -474,7 +480,7 @@ pub async fn reconcile(
         })
         .await
         .context("reconcile thread")??;
-    let sink_view = sink.read_view_at(epoch).await?;
+    let sink_view = sink.read_view_at(&cut).await?;
     let source: BTreeMap<_, _> = source_view
         .into_iter()
         .filter(|(k, _)| filter.keeps(k))
@@ -560,53 +566,107 @@ pub async fn reconcile(
     Ok(result)
 }
 
-/// Breaks in the commit log's chain: epochs are numbered 1, 2, … and each batch starts, per
-/// partition, where the previous one ended. A missing or foreign batch shows as a break.
+/// Breaks in the commit log's chains: per source partition, the batches holding it start at
+/// its first offset in the log and each starts where another ended, and no two batches start
+/// at the same offset with different ends (two histories). Writers number their epochs
+/// independently, so the chains are per partition, not per epoch. A missing or foreign batch
+/// shows as a break.
 pub fn commit_log_gaps(batches: &[tally_clickhouse::CommittedBatch]) -> Vec<String> {
-    chain_gaps(None, batches)
+    chain_gaps(&BTreeMap::new(), batches)
 }
 
-/// [`commit_log_gaps`] for `batches` that continue after `previous` (checked before).
+/// [`commit_log_gaps`] for `batches` that continue the chains ending at `ends` (checked before).
 fn chain_gaps(
-    previous: Option<&tally_clickhouse::CommittedBatch>,
+    ends: &BTreeMap<i32, i64>,
     batches: &[tally_clickhouse::CommittedBatch],
 ) -> Vec<String> {
     let mut gaps = Vec::new();
-    let mut expected_epoch = previous.map_or(1, |b| b.epoch + 1);
-    let mut ends: BTreeMap<i32, i64> = previous
-        .map(|b| {
-            b.partitions
-                .iter()
-                .copied()
-                .zip(b.to_offsets.iter().copied())
-                .collect()
-        })
-        .unwrap_or_default();
+    // Per partition: from offset -> (to offset, epoch of the batch).
+    let mut links: BTreeMap<i32, BTreeMap<i64, (i64, u64)>> = BTreeMap::new();
+    // Per partition, the batches that had nothing new for it: (offset, epoch).
+    let mut idle: BTreeMap<i32, Vec<(i64, u64)>> = BTreeMap::new();
     for b in batches {
-        if b.epoch != expected_epoch {
-            gaps.push(format!(
-                "epoch {} follows epoch {} (missing or foreign batches)",
-                b.epoch,
-                expected_epoch.saturating_sub(1)
-            ));
-        }
         if b.partitions.len() != b.from_offsets.len()
             || b.partitions.len() != b.to_offsets.len()
             || b.partitions.is_empty()
         {
             gaps.push(format!("epoch {} has no valid offset ranges", b.epoch));
+            continue;
         }
         for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
-            if let Some(end) = ends.get(p)
-                && end != from
-            {
-                gaps.push(format!("epoch {} starts partition {p} at offset {from}, but the previous batch ended at {end}", b.epoch));
+            let chain = links.entry(*p).or_default();
+            // A partition with nothing new in the batch: no link of the chain, but it must
+            // sit on one (checked below).
+            if from == to {
+                idle.entry(*p).or_default().push((*from, b.epoch));
+                continue;
             }
-            ends.insert(*p, *to);
+            match chain.get(from) {
+                Some((other, _)) if other != to => gaps.push(format!(
+                    "two batches start partition {p} at offset {from}: one ends at {other}, epoch {}'s at {to} (two histories)",
+                    b.epoch
+                )),
+                _ => {
+                    chain.insert(*from, (*to, b.epoch));
+                }
+            }
         }
-        expected_epoch = b.epoch + 1;
+    }
+    for (p, chain) in &links {
+        let mut end = ends
+            .get(p)
+            .copied()
+            .or_else(|| chain.keys().next().copied());
+        for (from, (to, epoch)) in chain {
+            if let Some(e) = end
+                && *from != e
+            {
+                if *to <= e {
+                    // Within what was checked already (an incremental round's earlier batches).
+                    continue;
+                }
+                gaps.push(format!(
+                    "epoch {epoch} starts partition {p} at offset {from}, but the previous batch ended at {e}"
+                ));
+            }
+            end = Some(end.map_or(*to, |e| e.max(*to)));
+        }
+    }
+    for (p, batches) in &idle {
+        let chain = links.get(p);
+        let start = ends
+            .get(p)
+            .copied()
+            .or_else(|| chain.and_then(|c| c.keys().next().copied()))
+            .or_else(|| batches.first().map(|(o, _)| *o));
+        for (offset, epoch) in batches {
+            let on_chain = Some(*offset) == start
+                || chain.is_some_and(|c| c.values().any(|(to, _)| to == offset));
+            if !on_chain {
+                gaps.push(format!(
+                    "epoch {epoch} leaves partition {p} at offset {offset}, where no batch of it ended"
+                ));
+            }
+        }
     }
     gaps
+}
+
+/// For a job that read its partitions from their earliest offsets: a partition whose first
+/// committed batch starts after the topic's first offset lacks the batches before it (epochs
+/// are numbered per writer, so only the offsets can tell that the first one is gone).
+fn missing_first_batches(starts: &BTreeMap<i32, i64>, lows: &BTreeMap<i32, i64>) -> Vec<String> {
+    starts
+        .iter()
+        .filter_map(|(p, from)| {
+            let low = lows.get(p).copied().unwrap_or(0);
+            (*from > low).then(|| {
+                format!(
+                    "partition {p}'s first committed batch starts at offset {from}, but the topic holds it from {low}: the batches before it are missing"
+                )
+            })
+        })
+        .collect()
 }
 
 /// What a reader polling the view saw: for an input that only adds orders, a window once
@@ -735,7 +795,6 @@ pub struct IncrementalReconciler {
     /// Recomputed value per window key and source partition; final windows are let go.
     source: BTreeMap<ViewKey, BTreeMap<i32, ViewTotals>>,
     read_to: BTreeMap<i32, i64>,
-    last: Option<tally_clickhouse::CommittedBatch>,
 }
 
 impl IncrementalReconciler {
@@ -748,7 +807,6 @@ impl IncrementalReconciler {
             store: MemStore::default(),
             source: BTreeMap::new(),
             read_to: BTreeMap::new(),
-            last: None,
         }
     }
 
@@ -769,24 +827,42 @@ impl IncrementalReconciler {
         }
         self.rounds += 1;
         let sink = ClickHouseSink::connect(&self.config.sink_settings()).await?;
-        let after = Epoch(self.last.as_ref().map_or(0, |b| b.epoch));
-        let batches = sink.committed_batches_after(after).await?;
+        // The batches that reach past what earlier rounds read, in any partition.
+        let batches: Vec<_> = sink
+            .committed_batches()
+            .await?
+            .into_iter()
+            .filter(|b| {
+                b.partitions
+                    .iter()
+                    .zip(&b.to_offsets)
+                    .any(|(p, to)| self.read_to.get(p).is_none_or(|r| to > r))
+            })
+            .collect();
         let mut result = Reconciliation {
-            epoch: Some(after),
+            epoch: None,
             ..Reconciliation::default()
         };
-        let Some(newest) = batches.last().cloned() else {
+        let Some(newest) = batches.iter().max_by_key(|b| b.epoch).cloned() else {
             return Ok(Round {
                 result,
                 full,
                 records_read: 0,
             });
         };
-        let gaps = chain_gaps(self.last.as_ref(), &batches);
+        let gaps = chain_gaps(&self.read_to, &batches);
+        let cut = {
+            let mut cut = self.read_to.clone();
+            cut.extend(tally_clickhouse::Cut::after(&batches).0);
+            tally_clickhouse::Cut(cut)
+        };
         let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
         for b in &batches {
             for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
                 let start = self.read_to.get(p).copied().unwrap_or(*from);
+                if *to <= start {
+                    continue;
+                }
                 let e = ranges.entry(*p).or_insert((start, Some(*to)));
                 e.1 = Some(e.1.unwrap_or(*to).max(*to));
             }
@@ -838,13 +914,12 @@ impl IncrementalReconciler {
                 self.read_to.insert(*p, *end);
             }
         }
-        self.last = Some(newest.clone());
         let epoch = Epoch(newest.epoch);
         result.epoch = Some(epoch);
         result.keys = changed.len();
         result.mismatched = gaps.len();
         if let (Some(first), Some(last)) = (changed.first(), changed.last()) {
-            let found = sink.read_view_at_windows(epoch, first.0, last.0).await?;
+            let found = sink.read_view_at_windows(&cut, first.0, last.0).await?;
             for key in &changed {
                 let expected = self.source.get(key).map_or((0, 0), |per_partition| {
                     per_partition
@@ -898,5 +973,79 @@ mod probe_tests {
         // Window (60s, x) went 3 -> 2, and customer x went 4 -> 2.
         assert_eq!(report.decreased, 2);
         assert_eq!(report.reads, 2);
+    }
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::*;
+
+    fn batch(epoch: u64, ranges: &[(i32, i64, i64)]) -> tally_clickhouse::CommittedBatch {
+        tally_clickhouse::CommittedBatch {
+            epoch,
+            partitions: ranges.iter().map(|r| r.0).collect(),
+            from_offsets: ranges.iter().map(|r| r.1).collect(),
+            to_offsets: ranges.iter().map(|r| r.2).collect(),
+        }
+    }
+
+    #[test]
+    fn chains_are_per_partition_whoever_numbered_the_epochs() {
+        // Writer A: partitions 0 and 1; writer B takes partition 1 over, its epochs from 1.
+        let batches = [
+            batch(1, &[(0, 0, 10), (1, 0, 5)]),
+            batch(2, &[(0, 10, 10), (1, 5, 9)]),
+            batch(1, &[(1, 9, 12)]),
+            batch(3, &[(0, 10, 14)]),
+        ];
+        assert!(commit_log_gaps(&batches).is_empty());
+        // Listed in any order.
+        let mut shuffled = batches.to_vec();
+        shuffled.reverse();
+        assert!(commit_log_gaps(&shuffled).is_empty());
+    }
+
+    #[test]
+    fn a_missing_batch_and_two_histories_are_breaks() {
+        let gaps = commit_log_gaps(&[batch(1, &[(0, 0, 10)]), batch(3, &[(0, 12, 20)])]);
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
+        assert!(
+            gaps[0].contains("starts partition 0 at offset 12, but the previous batch ended at 10")
+        );
+        let gaps = commit_log_gaps(&[
+            batch(1, &[(0, 0, 10)]),
+            batch(7, &[(0, 0, 8)]),
+            batch(2, &[(0, 10, 11)]),
+        ]);
+        assert!(
+            gaps.iter()
+                .any(|g| g.contains("two batches start partition 0 at offset 0")),
+            "{gaps:?}"
+        );
+    }
+
+    #[test]
+    fn a_missing_first_batch_shows_against_the_topic_start() {
+        let starts = BTreeMap::from([(0, 0), (1, 40)]);
+        let lows = BTreeMap::from([(0, 0), (1, 0)]);
+        let gaps = missing_first_batches(&starts, &lows);
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
+        assert!(gaps[0].contains("partition 1's first committed batch starts at offset 40"));
+        // Retention deleted what the job read long ago: nothing is missing.
+        assert!(missing_first_batches(&starts, &BTreeMap::from([(1, 90)])).is_empty());
+    }
+
+    #[test]
+    fn an_incremental_round_continues_the_chains_it_checked() {
+        let ends = BTreeMap::from([(0, 10), (1, 5)]);
+        assert!(chain_gaps(&ends, &[batch(4, &[(0, 10, 12), (1, 5, 5)])]).is_empty());
+        // An idle partition must sit where its chain is.
+        let gaps = chain_gaps(&ends, &[batch(4, &[(0, 10, 12), (1, 7, 7)])]);
+        assert!(
+            gaps[0].contains("leaves partition 1 at offset 7"),
+            "{gaps:?}"
+        );
+        let gaps = chain_gaps(&ends, &[batch(4, &[(0, 11, 12)])]);
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
     }
 }

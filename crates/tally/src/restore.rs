@@ -243,16 +243,29 @@ fn replay_and_finish(
     // its batch; a standby's catch-up leaves that to its takeover.
     let pending = if check_sink {
         let sink = rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?;
-        if rt.block_on(sink.is_committed(job.epoch))? {
-            None
-        } else {
-            match replay.last_epoch() {
-                Some(last) => Some(last),
-                // Applied by an earlier catch-up: its records are not at hand here.
-                None => {
+        match replay.last_epoch() {
+            Some(last) => {
+                let batch = crate::worker::batch_of(config, &last);
+                if rt.block_on(sink.is_committed(&batch))? {
+                    None
+                } else {
+                    Some(last)
+                }
+            }
+            // Applied by an earlier catch-up: its records are not at hand here, but the
+            // directory's offsets say whether ClickHouse has its batch.
+            None => {
+                let have = rt.block_on(sink.committed_offsets())?;
+                let lacking = replay.store().meta().is_some_and(|m| {
+                    m.partitions
+                        .iter()
+                        .any(|(p, c)| have.get(p).is_none_or(|o| *o < c.next_offset))
+                });
+                if lacking {
                     tracing::info!(epoch = %job.epoch, "the last epoch's batch is not in ClickHouse and a standby round applied it: restoring whole, which keeps it to write first");
                     return Ok(None);
                 }
+                None
             }
         }
     } else {

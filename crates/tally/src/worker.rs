@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -171,6 +171,8 @@ struct Folder {
     rt: Handle,
     fault: FaultPlan,
     store: Arc<StateStore>,
+    /// How many partitions the source topic has: folding waits for a watermark from each.
+    partitions: Arc<AtomicUsize>,
     /// Set when the worker stops: ends a wait for ClickHouse.
     stop: Arc<AtomicBool>,
 }
@@ -284,6 +286,13 @@ impl Worker {
             }
         })??;
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
+        let topic_partitions = Arc::new(AtomicUsize::new(partitions.len()));
+        // One task of several runs its own partitions only.
+        let partitions: Vec<PartitionId> =
+            partitions.into_iter().filter(|p| config.owns(*p)).collect();
+        if let Some(task) = config.job.task {
+            tracing::info!(task, partitions = ?partitions, "running task {task} of {}", config.tasks());
+        }
         let sinks = Sinks {
             config: config.clone(),
             rt,
@@ -311,6 +320,7 @@ impl Worker {
                 shutdown,
                 store,
                 source,
+                topic_partitions,
                 partitions,
                 last_lag: None,
                 readiness,
@@ -343,12 +353,16 @@ impl Worker {
         }
         // Fold at once (which also repairs a step a crash interrupted), then every interval.
         // The view is whole at every step, so consumption need not wait for it.
-        let _folding = if consumer.config.clickhouse.fold_interval.0 > 0 {
+        // One folder per job: the worker running its first task.
+        let _folding = if consumer.config.clickhouse.fold_interval.0 > 0
+            && consumer.config.job.task.is_none_or(|t| t == 0)
+        {
             Some(FoldThread::start(Folder {
                 config: consumer.config.clone(),
                 rt: sinks.rt.clone(),
                 fault: sinks.fault,
                 store: consumer.store.clone(),
+                partitions: consumer.topic_partitions.clone(),
                 stop: Arc::new(AtomicBool::new(false)),
             })?)
         } else {
@@ -366,6 +380,7 @@ impl Worker {
             &consumer.config,
             &sinks.rt,
             consumer.partitions.clone(),
+            consumer.topic_partitions.clone(),
         )? {
             Some((thread, added)) => (Some(thread), Some(added)),
             None => (None, None),
@@ -442,6 +457,8 @@ struct Consumer {
     store: Arc<StateStore>,
     source: Source,
     partitions: Vec<PartitionId>,
+    /// The source topic's partition count as last seen, shared with the folder.
+    topic_partitions: Arc<AtomicUsize>,
     /// When consumer lag was last measured.
     last_lag: Option<Instant>,
     readiness: Arc<Readiness>,
@@ -762,6 +779,7 @@ fn start_partition_discovery(
     config: &Config,
     rt: &Handle,
     mut known: Vec<PartitionId>,
+    topic_partitions: Arc<AtomicUsize>,
 ) -> Result<Option<(Background, Receiver<AddedPartitions>)>> {
     let every = config.kafka.partition_discovery_interval.as_duration();
     if every.is_zero() {
@@ -786,10 +804,13 @@ fn start_partition_discovery(
                         continue;
                     }
                 };
+                // Folding waits for new partitions from now on, before any of their records
+                // is consumed, whichever task runs them.
+                topic_partitions.fetch_max(current.len(), Ordering::SeqCst);
                 let new: Vec<PartitionId> = current
                     .iter()
                     .copied()
-                    .filter(|p| !known.contains(p))
+                    .filter(|p| !known.contains(p) && config.owns(*p))
                     .collect();
                 if new.is_empty() {
                     continue;
@@ -811,7 +832,7 @@ fn start_partition_discovery(
                         if tx.send(added).is_err() {
                             return;
                         }
-                        known = current;
+                        known.extend(new);
                     }
                     Err(e) => {
                         tracing::warn!(partitions = ?new, error = %e, "partitions were added to the source topic, but tally could not prepare them yet; trying again later")
@@ -872,7 +893,8 @@ impl Folder {
             };
             fault.hit(point, epoch);
         };
-        let result = sink.fold(self.config.fold_rules(), hook).await;
+        let partitions = self.partitions.load(Ordering::SeqCst);
+        let result = sink.fold(self.config.fold_rules(), partitions, hook).await;
         Folded {
             result: &result,
             duration: started.elapsed(),
@@ -882,21 +904,34 @@ impl Folder {
 }
 
 impl Sinks {
-    /// Refuses to run when ClickHouse already holds later epochs than the state directory:
-    /// epochs would be reused and the view would mix two histories.
+    /// Refuses to run when ClickHouse already holds batches past the state directory's offsets:
+    /// the view would mix two histories, and resuming would count their records twice.
     fn check_sink_matches_state(&self) -> Result<()> {
-        let sink_max = self.rt.block_on(self.sink.max_committed_epoch())?;
-        let state_epoch = self.store.meta().map(|m| m.epoch);
-        if let Some(sink_max) = sink_max
-            && state_epoch.is_none_or(|e| e < sink_max)
-        {
+        let mut sink_offsets = self.rt.block_on(self.sink.committed_offsets())?;
+        // Other tasks' partitions are other directories' business.
+        sink_offsets.retain(|p, _| self.config.owns(*p));
+        let state: BTreeMap<PartitionId, i64> = self
+            .store
+            .meta()
+            .map(|m| {
+                m.partitions
+                    .iter()
+                    .map(|(p, c)| (*p, c.next_offset))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let ahead = sink_offsets
+            .iter()
+            .find(|(p, offset)| state.get(p).is_none_or(|o| o < *offset));
+        if let Some((partition, offset)) = ahead {
+            let state_offset = state.get(partition);
             bail!(
-                "ClickHouse commit log {} has epochs up to {sink_max}, but the state directory {} is at {}. \
+                "ClickHouse commit log {} has partition {partition} up to offset {offset}, but the state directory {} has it {}. \
                  The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
                  Restore the matching state directory, or rebuild it with `tally restore` (into an empty directory), or drop the job's tables ({}, {}, {}) to start over.",
                 self.sink.names().commits_q(),
                 self.store.path().display(),
-                state_epoch.map_or("no checkpoint".to_string(), |e| format!("epoch {e}")),
+                state_offset.map_or("not at all".to_string(), |o| format!("up to offset {o}")),
                 self.sink.names().view_q(),
                 self.sink.names().data_q(),
                 self.sink.names().commits_q()
@@ -921,7 +956,9 @@ impl Sinks {
             let changelog = self.store.pending_changelog(epoch)?;
             let liveness = tally_state::changelog::liveness_of_records(&changelog)?;
             let started = Instant::now();
-            let clickhouse_already_committed = self.rt.block_on(self.sink.is_committed(epoch))?;
+            let clickhouse_already_committed = self
+                .rt
+                .block_on(self.sink.is_committed(&batch_of(&self.config, &checkpoint)))?;
             // Whether the dead-letter transaction committed is checked by the producer step
             // itself, after its init_transactions has fenced and settled any transaction of the
             // dead process.
@@ -977,7 +1014,7 @@ impl Sinks {
     /// Fails when any partition's offsets were last committed by another writer: another
     /// worker commits this job.
     fn refuse_another_writer(&self) -> Result<(), SinkFailure> {
-        let marks = crate::lease::commit_marks(&self.offsets)
+        let marks = crate::lease::commit_marks(&self.offsets, &self.config)
             .map_err(|e| SinkFailure::from(("kafka", format!("{e:#}"))))?;
         let ours = self.store.writer_id();
         let foreign = crate::lease::foreign_mark(&marks, &self.store)
@@ -1002,7 +1039,7 @@ impl Sinks {
     /// that no other writer committed).
     fn dead_letters_committed(&self, epoch: Epoch) -> Result<bool> {
         let marks = wait_for("kafka", &self.shutdown, || {
-            crate::lease::commit_marks(&self.offsets).map_err(|e| format!("{e:#}"))
+            crate::lease::commit_marks(&self.offsets, &self.config).map_err(|e| format!("{e:#}"))
         })?;
         let last = marks.values().map(|m| m.epoch).max();
         Ok(last.is_some_and(|e| e >= epoch))
@@ -1216,31 +1253,7 @@ impl Sinks {
         &self,
         checkpoint: &Checkpoint,
     ) -> Result<WriteOutcome, (&'static str, String)> {
-        let acc = checkpoint.accounting();
-        let batch = Batch {
-            job: &self.config.job.name,
-            epoch: checkpoint.epoch,
-            offsets: checkpoint
-                .partitions
-                .iter()
-                .map(|(p, c)| (*p, c.epoch_start_offset, c.next_offset))
-                .collect(),
-            watermarks: checkpoint
-                .partitions
-                .values()
-                .map(|c| {
-                    c.watermark
-                        .current(self.config.window.out_of_orderness.0)
-                        .unwrap_or(i64::MIN)
-                })
-                .collect(),
-            rows: &checkpoint.rows,
-            event_count: acc.aggregated,
-            revenue_units: acc.revenue_units,
-            // Every dead letter is counted as late or dead-lettered: so also for an epoch
-            // restored from the changelog, whose dead letters are only in their topic.
-            dead_letters: acc.late + acc.dead_lettered,
-        };
+        let batch = batch_of(&self.config, checkpoint);
         let fault = self.fault;
         let epoch = checkpoint.epoch;
         let hook = move |step: WriteStep| {
@@ -1254,6 +1267,36 @@ impl Sinks {
                     .write_batch(&batch, &self.config.kafka.source_topic, hook),
             )
             .map_err(|e| ("clickhouse", e.to_string()))
+    }
+}
+
+/// The ClickHouse batch of a checkpoint: a function of the checkpoint alone, so whoever
+/// writes it (this worker, a later one from the changelog) writes the same batch.
+pub(crate) fn batch_of<'a>(config: &'a Config, checkpoint: &'a Checkpoint) -> Batch<'a> {
+    let acc = checkpoint.accounting();
+    Batch {
+        job: &config.job.name,
+        epoch: checkpoint.epoch,
+        offsets: checkpoint
+            .partitions
+            .iter()
+            .map(|(p, c)| (*p, c.epoch_start_offset, c.next_offset))
+            .collect(),
+        watermarks: checkpoint
+            .partitions
+            .values()
+            .map(|c| {
+                c.watermark
+                    .current(config.window.out_of_orderness.0)
+                    .unwrap_or(i64::MIN)
+            })
+            .collect(),
+        rows: &checkpoint.rows,
+        event_count: acc.aggregated,
+        revenue_units: acc.revenue_units,
+        // Every dead letter is counted as late or dead-lettered: so also for an epoch
+        // restored from the changelog, whose dead letters are only in their topic.
+        dead_letters: acc.late + acc.dead_lettered,
     }
 }
 

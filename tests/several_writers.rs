@@ -1,0 +1,218 @@
+//! The ClickHouse sink with several writers of one job (real server): each writer numbers its
+//! epochs on its own and commits its own source partitions, partitions move between writers,
+//! and a zombie writes late. The view, folding and the commit-log checks go by partition and
+//! offset, never by epoch.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tally_clickhouse::{Batch, ClickHouseSink, Cut, FoldRules, SinkSettings, WriteOutcome};
+use tally_core::{Amount, Epoch, OutputRow, WindowAgg, WindowKey};
+
+/// 2026-09-21 14:20:00 UTC.
+const T0: i64 = 1_790_000_400_000;
+const MINUTE: i64 = 60_000;
+
+type View = BTreeMap<(i64, String, String), (u64, i64)>;
+
+async fn sink(database: &str) -> ClickHouseSink {
+    let settings = SinkSettings {
+        url: common::CLICKHOUSE.into(),
+        database: database.into(),
+        table: "revenue_agg".into(),
+        user: "default".into(),
+        password: tally_clickhouse::Secret::default(),
+        ca_file: None,
+        request_timeout: Duration::from_secs(30),
+    };
+    let sink = ClickHouseSink::connect(&settings).await.unwrap();
+    sink.ensure_schema().await.unwrap();
+    sink
+}
+
+fn row(partition: i32, minute: i64, customer: &str, orders: u64, revenue: &str) -> OutputRow {
+    OutputRow {
+        partition,
+        key: WindowKey {
+            window_start_ms: T0 + minute * MINUTE,
+            customer_id: customer.into(),
+            currency: "EUR".into(),
+        },
+        window_end_ms: T0 + (minute + 1) * MINUTE,
+        value: WindowAgg {
+            orders,
+            revenue: Amount::parse(revenue).unwrap(),
+        },
+    }
+}
+
+/// One writer's batch: `offsets` (partition, from, to), each partition's watermark in minutes.
+fn batch<'a>(
+    epoch: u64,
+    offsets: &[(i32, i64, i64)],
+    watermark_minutes: &[i64],
+    rows: &'a [OutputRow],
+) -> Batch<'a> {
+    Batch {
+        job: "writers",
+        epoch: Epoch(epoch),
+        offsets: offsets.to_vec(),
+        watermarks: watermark_minutes.iter().map(|m| T0 + m * MINUTE).collect(),
+        rows,
+        event_count: rows.iter().map(|r| r.value.orders).sum(),
+        revenue_units: 0,
+        dead_letters: 0,
+    }
+}
+
+async fn write(sink: &ClickHouseSink, batch: &Batch<'_>) -> WriteOutcome {
+    sink.write_batch(batch, "orders", |_| {}).await.unwrap()
+}
+
+fn expected(rows: &[(i64, &str, u64, &str)]) -> View {
+    rows.iter()
+        .map(|(minute, customer, orders, revenue)| {
+            (
+                (
+                    T0 + minute * MINUTE,
+                    (*customer).to_owned(),
+                    "EUR".to_owned(),
+                ),
+                (*orders, Amount::parse(revenue).unwrap().units()),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between_them() {
+    let database = common::unique("writers");
+    let sink = sink(&database).await;
+
+    // Writer A runs partitions 0 and 1, writer B partition 2; both number epochs from 1.
+    let a1 = [row(0, 0, "c1", 3, "30"), row(1, 0, "c1", 2, "2")];
+    let b1 = [row(2, 0, "c2", 1, "1.5")];
+    let a2 = [row(0, 0, "c1", 5, "50"), row(1, 1, "c3", 1, "1")];
+    assert_eq!(
+        write(&sink, &batch(1, &[(0, 0, 10), (1, 0, 8)], &[1, 1], &a1)).await,
+        WriteOutcome::Written
+    );
+    assert_eq!(
+        write(&sink, &batch(1, &[(2, 0, 4)], &[1], &b1)).await,
+        WriteOutcome::Written,
+        "a second writer's epoch 1 is another batch, not a copy of the first writer's"
+    );
+    write(&sink, &batch(2, &[(0, 10, 20), (1, 8, 12)], &[2, 2], &a2)).await;
+
+    // Partition 1 moves to B, which continues its offsets (and so its versions) in its own
+    // epoch 2; A keeps partition 0.
+    let b2 = [row(1, 1, "c3", 4, "4"), row(2, 1, "c2", 2, "3")];
+    write(&sink, &batch(2, &[(1, 12, 15), (2, 4, 9)], &[3, 3], &b2)).await;
+    let a3 = [row(0, 2, "c1", 1, "1")];
+    write(&sink, &batch(3, &[(0, 20, 25)], &[4], &a3)).await;
+
+    let want = expected(&[
+        (0, "c1", 7, "52"),
+        (0, "c2", 1, "1.5"),
+        (1, "c3", 4, "4"),
+        (1, "c2", 2, "3"),
+        (2, "c1", 1, "1"),
+    ]);
+    assert_eq!(sink.read_view().await.unwrap(), want);
+
+    // A zombie (A after it lost partition 1) writes its last batch of the partition again:
+    // the same batch, already committed whoever wrote it, under any epoch.
+    assert_eq!(
+        write(&sink, &batch(9, &[(0, 10, 20), (1, 8, 12)], &[2, 2], &a2)).await,
+        WriteOutcome::AlreadyCommitted
+    );
+    let batches = sink.committed_batches().await.unwrap();
+    assert_eq!(batches.len(), 5);
+    assert!(tally::prove::commit_log_gaps(&batches).is_empty());
+    assert_eq!(
+        sink.committed_offsets().await.unwrap(),
+        BTreeMap::from([(0, 25), (1, 15), (2, 9)])
+    );
+
+    // The view as of a cut: A's first two batches and B's first.
+    let cut = Cut(BTreeMap::from([(0, 20), (1, 12), (2, 4)]));
+    assert_eq!(
+        sink.read_view_at(&cut).await.unwrap(),
+        expected(&[(0, "c1", 7, "52"), (0, "c2", 1, "1.5"), (1, "c3", 1, "1")])
+    );
+
+    // A late batch that is no copy (two histories of partition 1) cannot change the view,
+    // being older than what readers see, and the chain check names it.
+    let stale = [row(1, 1, "c3", 99, "99")];
+    write(&sink, &batch(3, &[(1, 8, 11)], &[2], &stale)).await;
+    assert_eq!(sink.read_view().await.unwrap(), want);
+    let gaps = tally::prove::commit_log_gaps(&sink.committed_batches().await.unwrap());
+    assert!(
+        gaps.iter()
+            .any(|g| g.contains("two batches start partition 1 at offset 8")),
+        "{gaps:?}"
+    );
+
+    // Folding waits for a watermark from every partition of the job, whoever committed it.
+    let rules = FoldRules {
+        window_size_ms: MINUTE,
+        allowed_lateness_ms: MINUTE,
+        retention_ms: None,
+    };
+    let outcome = sink.fold(rules, 4, |_| {}).await.unwrap();
+    assert_eq!(
+        outcome.frontier.seconds, 0,
+        "a fourth partition has no watermark yet"
+    );
+    // Lowest watermark: partition 1 and 2 at minute 3 -> windows ending by minute 2 are final.
+    let outcome = sink.fold(rules, 3, |_| {}).await.unwrap();
+    assert_eq!(
+        i64::from(outcome.frontier.seconds) * 1000,
+        T0 + 2 * MINUTE,
+        "{outcome:?}"
+    );
+    assert_eq!(outcome.folded_rows, 4);
+    assert_eq!(sink.read_view().await.unwrap(), want);
+    common::ch(&format!("DROP DATABASE IF EXISTS {database}")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_log_sorted_by_epoch_is_rebuilt_sorted_by_window() {
+    let database = common::unique("legacy");
+    let sink = sink(&database).await;
+    let rows = [row(0, 0, "c1", 3, "30"), row(1, 0, "c2", 1, "1")];
+    write(&sink, &batch(1, &[(0, 0, 5), (1, 0, 3)], &[1, 1], &rows)).await;
+    let before = sink.read_view().await.unwrap();
+    // The earlier layout: the same columns, sorted by epoch.
+    let commits = format!("{database}.revenue_agg_commits");
+    common::ch(&format!(
+        "CREATE TABLE {commits}_legacy AS {commits} ENGINE = MergeTree ORDER BY epoch"
+    ))
+    .await;
+    common::ch(&format!(
+        "INSERT INTO {commits}_legacy SELECT * FROM {commits}"
+    ))
+    .await;
+    common::ch(&format!("DROP TABLE {commits}")).await;
+    common::ch(&format!("RENAME TABLE {commits}_legacy TO {commits}")).await;
+
+    let sink = self::sink(&database).await;
+    let key: String = common::clickhouse()
+        .query(&format!(
+            "SELECT sorting_key FROM system.tables WHERE database = '{database}' AND name = 'revenue_agg_commits'"
+        ))
+        .fetch_one()
+        .await
+        .unwrap();
+    assert_eq!(key, "max_window_start, batch_id");
+    assert_eq!(sink.read_view().await.unwrap(), before);
+    assert_eq!(sink.committed_batches().await.unwrap().len(), 1);
+    // And the job goes on writing into it.
+    let more = [row(0, 1, "c1", 1, "1")];
+    write(&sink, &batch(2, &[(0, 5, 6), (1, 3, 3)], &[2, 2], &more)).await;
+    assert_eq!(sink.read_view().await.unwrap().len(), 3);
+    common::ch(&format!("DROP DATABASE IF EXISTS {database}")).await;
+}
