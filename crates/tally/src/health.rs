@@ -35,6 +35,18 @@ impl Readiness {
         self.standby.load(Ordering::SeqCst)
     }
 
+    /// For a worker running several tasks, each with its own readiness: restored once every
+    /// task is, failing while any task's sink is.
+    pub fn aggregate<'a>(&self, tasks: impl IntoIterator<Item = &'a Readiness>) {
+        let (mut restored, mut failing) = (true, false);
+        for task in tasks {
+            restored &= task.restored.load(Ordering::SeqCst);
+            failing |= task.sinks_failing.load(Ordering::SeqCst);
+        }
+        self.restored.store(restored, Ordering::SeqCst);
+        self.sinks_failing.store(failing, Ordering::SeqCst);
+    }
+
     /// `Ok` when ready, else why not.
     pub fn check(&self) -> Result<(), &'static str> {
         if !self.restored.load(Ordering::SeqCst) {
@@ -128,6 +140,27 @@ pub async fn serve(address: &str, readiness: Arc<Readiness>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_of_several_tasks_is_ready_once_every_task_is() {
+        let (worker, a, b) = (
+            Readiness::default(),
+            Readiness::default(),
+            Readiness::default(),
+        );
+        a.set_restored();
+        worker.aggregate([&a, &b]);
+        assert!(worker.check().is_err(), "task b is still restoring");
+        b.set_restored();
+        worker.aggregate([&a, &b]);
+        assert!(worker.check().is_ok());
+        b.set_sinks_failing(true);
+        worker.aggregate([&a, &b]);
+        assert_eq!(
+            worker.check(),
+            Err("a sink is failing: commits are being retried")
+        );
+    }
 
     #[test]
     fn ready_only_once_restored_and_while_sinks_work() {

@@ -411,6 +411,8 @@ fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<Background>
 /// A task of a shared job running on this worker.
 struct RunningTask {
     stop: Arc<AtomicBool>,
+    /// The task's own: the worker's `/ready` says ready once every task it runs is.
+    readiness: Arc<Readiness>,
     thread: std::thread::JoinHandle<Result<()>>,
 }
 
@@ -497,7 +499,7 @@ pub fn share(
             // Its standby round in progress ends first: the directory is then between two
             // committed epochs.
             drop(standbys.remove(&task));
-            running.insert(task, start_task(config, rt, &member, readiness, task)?);
+            running.insert(task, start_task(config, rt, &member, task)?);
         }
         for task in 0..tasks {
             if held.contains(&task) || running.contains_key(&task) || standbys.contains_key(&task) {
@@ -508,6 +510,7 @@ pub fn share(
                 None => break,
             };
         }
+        readiness.aggregate(running.values().map(|r| r.readiness.as_ref()));
         readiness.set_standby(running.is_empty());
     }
     drop(standbys);
@@ -537,20 +540,23 @@ fn start_task(
     config: &Config,
     rt: &Handle,
     member: &Arc<Source>,
-    readiness: &Arc<Readiness>,
     task: u32,
 ) -> Result<RunningTask> {
     let stop = Arc::new(AtomicBool::new(false));
+    let readiness = Arc::new(Readiness::default());
     let config = config.for_task(task);
-    let (rt, member, readiness, flag) =
-        (rt.clone(), member.clone(), readiness.clone(), stop.clone());
+    let (rt, member, flag, ready) = (rt.clone(), member.clone(), stop.clone(), readiness.clone());
     let thread = std::thread::Builder::new()
         .name(format!("tally-task-{task}"))
         .spawn(move || -> Result<()> {
             tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
             let producer = fence_and_make_current(&config, &rt, &flag)?;
-            crate::worker::Worker::start(config, rt, flag, readiness, member, Some(producer))?.run()
+            crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer))?.run()
         })
         .context("starting a task thread")?;
-    Ok(RunningTask { stop, thread })
+    Ok(RunningTask {
+        stop,
+        readiness,
+        thread,
+    })
 }
