@@ -19,6 +19,8 @@
 #       worker and then shared by two workers on this machine, alternating
 #   scripts/bench.sh --failover [--events N --customers C ...]
 #       takeover by a warm standby after a SIGKILL, against a whole restore of the same state
+#   scripts/bench.sh --failover --shared ...   the same with two workers sharing one task per
+#       partition: the killed worker's tasks move to the other, which keeps warm standbys of them
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
 #       read cost of the view vs. an ideal table, before and after folding (see read_bench below)
 set -euo pipefail
@@ -127,23 +129,37 @@ failover_bench() {
   export TALLY_CLICKHOUSE__DATABASE="$run" TALLY_JOB__SESSION_TIMEOUT=6s
   "$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers "$customers" \
     --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >&2
+  local running="holding the job's lease"
+  if [ "$shared" = 1 ]; then export TALLY_JOB__TASKS="$partitions"; running="starting task"; fi
   TALLY_JOB__STATE_DIR="$dir/a" "$bin" run --config "$config" >"$dir/a.log" 2>&1 &
   local a=$!
-  until grep -q "holding the job's lease" "$dir/a.log"; do sleep 0.2; done
+  until grep -q "$running" "$dir/a.log"; do sleep 0.2; done
   TALLY_JOB__STATE_DIR="$dir/b" "$bin" run --config "$config" >"$dir/b.log" 2>&1 &
   local b=$!
   trap "kill -9 $a $b 2>/dev/null || true" EXIT
-  until [ "$(sum_field consumed "$dir/a.log")" -ge "$events" ]; do
+  until [ $(( $(sum_field consumed "$dir/a.log") + $(sum_field consumed "$dir/b.log") )) -ge "$events" ]; do
     kill -0 "$a" 2>/dev/null || { echo "worker A exited" >&2; tail -20 "$dir/a.log" >&2; exit 1; }
     sleep 1
   done
   # Let the standby's next round see A's last commits, as it would in a steady stream.
   sleep 12
+  stat -c %s "$dir/b.log" >"$dir/b.log.at-kill"
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/killed"
   kill -9 "$a"
-  until_consuming "$b" "$dir/b.log" "worker B"
+  if [ "$shared" = 1 ]; then
+    # Until every task A ran resumes on B: A's tasks are those B did not run.
+    local moved; moved=$(( partitions - $(grep "the group assigned this worker its tasks" "$dir/b.log" | tail -1 | sed 's/.*tasks=\[\([^]]*\)\].*/\1/' | tr ',' '\n' | grep -c . || true) ))
+    until [ "$(tail -c +$(( $(cat "$dir/b.log.at-kill") + 1 )) "$dir/b.log" | grep -c 'resuming partition from checkpoint')" -ge "$moved" ]; do
+      kill -0 "$b" 2>/dev/null || { echo "worker B exited" >&2; tail -20 "$dir/b.log" >&2; exit 1; }
+      sleep 0.2
+    done
+    kill -TERM "$b"; wait "$b" 2>/dev/null || true
+    echo "cold restore: see the one-task run (tally restore is for jobs of one task)" >"$dir/cold.out"
+  else
+    until_consuming "$b" "$dir/b.log" "worker B"
+    TALLY_JOB__STATE_DIR="$dir/cold" "$bin" restore --config "$config" >"$dir/cold.out"
+  fi
   trap - EXIT
-  TALLY_JOB__STATE_DIR="$dir/cold" "$bin" restore --config "$config" >"$dir/cold.out"
   "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' || true
   python3 - "$dir" <<'PY'
 import re, sys
@@ -154,6 +170,20 @@ def ts(line):
 killed = datetime.fromisoformat(open(f"{d}/killed").read().strip().replace("Z", "+00:00"))
 log = open(f"{d}/b.log").read().splitlines()
 after = [l for l in log if l[:1].isdigit() and ts(l) > killed]
+if any("the group assigned this worker its tasks" in l for l in after):
+    held = next(l for l in after if "the group assigned this worker its tasks" in l)
+    resumed = [l for l in after if "resuming partition from checkpoint" in l]
+    caught = [l for l in after if "caught the state up with the changelog on taking the lease" in l]
+    field = lambda l, k: (re.search(rf" {k}=(\S+)", l) or [None, "?"])[1]
+    print(f"failover: kill -> tasks reassigned {(ts(held) - killed).total_seconds():.2f} s (session timeout 6 s); "
+          f"reassigned -> every moved partition consuming {(ts(resumed[-1]) - ts(held)).total_seconds():.2f} s "
+          f"({len(resumed)} partitions: " + ", ".join(f"{(ts(l) - ts(held)).total_seconds():.2f}" for l in resumed) + " s)")
+    for l in caught:
+        print(f"failover: warm takeover caught up {field(l, 'records')} records ({field(l, 'bytes')} bytes) in {field(l, 'millis')} ms")
+    for l in after:
+        if "restored the job's state from the changelog" in l:
+            print(f"failover: a moved task restored whole: {field(l, 'records')} records, {field(l, 'ids')} ids in {field(l, 'millis')} ms")
+    sys.exit(0)
 held = next(l for l in after if "holding the job's lease" in l)
 resumed = next(l for l in after if "resuming partition from checkpoint" in l)
 caught = [l for l in after if "caught the state up with the changelog on taking the lease" in l]

@@ -152,6 +152,12 @@ async fn three_workers_share_a_job_and_its_tasks_move_on_kill_stop_and_join() {
     );
     assert_tasks_account_for(&[&a, &b, &c, &d], manifest.produced);
 
+    // Tasks taken away from a live worker (when another joined) were handed over after their
+    // epochs committed, never taken by fencing their old holder.
+    let all_logs = logs();
+    assert!(all_logs.contains("handed tasks over"), "{all_logs}");
+    assert!(!all_logs.contains("its new holder fenced it"), "{all_logs}");
+
     // One chain per partition: no offset range committed twice, none missing.
     let (ok, report) = doctor(&a);
     let written = status_of(&report, "Processed → Written");

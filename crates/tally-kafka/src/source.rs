@@ -21,8 +21,46 @@ pub enum StartFrom {
 }
 
 pub struct Source {
-    consumer: BaseConsumer,
+    consumer: BaseConsumer<MemberContext>,
     topic: String,
+}
+
+/// A hook run when the group revokes partitions, before the revocation takes effect.
+type RevokeHook = Box<dyn Fn(&[PartitionId]) + Send + Sync>;
+
+/// Lets the owner of a group member act on a revocation before it takes effect (the
+/// cooperative protocol, KIP-429): the hook runs inside `poll`, and the partitions stay this
+/// member's, and no one else's, until it returns. Not for an assignment already lost (the
+/// member was silent past its session timeout): the partitions are someone else's by then.
+#[derive(Default)]
+pub struct MemberContext {
+    on_revoke: std::sync::Mutex<Option<RevokeHook>>,
+}
+
+impl rdkafka::ClientContext for MemberContext {}
+
+impl rdkafka::consumer::ConsumerContext for MemberContext {
+    fn pre_rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        rebalance: &rdkafka::consumer::Rebalance<'_>,
+    ) {
+        let rdkafka::consumer::Rebalance::Revoke(revoked) = rebalance else {
+            return;
+        };
+        if consumer.assignment_lost() {
+            return;
+        }
+        let partitions: Vec<PartitionId> =
+            revoked.elements().iter().map(|e| e.partition()).collect();
+        let hook = self
+            .on_revoke
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(hook) = hook.as_ref() {
+            hook(&partitions);
+        }
+    }
 }
 
 /// A consumed record, borrowed from the consumer until the next poll.
@@ -60,7 +98,9 @@ impl Source {
             .set("auto.offset.reset", "error");
         // Bounds the prefetch buffer: the memory held while a sink is down.
         set_default(&mut config, "queued.max.messages.kbytes", "16384");
-        let consumer: BaseConsumer = config.create().map_err(kafka("creating consumer"))?;
+        let consumer: BaseConsumer<MemberContext> = config
+            .create_with_context(MemberContext::default())
+            .map_err(kafka("creating consumer"))?;
         Ok(Source {
             consumer,
             topic: topic.to_owned(),
@@ -99,7 +139,9 @@ impl Source {
                 "heartbeat.interval.ms",
                 (session_timeout.as_millis() / 5).max(100).to_string(),
             );
-        let consumer: BaseConsumer = config.create().map_err(kafka("creating group member"))?;
+        let consumer: BaseConsumer<MemberContext> = config
+            .create_with_context(MemberContext::default())
+            .map_err(kafka("creating group member"))?;
         consumer
             .subscribe(&[lease_topic])
             .map_err(kafka(format!("subscribing to {lease_topic}")))?;
@@ -137,7 +179,18 @@ impl Source {
         &self.topic
     }
 
-    pub fn consumer(&self) -> &BaseConsumer {
+    /// Runs `hook` with the partitions the group revokes from this member, before the
+    /// revocation takes effect (see [`MemberContext`]); it replaces an earlier hook.
+    pub fn on_revoke(&self, hook: impl Fn(&[PartitionId]) + Send + Sync + 'static) {
+        *self
+            .consumer
+            .context()
+            .on_revoke
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::new(hook));
+    }
+
+    pub fn consumer(&self) -> &BaseConsumer<MemberContext> {
         &self.consumer
     }
 

@@ -408,8 +408,25 @@ fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<Background>
     .map(Some)
 }
 
+/// How to stop a running task, and whether its thread has ended.
+#[derive(Clone)]
+struct TaskEnd {
+    stop: Arc<AtomicBool>,
+    done: Arc<AtomicBool>,
+}
+
+/// Sets its flag when dropped: when the task's thread ends, however it ends.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// A task of a shared job running on this worker.
 struct RunningTask {
+    end: TaskEnd,
     stop: Arc<AtomicBool>,
     /// The task's own: the worker's `/ready` says ready once every task it runs is.
     readiness: Arc<Readiness>,
@@ -439,6 +456,42 @@ pub fn share(
         i32::try_from(tasks).unwrap_or(i32::MAX),
     )?;
     let mut running: BTreeMap<u32, RunningTask> = BTreeMap::new();
+    // A task the group takes away finishes its epochs before the group may give it to another
+    // worker: its final checkpoint commits, and the next holder continues from it instead of
+    // fencing it and redoing its epoch in flight.
+    let draining: Arc<std::sync::Mutex<BTreeMap<u32, TaskEnd>>> = Arc::default();
+    {
+        let draining = draining.clone();
+        let bound = config.job.session_timeout.as_duration() * 3;
+        member.on_revoke(move |partitions| {
+            let ends: Vec<(u32, TaskEnd)> = {
+                let tasks = draining
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                partitions
+                    .iter()
+                    .filter_map(|p| u32::try_from(*p).ok())
+                    .filter_map(|t| tasks.get(&t).map(|e| (t, e.clone())))
+                    .collect()
+            };
+            let started = Instant::now();
+            for (task, end) in &ends {
+                if !end.stop.swap(true, Ordering::SeqCst) {
+                    tracing::info!(task, "task moved to another worker: finishing its epochs before handing it over");
+                }
+            }
+            while !ends.iter().all(|(_, e)| e.done.load(Ordering::SeqCst)) {
+                if started.elapsed() > bound {
+                    tracing::warn!(tasks = ?ends.iter().map(|(t, _)| t).collect::<Vec<_>>(), "tasks did not finish their epochs in time: handing them over anyway (their next holder fences them)");
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !ends.is_empty() {
+                tracing::info!(millis = started.elapsed().as_millis() as u64, "handed tasks over");
+            }
+        });
+    }
     // Warm standbys of the tasks this worker does not run (`job.standby_refresh`), so that a
     // task moving here replays only its last few epochs.
     let mut standbys: BTreeMap<u32, Background> = BTreeMap::new();
@@ -472,6 +525,10 @@ pub fn share(
             let Some(run) = running.remove(&task) else {
                 continue;
             };
+            draining
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&task);
             let moved = run.stop.load(Ordering::SeqCst);
             match run.thread.join() {
                 Ok(Ok(())) => tracing::info!(task, "task stopped"),
@@ -499,7 +556,12 @@ pub fn share(
             // Its standby round in progress ends first: the directory is then between two
             // committed epochs.
             drop(standbys.remove(&task));
-            running.insert(task, start_task(config, rt, &member, task)?);
+            let run = start_task(config, rt, &member, task)?;
+            draining
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(task, run.end.clone());
+            running.insert(task, run);
         }
         for task in 0..tasks {
             if held.contains(&task) || running.contains_key(&task) || standbys.contains_key(&task) {
@@ -543,18 +605,25 @@ fn start_task(
     task: u32,
 ) -> Result<RunningTask> {
     let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
     let readiness = Arc::new(Readiness::default());
     let config = config.for_task(task);
     let (rt, member, flag, ready) = (rt.clone(), member.clone(), stop.clone(), readiness.clone());
+    let ended = SetOnDrop(done.clone());
     let thread = std::thread::Builder::new()
         .name(format!("tally-task-{task}"))
         .spawn(move || -> Result<()> {
+            let _ended = ended;
             tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
             let producer = fence_and_make_current(&config, &rt, &flag)?;
             crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer))?.run()
         })
         .context("starting a task thread")?;
     Ok(RunningTask {
+        end: TaskEnd {
+            stop: stop.clone(),
+            done,
+        },
         stop,
         readiness,
         thread,
