@@ -69,6 +69,28 @@ fn assert_tasks_account_for(workers: &[&Job], produced: u64) {
     assert_eq!(consumed, produced);
 }
 
+/// A task's state in a worker's directory: windows, dedup entries, checkpoint.
+type TaskState = (
+    Vec<(i32, tally_core::WindowKey, tally_core::WindowAgg)>,
+    Vec<(i32, String, i64)>,
+    tally_state::CheckpointMeta,
+);
+
+fn task_state(worker: &Job, task: i32) -> Option<TaskState> {
+    let dir = worker.state_dir().join(format!("task-{task}"));
+    if !dir.exists() {
+        return None;
+    }
+    let store =
+        tally_state::StateStore::open(&dir, &format!("it@{}#task-{task}", worker.topic)).unwrap();
+    let meta = store.meta()?;
+    Some((
+        store.windows().unwrap(),
+        store.seen_entries().unwrap(),
+        meta,
+    ))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn three_workers_share_a_job_and_its_tasks_move_on_kill_stop_and_join() {
     let topic = unique("orders");
@@ -157,6 +179,23 @@ async fn three_workers_share_a_job_and_its_tasks_move_on_kill_stop_and_join() {
     let all_logs = logs();
     assert!(all_logs.contains("handed tasks over"), "{all_logs}");
     assert!(!all_logs.contains("its new holder fenced it"), "{all_logs}");
+
+    // A task restored from the changelog on a machine that never held it equals, key by key,
+    // the state its last holder had.
+    let newcomer = a.replica();
+    let (ok, out) = tally_command(&newcomer, "restore", &["--task", "2"]);
+    assert!(ok, "{out}");
+    let restored = task_state(&newcomer, 2).expect("the restored task");
+    let last_holder = [&a, &b, &c, &d]
+        .into_iter()
+        .filter_map(|w| task_state(w, 2))
+        .max_by_key(|s| s.2.epoch)
+        .unwrap();
+    assert_eq!(restored.2.epoch, last_holder.2.epoch);
+    assert_eq!(
+        restored, last_holder,
+        "restored task 2 differs from its last holder's state"
+    );
 
     // One chain per partition: no offset range committed twice, none missing.
     let (ok, report) = doctor(&a);

@@ -102,6 +102,9 @@ enum Command {
     Restore {
         #[arg(long, short)]
         config: PathBuf,
+        /// With `job.tasks` > 1: the task to restore, into `<state_dir>/task-K`.
+        #[arg(long)]
+        task: Option<u32>,
     },
 }
 
@@ -321,14 +324,19 @@ fn real_main(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Restore { config } => {
+        Command::Restore { config, task } => {
             let cfg = Config::load(&config)?;
-            if cfg.tasks() > 1 {
-                anyhow::bail!(
-                    "job.tasks = {}: a worker restores each task it is given on its own (from the changelog, into <state_dir>/task-N); `tally restore` is for jobs of one task",
-                    cfg.tasks()
-                );
-            }
+            let cfg = match (cfg.tasks(), task) {
+                (1, None) => cfg,
+                (1, Some(_)) => anyhow::bail!("--task: the job has one task (job.tasks = 1)"),
+                (tasks, None) => anyhow::bail!(
+                    "job.tasks = {tasks}: pass --task K (0..{tasks}) to restore one task into <state_dir>/task-K"
+                ),
+                (tasks, Some(k)) if k >= tasks => {
+                    anyhow::bail!("--task {k}: the job's tasks are 0..{tasks}")
+                }
+                (_, Some(k)) => cfg.for_task(k),
+            };
             let rt = runtime()?;
             let marks = tally::lease::job_commit_marks(&cfg)?;
             let done = tally::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
