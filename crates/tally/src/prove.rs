@@ -32,7 +32,15 @@ pub async fn loadgen(config: &Config, opts: LoadOptions) -> Result<Manifest> {
     if tally_kafka::ensure_topic(&settings, topic, opts.partitions, None, &[]).await? {
         eprintln!("created topic {topic} with {} partitions", opts.partitions);
     }
-    let extent = tally_kafka::topic_extent(&settings, topic)?;
+    // A topic just created can be missing from the metadata for a moment: wait for it.
+    let until = Instant::now() + Duration::from_secs(15);
+    let extent = loop {
+        match tally_kafka::topic_extent(&settings, topic) {
+            Ok(extent) if !extent.is_empty() || Instant::now() > until => break extent,
+            Err(e) if Instant::now() > until => return Err(e.into()),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
     let partitions = i32::try_from(extent.len()).context("partition count")?;
     let mut spec = opts.spec;
     spec.partitions = partitions;
