@@ -620,11 +620,17 @@ fn chain_gaps(
             }
         }
     }
+    // Where each partition's history starts, when no earlier round says: the lowest offset a
+    // batch of it starts at, idle or not.
+    let start_of = |p: &i32| -> Option<i64> {
+        ends.get(p).copied().or_else(|| {
+            let first_link = links.get(p).and_then(|c| c.keys().next().copied());
+            let first_idle = idle.get(p).and_then(|b| b.iter().map(|(o, _)| *o).min());
+            first_link.into_iter().chain(first_idle).min()
+        })
+    };
     for (p, chain) in &links {
-        let mut end = ends
-            .get(p)
-            .copied()
-            .or_else(|| chain.keys().next().copied());
+        let mut end = start_of(p);
         for (from, (to, epoch)) in chain {
             if let Some(e) = end
                 && *from != e
@@ -642,11 +648,7 @@ fn chain_gaps(
     }
     for (p, batches) in &idle {
         let chain = links.get(p);
-        let start = ends
-            .get(p)
-            .copied()
-            .or_else(|| chain.and_then(|c| c.keys().next().copied()))
-            .or_else(|| batches.first().map(|(o, _)| *o));
+        let start = start_of(p);
         for (offset, epoch) in batches {
             let on_chain = Some(*offset) == start
                 || chain.is_some_and(|c| c.values().any(|(to, _)| to == offset));
@@ -1028,6 +1030,19 @@ mod chain_tests {
         assert!(
             gaps.iter()
                 .any(|g| g.contains("two batches start partition 0 at offset 0")),
+            "{gaps:?}"
+        );
+    }
+
+    #[test]
+    fn a_missing_batch_after_an_idle_first_one_is_named_where_it_is_missing() {
+        // Epoch 1 had nothing for partition 0; epoch 2 (0 -> 700) is gone.
+        let gaps = commit_log_gaps(&[batch(1, &[(0, 0, 0)]), batch(3, &[(0, 700, 1400)])]);
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
+        assert!(
+            gaps[0].contains(
+                "epoch 3 starts partition 0 at offset 700, but the previous batch ended at 0"
+            ),
             "{gaps:?}"
         );
     }
