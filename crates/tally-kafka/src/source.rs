@@ -154,15 +154,12 @@ impl Source {
     /// Serves the group protocol (rebalances; librdkafka heartbeats on its own) and reports
     /// whether this member holds the lease of `lease_topic`.
     pub fn poll_membership(&self, lease_topic: &str, timeout: Duration) -> bool {
-        // Nothing is ever produced to the lease topic: a poll only serves the protocol.
-        let _ = self.consumer.poll(timeout);
-        self.consumer
-            .assignment()
-            .is_ok_and(|a| a.find_partition(lease_topic, 0).is_some())
+        self.poll_leases(lease_topic, timeout).contains(&0)
     }
 
     /// Serves the group protocol and returns the partitions of `lease_topic` this member holds.
     pub fn poll_leases(&self, lease_topic: &str, timeout: Duration) -> Vec<PartitionId> {
+        // Nothing is ever produced to the lease topic: a poll only serves the protocol.
         let _ = self.consumer.poll(timeout);
         self.consumer.assignment().map_or_else(
             |_| Vec::new(),

@@ -427,7 +427,6 @@ impl Drop for SetOnDrop {
 /// A task of a shared job running on this worker.
 struct RunningTask {
     end: TaskEnd,
-    stop: Arc<AtomicBool>,
     /// The task's own: the worker's `/ready` says ready once every task it runs is.
     readiness: Arc<Readiness>,
     thread: std::thread::JoinHandle<Result<()>>,
@@ -511,7 +510,7 @@ pub fn share(
         }
         // Taken away: stop it; its thread ends with a final checkpoint or fenced.
         for (task, run) in &running {
-            if !held.contains(task) && !run.stop.swap(true, Ordering::SeqCst) {
+            if !held.contains(task) && !run.end.stop.swap(true, Ordering::SeqCst) {
                 tracing::info!(task, "task moved to another worker: stopping it here");
             }
         }
@@ -529,7 +528,7 @@ pub fn share(
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .remove(&task);
-            let moved = run.stop.load(Ordering::SeqCst);
+            let moved = run.end.stop.load(Ordering::SeqCst);
             match run.thread.join() {
                 Ok(Ok(())) => tracing::info!(task, "task stopped"),
                 Ok(Err(e)) if moved => {
@@ -577,7 +576,7 @@ pub fn share(
     }
     drop(standbys);
     for run in running.values() {
-        run.stop.store(true, Ordering::SeqCst);
+        run.end.stop.store(true, Ordering::SeqCst);
     }
     let mut outcome = Ok(());
     for (task, run) in running {
@@ -620,11 +619,7 @@ fn start_task(
         })
         .context("starting a task thread")?;
     Ok(RunningTask {
-        end: TaskEnd {
-            stop: stop.clone(),
-            done,
-        },
-        stop,
+        end: TaskEnd { stop, done },
         readiness,
         thread,
     })
