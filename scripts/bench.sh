@@ -16,18 +16,22 @@
 #   scripts/bench.sh --with-standby ...   the same build alone and with a warm standby worker of the
 #       job beside it on this machine (as docker-compose runs two workers), alternating
 #   scripts/bench.sh --shared ...   the job split into one task per partition (job.tasks), run by one
-#       worker and then shared by two workers on this machine, alternating
+#       worker and then shared by two workers on this machine, alternating; the second worker
+#       starts once the first runs its tasks (a join under load), or with it (--together)
 #   scripts/bench.sh --failover [--events N --customers C ...]
 #       takeover by a warm standby after a SIGKILL, against a whole restore of the same state
 #   scripts/bench.sh --failover --shared ...   the same with two workers sharing one task per
 #       partition: the killed worker's tasks move to the other, which keeps warm standbys of them
+#   scripts/bench.sh --join [--events N --customers C ...]   scale-out: worker A catches up the
+#       backlog alone (one task per partition), then B joins; times each task moved to B, from A's
+#       revocation to B consuming it
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
 #       read cost of the view vs. an ideal table, before and after folding (see read_bench below)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
-customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0
+customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0 together=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -40,8 +44,10 @@ while (($#)); do
     --compare) compare=$2; shift 2 ;;
     --with-standby) with_standby=1; shift ;;
     --shared) shared=1; shift ;;
+    --together) together=1; shift ;;
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
+    --join) mode=join; shift ;;
     --days) days=$2; shift 2 ;;
     --live-seconds) live_seconds=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -110,25 +116,31 @@ read_bench() {
   "$bin" reconcile --config "$config" | tail -3
 }
 
-# Failover with a warm standby: worker A catches up with the backlog while standby B keeps its
-# directory near A's committed state; A is SIGKILLed, and B's takeover is timed (lease wait, the
-# catch-up, first record consumed). Then the same state is restored whole into an empty directory
-# (a cold standby's takeover, or a new machine), for comparison.
-failover_bench() {
-  local events=${events:-2000000}
+# Shared by the failover and join benches: services, a release build (or TALLY_BENCH_BIN), a run
+# directory and job of their own, and the backlog. Sets bin, run, dir and config.
+two_worker_setup() {
+  events=${events:-2000000}
   scripts/bootstrap.sh
   scripts/services.sh up >&2
-  cargo build --release --locked -p tally >&2
-  local bin="$CARGO_TARGET_DIR/release/tally"
-  local run="failover_$(date +%s)"
-  local dir=".state/bench/$run"
+  bin=${TALLY_BENCH_BIN:-}
+  if [ -z "$bin" ]; then cargo build --release --locked -p tally >&2; bin="$CARGO_TARGET_DIR/release/tally"; fi
+  run="$1_$(date +%s)"
+  dir=".state/bench/$run"
   mkdir -p "$dir"
-  local config=config/revenue_agg.toml
+  config=config/revenue_agg.toml
   export TALLY_JOB__NAME="$run" TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_METRICS__ADDRESS=""
   export TALLY_KAFKA__SOURCE_TOPIC="$run" TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
   export TALLY_CLICKHOUSE__DATABASE="$run" TALLY_JOB__SESSION_TIMEOUT=6s
   "$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers "$customers" \
     --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >&2
+}
+
+# Failover with a warm standby: worker A catches up with the backlog while standby B keeps its
+# directory near A's committed state; A is SIGKILLed, and B's takeover is timed (lease wait, the
+# catch-up, first record consumed). Then the same state is restored whole into an empty directory
+# (a cold standby's takeover, or a new machine), for comparison.
+failover_bench() {
+  two_worker_setup failover
   local running="holding the job's lease"
   if [ "$shared" = 1 ]; then export TALLY_JOB__TASKS="$partitions"; running="starting task"; fi
   TALLY_JOB__STATE_DIR="$dir/a" "$bin" run --config "$config" >"$dir/a.log" 2>&1 &
@@ -162,19 +174,17 @@ failover_bench() {
   trap - EXIT
   "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' || true
   python3 - "$dir" <<'PY'
-import re, sys
-from datetime import datetime
+import sys
+sys.path.insert(0, "benches")
+from bench_logs import field, stamp, ts
 d = sys.argv[1]
-def ts(line):
-    return datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
-killed = datetime.fromisoformat(open(f"{d}/killed").read().strip().replace("Z", "+00:00"))
+killed = stamp(f"{d}/killed")
 log = open(f"{d}/b.log").read().splitlines()
 after = [l for l in log if l[:1].isdigit() and ts(l) > killed]
 if any("the group assigned this worker its tasks" in l for l in after):
     held = next(l for l in after if "the group assigned this worker its tasks" in l)
     resumed = [l for l in after if "resuming partition from checkpoint" in l]
     caught = [l for l in after if "caught the state up with the changelog on taking the lease" in l]
-    field = lambda l, k: (re.search(rf" {k}=(\S+)", l) or [None, "?"])[1]
     print(f"failover: kill -> tasks reassigned {(ts(held) - killed).total_seconds():.2f} s (session timeout 6 s); "
           f"reassigned -> every moved partition consuming {(ts(resumed[-1]) - ts(held)).total_seconds():.2f} s "
           f"({len(resumed)} partitions: " + ", ".join(f"{(ts(l) - ts(held)).total_seconds():.2f}" for l in resumed) + " s)")
@@ -188,7 +198,6 @@ held = next(l for l in after if "holding the job's lease" in l)
 resumed = next(l for l in after if "resuming partition from checkpoint" in l)
 caught = [l for l in after if "caught the state up with the changelog on taking the lease" in l]
 whole_b = [l for l in after if "restored the job's state from the changelog" in l]
-field = lambda l, k: (re.search(rf" {k}=(\S+)", l) or [None, "?"])[1]
 print(f"failover: kill -> lease {(ts(held) - killed).total_seconds():.2f} s (session timeout 6 s); "
       f"lease -> consuming {(ts(resumed) - ts(held)).total_seconds():.2f} s")
 if caught:
@@ -200,8 +209,65 @@ if whole_b:
 print("failover: cold (whole restore into an empty directory): " + open(f"{d}/cold.out").read().strip())
 PY
 }
+# Scale-out under load: worker A runs the job's tasks (one per partition) and catches up the
+# backlog alone; then B joins, and the group moves half of the tasks to it. Each moved task is
+# timed from A's revocation to B consuming it. TALLY_BENCH_BIN: another build, for before/after.
+join_bench() {
+  two_worker_setup join
+  export TALLY_JOB__TASKS="$partitions"
+  TALLY_JOB__STATE_DIR="$dir/a" "$bin" run --config "$config" >"$dir/a.log" 2>&1 &
+  local a=$!
+  trap "kill -9 $a 2>/dev/null || true" EXIT
+  until [ "$(sum_field consumed "$dir/a.log")" -ge "$events" ]; do
+    kill -0 "$a" 2>/dev/null || { echo "worker A exited" >&2; tail -20 "$dir/a.log" >&2; exit 1; }
+    sleep 1
+  done
+  date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/joined"
+  TALLY_JOB__STATE_DIR="$dir/b" "$bin" run --config "$config" >"$dir/b.log" 2>&1 &
+  local b=$!
+  trap "kill -9 $a $b 2>/dev/null || true" EXIT
+  # Until B consumes every task it was given.
+  until grep -q "the group assigned this worker its tasks tasks=\[[0-9]" "$dir/b.log" \
+      && [ "$(grep -c 'resuming partition from checkpoint' "$dir/b.log")" -ge \
+           "$(grep "the group assigned this worker its tasks" "$dir/b.log" | tail -1 | sed 's/.*tasks=\[\([^]]*\)\].*/\1/' | tr ',' '\n' | grep -c .)" ]; do
+    kill -0 "$b" 2>/dev/null || { echo "worker B exited" >&2; tail -20 "$dir/b.log" >&2; exit 1; }
+    sleep 0.2
+  done
+  kill -TERM "$a" "$b"; wait "$a" "$b" 2>/dev/null || true
+  trap - EXIT
+  "$bin" verify --config "$config" --manifest "$dir/manifest.json" | grep -E '^verify' || true
+  python3 - "$dir" <<'PY'
+import sys
+sys.path.insert(0, "benches")
+from bench_logs import field, stamp, ts
+d = sys.argv[1]
+lines = lambda f: [l for l in open(f"{d}/{f}").read().splitlines() if l[:1].isdigit()]
+joined = stamp(f"{d}/joined")
+a, b = lines("a.log"), lines("b.log")
+for l in b:
+    if "warmed this worker's copies" in l or "joining the group now" in l:
+        print(f"join: B warmed its copies of every task in {int(field(l, 'millis')) / 1000:.2f} s before joining")
+revoked = [l for l in a if "finishing its epochs before handing it over" in l and ts(l) > joined]
+handed = next((l for l in a if "handed tasks over" in l and ts(l) > joined), None)
+resumed = [l for l in b if "resuming partition from checkpoint" in l]
+if not revoked or not resumed:
+    sys.exit("join: no task moved")
+start = min(ts(l) for l in revoked)
+print(f"join: B started -> A revoked its tasks {(start - joined).total_seconds():.2f} s; "
+      f"A handed them over in {int(field(handed, 'millis')) / 1000:.2f} s" if handed else "")
+print(f"join: pause of each moved partition (revoked -> consuming on B): "
+      + ", ".join(f"{(ts(l) - start).total_seconds():.2f}" for l in resumed) + " s")
+for l in b:
+    if "caught the state up with the changelog on taking the lease" in l:
+        print(f"join: a moved task caught up {field(l, 'records')} records ({field(l, 'bytes')} bytes) in {field(l, 'millis')} ms")
+    if "restored the job's state from the changelog" in l:
+        when = "while its task was paused" if ts(l) > start else "before joining"
+        print(f"join: B restored a task whole {when}: {field(l, 'records')} records, {field(l, 'ids')} ids in {field(l, 'millis')} ms")
+PY
+}
 if [ "$mode" = read ]; then read_bench; exit 0; fi
 if [ "$mode" = failover ]; then failover_bench; exit 0; fi
+if [ "$mode" = join ]; then join_bench; exit 0; fi
 events=${events:-1000000}
 
 scripts/bootstrap.sh
@@ -256,7 +322,8 @@ tally_run() {
   fi
   if [ "${3:-0}" = 2 ]; then
     # Started once the first worker runs a task: the group then moves half of them over.
-    until grep -q "starting task" "$log"; do sleep 0.05; done
+    # --together: started with the first, as the replicas of a deployment start.
+    [ "$together" = 1 ] || until grep -q "starting task" "$log"; do sleep 0.05; done
     TALLY_JOB__STATE_DIR="$dir/r$r/second" "$bin" run --config "$config" >"$dir/r$r/second.log" 2>&1 &
     second=$!
     trap "kill -9 $pid $second 2>/dev/null || true" EXIT

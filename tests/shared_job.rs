@@ -150,6 +150,17 @@ async fn three_workers_share_a_job_and_its_tasks_move_on_kill_stop_and_join() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(!started_tasks(&d, joined_at).is_empty(), "{}", d.log());
+    // It joined a running job: it warmed its copies first, so a task given to it resumed
+    // after a catch-up, not a whole restore while the task waited.
+    let newcomer = d.log()[joined_at..].to_owned();
+    assert!(
+        newcomer.contains("warming this worker's copies of its tasks before joining"),
+        "{newcomer}"
+    );
+    assert!(
+        newcomer.contains("caught the state up with the changelog on taking the lease"),
+        "{newcomer}"
+    );
     println!(
         "after the kill of worker {victim} and the stop of worker {stopping}: {:?}; the fourth runs {:?}",
         [&a, &b, &c].map(|w| started_tasks(w, 0)),

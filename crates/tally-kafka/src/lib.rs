@@ -15,7 +15,9 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 pub use reader::{read_committed_range, topic_extent};
-pub use source::{Source, SourceRecord, StartFrom, record_of};
+pub use source::{
+    GroupMember, GroupMembers, Source, SourceRecord, StartFrom, assigned_partitions, record_of,
+};
 pub use transaction::{
     CommitMark, EpochCommit, EpochProducer, EpochTopics, HEADER_ERROR, HEADER_REASON,
     HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC,

@@ -25,6 +25,52 @@ pub struct Source {
     topic: String,
 }
 
+/// A consumer group as the coordinator describes it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupMembers {
+    /// Neither forming, nor rebalancing, nor empty; only then are assignments described.
+    pub stable: bool,
+    pub members: Vec<GroupMember>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupMember {
+    pub client_id: String,
+    /// The partitions assigned to the member, by topic.
+    pub assigned: Vec<(String, PartitionId)>,
+}
+
+/// The partitions of a consumer-protocol assignment (Kafka's `ConsumerProtocolAssignment`,
+/// the same layout in versions 0 to 3): a version (int16), then topics (int32 count; each a
+/// string with an int16 length and int32 partitions with an int32 count), then user data.
+/// `None` if the bytes are not such an assignment.
+pub fn assigned_partitions(bytes: &[u8]) -> Option<Vec<(String, PartitionId)>> {
+    fn take<'a>(bytes: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (bytes.get(..n)?, bytes.get(n..)?);
+        *bytes = rest;
+        Some(head)
+    }
+    fn int16(bytes: &mut &[u8]) -> Option<i16> {
+        take(bytes, 2).map(|b| i16::from_be_bytes([b[0], b[1]]))
+    }
+    fn int32(bytes: &mut &[u8]) -> Option<i32> {
+        take(bytes, 4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    let mut rest = bytes;
+    if !(0..=3).contains(&int16(&mut rest)?) {
+        return None;
+    }
+    let mut out = Vec::new();
+    for _ in 0..int32(&mut rest)?.max(0) {
+        let len = usize::try_from(int16(&mut rest)?).ok()?;
+        let topic = std::str::from_utf8(take(&mut rest, len)?).ok()?.to_owned();
+        for _ in 0..int32(&mut rest)?.max(0) {
+            out.push((topic.clone(), int32(&mut rest)?));
+        }
+    }
+    Some(out)
+}
+
 /// A hook run when the group revokes partitions, before the revocation takes effect.
 type RevokeHook = Box<dyn Fn(&[PartitionId]) + Send + Sync>;
 
@@ -126,6 +172,8 @@ impl Source {
         config
             .set("group.id", group_id)
             .set("group.instance.id", instance_id)
+            // Names the member in the group's description (`Source::group_members`).
+            .set("client.id", instance_id)
             .set("isolation.level", "read_committed")
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
@@ -148,6 +196,32 @@ impl Source {
         Ok(Source {
             consumer,
             topic: source_topic.to_owned(),
+        })
+    }
+
+    /// The members of consumer group `group` (a member of a job's group is named by its static
+    /// instance id, its client id) and what each is assigned, and whether the group is stable.
+    pub fn group_members(&self, group: &str, timeout: Duration) -> Result<GroupMembers> {
+        let list = self
+            .consumer
+            .fetch_group_list(Some(group), timeout)
+            .map_err(kafka(format!("describing consumer group {group}")))?;
+        let Some(info) = list.groups().iter().find(|g| g.name() == group) else {
+            return Ok(GroupMembers::default());
+        };
+        Ok(GroupMembers {
+            stable: info.state() == "Stable",
+            members: info
+                .members()
+                .iter()
+                .map(|m| GroupMember {
+                    client_id: m.client_id().to_owned(),
+                    assigned: m
+                        .assignment()
+                        .and_then(assigned_partitions)
+                        .unwrap_or_default(),
+                })
+                .collect(),
         })
     }
 
@@ -302,5 +376,58 @@ impl Source {
                 (e.partition(), (offset, e.metadata().to_owned()))
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::assigned_partitions;
+
+    /// A consumer-protocol assignment as a coordinator sends it.
+    fn assignment(version: i16, topics: &[(&str, &[i32])], user_data: Option<&[u8]>) -> Vec<u8> {
+        let mut b = version.to_be_bytes().to_vec();
+        b.extend((topics.len() as i32).to_be_bytes());
+        for (topic, partitions) in topics {
+            b.extend((topic.len() as i16).to_be_bytes());
+            b.extend(topic.as_bytes());
+            b.extend((partitions.len() as i32).to_be_bytes());
+            for p in *partitions {
+                b.extend(p.to_be_bytes());
+            }
+        }
+        match user_data {
+            Some(d) => {
+                b.extend((d.len() as i32).to_be_bytes());
+                b.extend(d);
+            }
+            None => b.extend((-1i32).to_be_bytes()),
+        }
+        b
+    }
+
+    #[test]
+    fn reads_the_partitions_of_every_topic() {
+        let bytes = assignment(1, &[("lease", &[3, 0]), ("other", &[7])], Some(b"sticky"));
+        assert_eq!(
+            assigned_partitions(&bytes),
+            Some(vec![
+                ("lease".into(), 3),
+                ("lease".into(), 0),
+                ("other".into(), 7)
+            ])
+        );
+        assert_eq!(assigned_partitions(&assignment(0, &[], None)), Some(vec![]));
+    }
+
+    #[test]
+    fn refuses_what_is_not_an_assignment() {
+        let bytes = assignment(3, &[("lease", &[1, 2])], None);
+        // Cut inside the partitions: not half an answer.
+        assert_eq!(assigned_partitions(&bytes[..bytes.len() - 9]), None);
+        assert_eq!(
+            assigned_partitions(&assignment(9, &[("t", &[1])], None)),
+            None
+        );
+        assert_eq!(assigned_partitions(&[]), None);
     }
 }

@@ -140,6 +140,11 @@ pub struct JobConfig {
     /// replays only what was committed since; "0s": only at the takeover (a cold standby).
     #[serde(default = "default_standby_refresh")]
     pub standby_refresh: Millis,
+    /// A job of several tasks: how many other workers keep a warm standby of each task (the
+    /// members after its holder, in the order of their ids). A task moving to a worker without
+    /// one is restored whole; more standbys cost each worker that task's state writes.
+    #[serde(default = "default_standby_replicas", deserialize_with = "de_u64")]
+    pub standby_replicas: u64,
     /// How many tasks the job is split into: source partition `p` belongs to task
     /// `p % tasks`, and the job's workers share the tasks through the group protocol (each
     /// task runs on one worker at a time, with its own state directory under `state_dir`
@@ -171,6 +176,9 @@ fn default_partition_discovery_interval() -> Millis {
     Millis(30_000)
 }
 fn default_tasks() -> u64 {
+    1
+}
+fn default_standby_replicas() -> u64 {
     1
 }
 fn default_standby_refresh() -> Millis {
@@ -473,6 +481,12 @@ impl Config {
         if self.job.max_record_bytes == 0 {
             return Err(("job.max_record_bytes", "must be greater than zero".into()));
         }
+        if self.job.standby_replicas > 1024 {
+            return Err((
+                "job.standby_replicas",
+                format!("{} is outside 0..=1024", self.job.standby_replicas),
+            ));
+        }
         if !(1..=1024).contains(&self.job.tasks) {
             return Err((
                 "job.tasks",
@@ -582,6 +596,10 @@ impl Config {
     }
 
     /// The job's task count (at least 1).
+    pub fn standby_replicas(&self) -> usize {
+        usize::try_from(self.job.standby_replicas).unwrap_or(usize::MAX)
+    }
+
     pub fn tasks(&self) -> u32 {
         u32::try_from(self.job.tasks).unwrap_or(1).max(1)
     }
