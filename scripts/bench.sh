@@ -127,7 +127,7 @@ two_worker_setup() {
   run="$1_$(date +%s)"
   dir=".state/bench/$run"
   mkdir -p "$dir"
-  config=config/revenue_agg.toml
+  config=${TALLY_BENCH_CONFIG:-config/revenue_agg.toml}
   export TALLY_JOB__NAME="$run" TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_METRICS__ADDRESS=""
   export TALLY_KAFKA__SOURCE_TOPIC="$run" TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
   export TALLY_CLICKHOUSE__DATABASE="$run" TALLY_JOB__SESSION_TIMEOUT=6s
