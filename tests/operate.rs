@@ -22,18 +22,19 @@ fn get(addr: &str, path: &str) -> Option<String> {
     Some(answer)
 }
 
+/// A loopback address no one listens on, for a worker's metrics.
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn health_ready_and_metrics_are_served() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let manifest = produce_generated(&topic, 2, 17, 1_000).await;
     let job = Job::new(&topic, "");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let before = job.log().len();
     let mut worker = job.spawn(&[("TALLY_METRICS__ADDRESS", &addr)]);
     job.wait_until_consuming(before).await;
@@ -64,6 +65,64 @@ async fn health_ready_and_metrics_are_served() {
         "{metrics}"
     );
     assert!(metrics.contains("tally_partition_lag_records"), "{metrics}");
+    sigterm(&worker);
+    assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
+}
+
+/// The value of a series in a Prometheus text exposition, by its name and labels.
+fn series(metrics: &str, name_and_labels: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name_and_labels)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_job_labels_its_series_by_task_and_says_which_tasks_run_here() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 23, 1_000).await;
+    let job = Job::new(&topic, "tasks = 2");
+    let addr = free_addr();
+    let mut worker = job.spawn(&[("TALLY_METRICS__ADDRESS", &addr)]);
+    wait_for_view(&job, &manifest, Duration::from_secs(90)).await;
+    let until = Instant::now() + Duration::from_secs(30);
+    let mut metrics = String::new();
+    while Instant::now() < until {
+        metrics = get(&addr, "/metrics").unwrap_or_default();
+        if (0..2).all(|t| series(&metrics, &format!("tally_epoch{{task=\"{t}\"}}")).is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for task in 0..2 {
+        let label = format!("{{task=\"{task}\"}}");
+        // Alone in the group: it runs both tasks and keeps no standby.
+        assert_eq!(
+            series(&metrics, &format!("tally_task_running{label}")),
+            Some(1.0),
+            "{metrics}"
+        );
+        assert_eq!(
+            series(&metrics, &format!("tally_task_standby{label}")),
+            Some(0.0),
+            "{metrics}"
+        );
+        assert!(
+            series(&metrics, &format!("tally_epoch{label}")).is_some_and(|e| e >= 1.0),
+            "{metrics}"
+        );
+        assert!(
+            series(
+                &metrics,
+                &format!("tally_checkpoints_committed_total{label}")
+            )
+            .is_some_and(|n| n >= 1.0),
+            "{metrics}"
+        );
+    }
+    // The tasks' epochs are their own series, never one overwriting the other.
+    assert_eq!(series(&metrics, "tally_epoch"), None, "{metrics}");
     sigterm(&worker);
     assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
 }

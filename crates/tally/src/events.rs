@@ -56,6 +56,15 @@ pub struct CheckpointCommitted<'a> {
     pub phases: CommitPhases,
     pub bytes: EpochBytes,
     pub recovered: bool,
+    /// The task of a job of several (`job.task`): labels its series `task`.
+    pub task: Option<u32>,
+}
+
+/// The `task` label of a job of several tasks; none for a job of one, whose series stay as
+/// they were.
+fn task_labels(task: Option<u32>) -> Vec<(&'static str, String)> {
+    task.map(|t| vec![("task", t.to_string())])
+        .unwrap_or_default()
 }
 
 impl CheckpointCommitted<'_> {
@@ -97,9 +106,10 @@ impl CheckpointCommitted<'_> {
             }
         }
         counter!("tally_sink_rows_written_total").increment(cp.rows.len() as u64);
-        counter!("tally_checkpoints_committed_total").increment(1);
+        let task = task_labels(self.task);
+        counter!("tally_checkpoints_committed_total", &task).increment(1);
         counter!("tally_changelog_bytes_total").increment(self.bytes.changelog as u64);
-        histogram!("tally_checkpoint_duration_seconds").record(self.latency.as_secs_f64());
+        histogram!("tally_checkpoint_duration_seconds", &task).record(self.latency.as_secs_f64());
         for (phase, d) in [
             ("pre_commit", self.phases.pre_commit),
             ("dead_letters", self.phases.dead_letters),
@@ -107,7 +117,7 @@ impl CheckpointCommitted<'_> {
         ] {
             histogram!("tally_checkpoint_phase_seconds", "phase" => phase).record(d.as_secs_f64());
         }
-        gauge!("tally_epoch").set(cp.epoch.0 as f64);
+        gauge!("tally_epoch", &task).set(cp.epoch.0 as f64);
         for (p, pc) in &cp.partitions {
             if let Some(max) = pc.watermark.max_event_time_ms {
                 gauge!("tally_partition_max_event_time_seconds", "partition" => p.to_string())
@@ -241,6 +251,7 @@ pub struct StateRestored<'a> {
     pub restored: &'a crate::restore::Restored,
     pub whole: bool,
     pub taking_over: bool,
+    pub task: Option<u32>,
 }
 
 impl StateRestored<'_> {
@@ -263,7 +274,29 @@ impl StateRestored<'_> {
         counter!("tally_state_restores_total", "kind" => kind).increment(1);
         counter!("tally_state_restored_records_total", "kind" => kind).increment(r.records);
         histogram!("tally_state_restore_seconds", "kind" => kind).record(r.duration.as_secs_f64());
-        gauge!("tally_state_epoch").set(r.epoch.0 as f64);
+        gauge!("tally_state_epoch", &task_labels(self.task)).set(r.epoch.0 as f64);
+    }
+}
+
+/// Which of a shared job's tasks this worker runs and keeps warm standbys of, as the group
+/// last placed them: per task, 1 or 0. Summed over the workers, `tally_task_running` is 1 for
+/// every task of a healthy job; 0 is a task no one runs, 2 a task a paused worker still
+/// believes it runs (until its new holder fences it).
+pub struct TasksPlaced<'a> {
+    pub tasks: u32,
+    pub running: &'a [u32],
+    pub standbys: &'a [u32],
+}
+
+impl TasksPlaced<'_> {
+    pub fn emit(&self) {
+        for task in 0..self.tasks {
+            let label = [("task", task.to_string())];
+            let running = self.running.contains(&task);
+            gauge!("tally_task_running", &label).set(if running { 1.0 } else { 0.0 });
+            let standby = self.standbys.contains(&task);
+            gauge!("tally_task_standby", &label).set(if standby { 1.0 } else { 0.0 });
+        }
     }
 }
 

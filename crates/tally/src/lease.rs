@@ -305,6 +305,7 @@ pub fn make_state_current(
                     restored: &done,
                     whole: false,
                     taking_over,
+                    task: config.job.task,
                 }
                 .emit();
                 return Ok(());
@@ -344,6 +345,7 @@ pub fn make_state_current(
         restored: &done,
         whole: true,
         taking_over,
+        task: config.job.task,
     }
     .emit();
     Ok(())
@@ -629,6 +631,7 @@ pub fn share(
         &config.kafka.consumer_group,
     )?;
     let mut wanted: Option<Vec<u32>> = None;
+    let mut placed_before: Option<(Vec<u32>, Vec<u32>)> = None;
     let mut described: Option<Instant> = None;
     while !shutdown.load(Ordering::SeqCst) {
         let held: Vec<u32> = member
@@ -722,6 +725,19 @@ pub fn share(
                 Some(standby) => standbys.insert(task, standby),
                 None => break,
             };
+        }
+        let placed: (Vec<u32>, Vec<u32>) = (
+            running.keys().copied().collect(),
+            standbys.keys().copied().collect(),
+        );
+        if placed_before.as_ref() != Some(&placed) {
+            crate::events::TasksPlaced {
+                tasks,
+                running: &placed.0,
+                standbys: &placed.1,
+            }
+            .emit();
+            placed_before = Some(placed);
         }
         readiness.aggregate(running.values().map(|r| r.readiness.as_ref()));
         readiness.set_standby(running.is_empty());

@@ -976,6 +976,7 @@ impl Sinks {
                 phases: self.phases,
                 bytes: EpochBytes::default(),
                 recovered: true,
+                task: self.config.job.task,
             }
             .emit();
         }
@@ -1003,6 +1004,7 @@ impl Sinks {
                 phases: self.phases,
                 bytes: next.bytes,
                 recovered: false,
+                task: self.config.job.task,
             }
             .emit();
             // The operator may have stopped already; the epoch is committed either way.
