@@ -5,21 +5,9 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-
-fn services(args: &[&str]) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/services.sh");
-    let status = Command::new("bash")
-        .arg(script)
-        .args(args)
-        .status()
-        .expect("services.sh");
-    assert!(status.success(), "services.sh {args:?}");
-}
 
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

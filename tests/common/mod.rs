@@ -344,6 +344,18 @@ impl Drop for Worker {
     }
 }
 
+/// Runs this checkout's `scripts/services.sh` (e.g. `down kafka`), for tests that stop a
+/// service; each such test is alone in its file, since the services are shared.
+pub fn services(args: &[&str]) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/services.sh");
+    let status = Command::new("bash")
+        .arg(script)
+        .args(args)
+        .status()
+        .expect("services.sh");
+    assert!(status.success(), "services.sh {args:?}");
+}
+
 pub fn sigterm(child: &Child) {
     let _ = Command::new("kill")
         .arg("-TERM")

@@ -86,6 +86,36 @@ pub struct MemberContext {
 impl rdkafka::ClientContext for MemberContext {}
 
 impl rdkafka::consumer::ConsumerContext for MemberContext {
+    /// rdkafka's default asks librdkafka for the rebalance protocol on every rebalance, and
+    /// that call never returns if it comes after the consumer began to close (librdkafka
+    /// #4041): a worker stopping while Kafka restarted hung in dropping its member. A member is
+    /// always cooperative (`Source::join`), so the assignment changes incrementally without
+    /// asking.
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        partitions: &mut TopicPartitionList,
+    ) {
+        use rdkafka::consumer::Rebalance;
+        use rdkafka::types::RDKafkaRespErr;
+        let assign = err == RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS;
+        let rebalance = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => Rebalance::Assign(partitions),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => Rebalance::Revoke(partitions),
+            other => Rebalance::Error(rdkafka::error::KafkaError::Rebalance(other.into())),
+        };
+        self.pre_rebalance(consumer, &rebalance);
+        let changed = if assign {
+            consumer.incremental_assign(partitions)
+        } else {
+            consumer.incremental_unassign(partitions)
+        };
+        if let Err(e) = changed {
+            tracing::warn!(error = %e, assign, "the group member could not change its assignment");
+        }
+    }
+
     fn pre_rebalance(
         &self,
         consumer: &BaseConsumer<Self>,

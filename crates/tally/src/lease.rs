@@ -760,7 +760,28 @@ pub fn share(
             Err(_) => outcome = Err(anyhow::anyhow!("task {task}'s thread panicked")),
         }
     }
+    leave_group(member, config.job.session_timeout.as_duration() * 3);
     outcome
+}
+
+/// Closes the group member (its final revocation, then leaving), waiting at most `within`: a
+/// close librdkafka never finishes (as in its #4041) must not keep a stopped worker from
+/// exiting. Not finished in time, it is left behind: the group drops a member that went
+/// silent after its session timeout.
+fn leave_group(member: Arc<Source>, within: Duration) {
+    let (closed, wait) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("tally-leave".into())
+        .spawn(move || {
+            drop(member);
+            let _ = closed.send(());
+        });
+    if spawned.is_ok() && wait.recv_timeout(within).is_err() {
+        tracing::warn!(
+            waited_ms = within.as_millis() as u64,
+            "the group member did not finish closing: exiting without it (the group drops it after job.session_timeout)"
+        );
+    }
 }
 
 /// Starts task `task` on a thread of its own: fences the task's previous holder, makes its
