@@ -353,7 +353,7 @@ tally_run() {
   trap - EXIT
   grep 'rebuilt the dedup id filter' "$dir/r$r/restore.log" | sed 's/.*rebuilt/restore: rebuilt/' >&2 || true
   # The same state rebuilt from the changelog on a "new machine" (builds with a changelog).
-  if [ "$shared" = 0 ] && "$bin" restore --help >/dev/null 2>&1; then
+  if [ "$shared" = 0 ] && [ "${TALLY_JOB__TASKS:-1}" = 1 ] && "$bin" restore --help >/dev/null 2>&1; then
     TALLY_JOB__STATE_DIR="$dir/r$r/from-changelog" "$bin" restore --config "$config" >"$dir/r$r/changelog_restore"
     sed 's/^/changelog /' "$dir/r$r/changelog_restore" >&2
   fi

@@ -49,10 +49,22 @@ const KEY_WRITER: &[u8] = b"writer_id";
 /// Memory for all memtables together (each column family's is `MEMTABLE_BYTES` at most), and
 /// for the block cache: with the epochs in flight, the id filter and the consumer's prefetch
 /// they make up most of a worker's memory (322 MiB peak at 1M live keys and 20M ids, see
-/// BENCHMARKS.md).
+/// BENCHMARKS.md). Both are the process's, shared by every store it opens (the tasks it runs,
+/// their standbys, restores), so a worker's memory does not grow with its tasks.
 const MEMTABLE_BUDGET: usize = 32 << 20;
 const MEMTABLE_BYTES: usize = 8 << 20;
 const BLOCK_CACHE_BYTES: usize = 32 << 20;
+
+/// The block cache and the memtable budget of every store of this process.
+fn process_memory() -> &'static (Cache, WriteBufferManager) {
+    static SHARED: std::sync::OnceLock<(Cache, WriteBufferManager)> = std::sync::OnceLock::new();
+    SHARED.get_or_init(|| {
+        (
+            Cache::new_lru_cache(BLOCK_CACHE_BYTES),
+            WriteBufferManager::new_write_buffer_manager(MEMTABLE_BUDGET, false),
+        )
+    })
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -271,9 +283,9 @@ impl StateStore {
             path: path.clone(),
             source,
         };
-        let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
+        let (cache, memtables) = process_memory();
         let mut table = BlockBasedOptions::default();
-        table.set_block_cache(&cache);
+        table.set_block_cache(cache);
         // Memory stays bounded by the cache as the dedup set grows: index and filters live in it,
         // partitioned into small blocks. (A whole-file index or filter of a large SST is bigger
         // than a cache shard, would never stay cached, and was re-read on every lookup.)
@@ -298,11 +310,8 @@ impl StateStore {
         cf_opts.set_memtable_prefix_bloom_ratio(0.05);
         cf_opts.set_memtable_whole_key_filtering(true);
         let mut db_opts = Options::default();
-        // One budget for the memtables of every column family, whatever the mix of writes.
-        db_opts.set_write_buffer_manager(&WriteBufferManager::new_write_buffer_manager(
-            MEMTABLE_BUDGET,
-            false,
-        ));
+        // One budget for the memtables of every column family and store, whatever the mix.
+        db_opts.set_write_buffer_manager(memtables);
         db_opts.create_if_missing(true);
         db_opts.create_missing_column_families(true);
         db_opts.set_max_background_jobs(2);
