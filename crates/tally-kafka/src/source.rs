@@ -394,7 +394,14 @@ impl Source {
         let committed = self
             .consumer
             .committed_offsets(tpl, TIMEOUT)
-            .map_err(kafka("fetching committed offsets"))?;
+            // read_committed: an open transaction on the group's offsets makes the broker
+            // answer "unstable" until it ends, which librdkafka retries until this times out.
+            .map_err(kafka(format!(
+                "fetching committed offsets of {} (if this keeps timing out while the broker \
+                 answers, a transaction left open on the group's offsets blocks it: \
+                 `kafka-transactions.sh find-hanging` lists it, see docs/scale-out.md)",
+                self.topic
+            )))?;
         Ok(committed
             .elements()
             .iter()
