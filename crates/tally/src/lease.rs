@@ -418,6 +418,26 @@ fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<WarmStandby
     }))
 }
 
+/// Starts a warm standby of each of `tasks` that has none yet (none at all when
+/// `job.standby_refresh` turns standbys off).
+fn start_standbys(
+    config: &Config,
+    rt: &Handle,
+    standbys: &mut BTreeMap<u32, WarmStandby>,
+    tasks: impl IntoIterator<Item = u32>,
+) -> Result<()> {
+    for task in tasks {
+        if standbys.contains_key(&task) {
+            continue;
+        }
+        match start_warm_standby(&config.for_task(task), rt)? {
+            Some(standby) => standbys.insert(task, standby),
+            None => break,
+        };
+    }
+    Ok(())
+}
+
 /// A running warm standby; dropping it stops the standby's thread.
 struct WarmStandby {
     _thread: Background,
@@ -437,28 +457,25 @@ fn warm_up_before_joining(
     config: &Config,
     rt: &Handle,
     shutdown: &AtomicBool,
+    reader: &Source,
+    me: &str,
 ) -> Result<BTreeMap<u32, WarmStandby>> {
     let mut standbys = BTreeMap::new();
     if config.job.standby_refresh.as_duration().is_zero() {
         return Ok(standbys);
     }
-    let me = instance_id(config)?;
     let group = &config.kafka.consumer_group;
-    let Ok(reader) = Source::connect(&config.kafka_settings(), &config.kafka.source_topic, group)
-    else {
-        return Ok(standbys);
-    };
     // Kafka down or slow: decided by joining, which waits for it.
     let others_running = |reader: &Source| {
         reader
             .group_members(group, Duration::from_secs(5))
             .ok()
             .and_then(|g| {
-                let mine = g.members.iter().any(|m| m.client_id == me);
+                let mine = g.members.iter().any(|m| m.client_id.as_str() == me);
                 (g.stable && !mine && !g.members.is_empty()).then_some(g.members.len())
             })
     };
-    let Some(others) = others_running(&reader) else {
+    let Some(others) = others_running(reader) else {
         return Ok(standbys);
     };
     tracing::info!(
@@ -466,12 +483,7 @@ fn warm_up_before_joining(
         tasks = config.tasks(),
         "other workers run the job: warming this worker's copies of its tasks before joining the group"
     );
-    for task in 0..config.tasks() {
-        match start_warm_standby(&config.for_task(task), rt)? {
-            Some(standby) => standbys.insert(task, standby),
-            None => break,
-        };
-    }
+    start_standbys(config, rt, &mut standbys, 0..config.tasks())?;
     let started = Instant::now();
     let mut checked = Instant::now();
     while !shutdown.load(Ordering::SeqCst) {
@@ -484,7 +496,7 @@ fn warm_up_before_joining(
         }
         if checked.elapsed() >= Duration::from_secs(2) {
             checked = Instant::now();
-            if others_running(&reader).is_none() {
+            if others_running(reader).is_none() {
                 tracing::info!(
                     millis = started.elapsed().as_millis() as u64,
                     "the other workers left while this one warmed its copies: joining the group now"
@@ -574,9 +586,17 @@ pub fn share(
     let lease_topic = config.lease_topic();
     let tasks = config.tasks();
     readiness.set_standby(true);
+    // The group's description (who is in it, who holds which task) is read through a client of
+    // its own: the member's requests queue behind its long-polling fetch.
+    let me = instance_id(config)?;
+    let describer = Source::connect(
+        &config.kafka_settings(),
+        &config.kafka.source_topic,
+        &config.kafka.consumer_group,
+    )?;
     // Warm standbys of the tasks this worker does not run (`job.standby_refresh`), so that a
     // task moving here replays only its last few epochs.
-    let mut standbys = warm_up_before_joining(config, rt, shutdown)?;
+    let mut standbys = warm_up_before_joining(config, rt, shutdown, &describer, &me)?;
     let member = join_group(
         config,
         rt,
@@ -622,14 +642,7 @@ pub fn share(
     }
     let mut held_before: Vec<u32> = Vec::new();
     let mut failures: BTreeMap<u32, Instant> = BTreeMap::new();
-    // Which tasks to keep standbys of comes from the group's description, asked for through a
-    // client of its own (the member's requests queue behind its long-polling fetch).
-    let me = instance_id(config)?;
-    let describer = Source::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?;
+    // Which tasks to keep standbys of comes from the group's description.
     let mut wanted: Option<Vec<u32>> = None;
     let mut placed_before: Option<(Vec<u32>, Vec<u32>)> = None;
     let mut described: Option<Instant> = None;
@@ -717,15 +730,7 @@ pub fn share(
                 && wanted.as_ref().is_none_or(|w| w.contains(task))
         };
         standbys.retain(|task, _| keep(task));
-        for task in 0..tasks {
-            if !keep(&task) || standbys.contains_key(&task) {
-                continue;
-            }
-            match start_warm_standby(&config.for_task(task), rt)? {
-                Some(standby) => standbys.insert(task, standby),
-                None => break,
-            };
-        }
+        start_standbys(config, rt, &mut standbys, (0..tasks).filter(|t| keep(t)))?;
         let placed: (Vec<u32>, Vec<u32>) = (
             running.keys().copied().collect(),
             standbys.keys().copied().collect(),
