@@ -141,6 +141,94 @@ async fn crash_after_dead_letter_commit() {
     crash_at("after_dlq_commit", &[]).await;
 }
 
+/// A first run commits half the input and stops cleanly, so the store holds a committed epoch
+/// and the group's offsets show it; a second run, armed with `fault`, reads the other half
+/// (dead letters included) in its first epoch and is killed there. Returns the manifest.
+async fn second_run_killed_at(job: &Job, fault: &str) -> tally::loadgen::Manifest {
+    let records = generate(15, 2, 6_000);
+    let mut manifest = tally::loadgen::Manifest::default();
+    produce_into(&job.topic, &records[..3_000], &mut manifest).await;
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    let view = wait_for_view(job, &manifest, CATCH_UP).await;
+    assert_stops_exact(job, &mut worker, &view, &manifest);
+    let first_half = manifest.dead_letters.len();
+    produce_into(&job.topic, &records[3_000..], &mut manifest).await;
+    assert!(
+        manifest.dead_letters.len() > first_half,
+        "the second half has poison"
+    );
+    let mut worker = job.spawn(&[("TALLY_FAULT", fault)]);
+    let status =
+        wait_exit(&mut worker, Duration::from_secs(60)).expect("the fault kills the worker");
+    assert_eq!(status.signal(), Some(9), "log:\n{}", job.log());
+    manifest
+}
+
+/// A committed epoch whose Kafka transaction is undone afterwards (as an abort by hand of a
+/// hanging transaction does: its dead letters, changelog records and offsets are dropped). The
+/// restart finds the group's offsets older than its last committed epoch and sends that epoch's
+/// transaction again: dead letters exactly once, and a restore from the changelog equals the
+/// worker's own state.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_committed_epoch_that_kafka_lost_is_sent_again() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let job = Job::new(&topic, "");
+    let manifest = second_run_killed_at(&job, "kafka_commit_lost").await;
+    let before = job.log().len();
+    finish_and_check(&job, &manifest).await;
+    let restart = &job.log()[before..];
+    assert!(
+        restart.contains("the Kafka transaction of the last committed epoch is gone"),
+        "the restart sends the lost epoch again; log:\n{restart}"
+    );
+
+    let replica = job.replica();
+    let (ok, out) = tally_command(&replica, "restore", &[]);
+    assert!(ok, "{out}");
+    let state = |job: &Job| {
+        let store =
+            tally_state::StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+        let meta = store.meta().unwrap();
+        (
+            store.windows().unwrap(),
+            store.seen_entries().unwrap(),
+            meta.epoch,
+            meta.partitions,
+        )
+    };
+    assert_eq!(
+        state(&replica),
+        state(&job),
+        "the changelog holds every committed epoch"
+    );
+}
+
+/// The same crash as `crash_after_dead_letter_commit`, with an earlier committed epoch held in
+/// the store: checking that one against the group's offsets at the restart must not stop the
+/// pending epoch from checking whether its own transaction committed (it did: sending it again
+/// would repeat its dead letters).
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_dead_letter_commit_of_a_later_epoch() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let job = Job::new(&topic, "");
+    let manifest = second_run_killed_at(&job, "after_dlq_commit").await;
+    let before = job.log().len();
+    finish_and_check(&job, &manifest).await;
+    let restart = &job.log()[before..];
+    assert!(
+        restart.contains("dead-letter transaction of this epoch already committed"),
+        "{restart}"
+    );
+    assert!(
+        !restart.contains("the Kafka transaction of the last committed epoch is gone"),
+        "{restart}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_after_clickhouse_insert() {
     crash_at("after_clickhouse_insert", &[]).await;

@@ -364,3 +364,79 @@ async fn reconcile_every_reads_only_what_was_committed_since_the_last_round() {
         "every round matches: {text}"
     );
 }
+
+/// A transaction that committed offsets for the job's group and stays open, as a hanging one
+/// does (here another producer's, which neither commits nor aborts): the worker says what holds
+/// it (the `__consumer_offsets` partition, the commands that find and abort it), counts it and
+/// waits; once the transaction ends it goes on and loses nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_transaction_on_the_groups_offsets_is_named_and_waited_out() {
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::producer::{BaseProducer, Producer};
+    use rdkafka::{Offset, TopicPartitionList};
+
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 31, 2_000).await;
+    let job = Job::new(&topic, "");
+    let group = format!("tally-{topic}");
+    let stray: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .set("transactional.id", unique("stray"))
+        .set("transaction.timeout.ms", "600000")
+        .create()
+        .unwrap();
+    stray.init_transactions(Duration::from_secs(30)).unwrap();
+    stray.begin_transaction().unwrap();
+    let outsider: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .set("group.id", &group)
+        .create()
+        .unwrap();
+    let mut offsets = TopicPartitionList::new();
+    offsets
+        .add_partition_offset(&topic, 0, Offset::Offset(0))
+        .unwrap();
+    stray
+        .send_offsets_to_transaction(
+            &offsets,
+            &outsider.group_metadata().unwrap(),
+            Duration::from_secs(30),
+        )
+        .unwrap();
+
+    let addr = free_addr();
+    let before = job.log().len();
+    let mut worker = job.spawn(&[("TALLY_METRICS__ADDRESS", &addr)]);
+    let until = Instant::now() + Duration::from_secs(120);
+    let mut metrics = String::new();
+    while Instant::now() < until {
+        metrics = get(&addr, "/metrics").unwrap_or_default();
+        if series(&metrics, "tally_kafka_offsets_unstable_total").is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        series(&metrics, "tally_kafka_offsets_unstable_total").is_some_and(|n| n >= 1.0),
+        "{metrics}\n{}",
+        job.log()
+    );
+    let log = job.log()[before..].to_owned();
+    assert!(log.contains("held by an open transaction"), "{log}");
+    assert!(log.contains("__consumer_offsets partition"), "{log}");
+    assert!(log.contains("find-hanging"), "{log}");
+    assert!(
+        view(&job.database, &job.table)
+            .await
+            .unwrap_or_default()
+            .is_empty(),
+        "nothing is committed while the group's offsets are unknown"
+    );
+
+    stray.abort_transaction(Duration::from_secs(30)).unwrap();
+    let view = wait_for_view(&job, &manifest, Duration::from_secs(120)).await;
+    assert_stops_exact(&job, &mut worker, &view, &manifest);
+    assert_accounting(&job, manifest.produced);
+}

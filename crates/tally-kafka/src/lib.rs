@@ -32,6 +32,34 @@ pub enum Error {
     /// A request the cluster refuses whatever the retries: a configuration to fix.
     #[error("kafka: {0}")]
     Refused(String),
+    /// A read_committed fetch of the group's offsets keeps answering "unstable" while a
+    /// read_uncommitted one answers: a transaction that committed offsets for the group is
+    /// open. `last_committed` is what the group has without it.
+    #[error(
+        "kafka: the committed offsets of {topic} for group {group} are held by an open transaction \
+         (an unstable offset commit in __consumer_offsets partition {}); the group's offsets without it: {}",
+        offsets_partition.map_or("?".to_owned(), |p| p.to_string()),
+        describe_offsets(last_committed)
+    )]
+    UnstableOffsets {
+        topic: String,
+        group: String,
+        offsets_partition: Option<i32>,
+        last_committed: BTreeMap<tally_core::PartitionId, (Option<tally_core::Offset>, String)>,
+    },
+}
+
+fn describe_offsets(
+    offsets: &BTreeMap<tally_core::PartitionId, (Option<tally_core::Offset>, String)>,
+) -> String {
+    let parts: Vec<String> = offsets
+        .iter()
+        .map(|(p, (o, meta))| match o {
+            Some(o) => format!("{p}@{o} ({meta})"),
+            None => format!("{p}: none"),
+        })
+        .collect();
+    parts.join(", ")
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

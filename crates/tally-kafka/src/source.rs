@@ -23,6 +23,8 @@ pub enum StartFrom {
 pub struct Source {
     consumer: BaseConsumer<MemberContext>,
     topic: String,
+    group: String,
+    settings: KafkaSettings,
 }
 
 /// A consumer group as the coordinator describes it.
@@ -180,6 +182,8 @@ impl Source {
         Ok(Source {
             consumer,
             topic: topic.to_owned(),
+            group: group_id.to_owned(),
+            settings: settings.clone(),
         })
     }
 
@@ -226,6 +230,8 @@ impl Source {
         Ok(Source {
             consumer,
             topic: source_topic.to_owned(),
+            group: group_id.to_owned(),
+            settings: settings.clone(),
         })
     }
 
@@ -391,34 +397,94 @@ impl Source {
         for &p in partitions {
             tpl.add_partition(&self.topic, p);
         }
-        let committed = self
-            .consumer
-            .committed_offsets(tpl, TIMEOUT)
-            // read_committed: an open transaction on the group's offsets makes the broker
-            // answer "unstable" until it ends, which librdkafka retries until this times out.
-            .map_err(kafka(format!(
-                "fetching committed offsets of {} (if this keeps timing out while the broker \
-                 answers, a transaction left open on the group's offsets blocks it: \
-                 `kafka-transactions.sh find-hanging` lists it, see docs/scale-out.md)",
-                self.topic
-            )))?;
-        Ok(committed
-            .elements()
-            .iter()
-            .map(|e| {
-                let offset = match e.offset() {
-                    KOffset::Offset(o) => Some(o),
-                    _ => None,
-                };
-                (e.partition(), (offset, e.metadata().to_owned()))
-            })
-            .collect())
+        // read_committed: an open transaction on the group's offsets makes the broker answer
+        // "unstable" until it ends, which librdkafka retries until this times out.
+        match self.consumer.committed_offsets(tpl.clone(), TIMEOUT) {
+            Ok(committed) => Ok(offsets_of(&committed)),
+            Err(error) => match self.committed_ignoring_open_transactions(tpl) {
+                Some(last_committed) => Err(Error::UnstableOffsets {
+                    topic: self.topic.clone(),
+                    group: self.group.clone(),
+                    offsets_partition: self.offsets_partition(),
+                    last_committed,
+                }),
+                None => Err(kafka(format!(
+                    "fetching committed offsets of {}",
+                    self.topic
+                ))(error)),
+            },
+        }
     }
+
+    /// The group's last committed offsets without waiting for open transactions (a
+    /// read_uncommitted fetch), `None` if that fails too: then the broker does not answer,
+    /// else an open transaction holds the offsets.
+    fn committed_ignoring_open_transactions(
+        &self,
+        tpl: TopicPartitionList,
+    ) -> Option<BTreeMap<PartitionId, (Option<Offset>, String)>> {
+        let mut config = self.settings.client_config();
+        config
+            .set("group.id", &self.group)
+            .set("isolation.level", "read_uncommitted")
+            .set("enable.auto.commit", "false");
+        let probe: BaseConsumer = config.create().ok()?;
+        probe
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .ok()
+            .map(|c| offsets_of(&c))
+    }
+
+    /// The `__consumer_offsets` partition that holds the group's offsets, as the broker picks
+    /// it (the group id's Java string hash modulo the topic's partitions), for the tools that
+    /// find a hanging transaction.
+    fn offsets_partition(&self) -> Option<i32> {
+        let metadata = self
+            .consumer
+            .fetch_metadata(Some("__consumer_offsets"), Duration::from_secs(10))
+            .ok()?;
+        let partitions = metadata.topics().first()?.partitions().len();
+        group_partition(&self.group, partitions)
+    }
+}
+
+/// Kafka's `Utils.abs(groupId.hashCode()) % partitions`.
+fn group_partition(group: &str, partitions: usize) -> Option<i32> {
+    let partitions = i32::try_from(partitions).ok().filter(|n| *n > 0)?;
+    let hash = group
+        .encode_utf16()
+        .fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
+    Some((hash & 0x7fff_ffff) % partitions)
+}
+
+fn offsets_of(committed: &TopicPartitionList) -> BTreeMap<PartitionId, (Option<Offset>, String)> {
+    committed
+        .elements()
+        .iter()
+        .map(|e| {
+            let offset = match e.offset() {
+                KOffset::Offset(o) => Some(o),
+                _ => None,
+            };
+            (e.partition(), (offset, e.metadata().to_owned()))
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::assigned_partitions;
+    use super::{assigned_partitions, group_partition};
+
+    /// The partitions Java's `(s.hashCode() & 0x7fffffff) % 50` gives (computed with Java 17):
+    /// "tally-revenue_agg" hashes to -670355587, a non-ASCII id hashes by UTF-16 units.
+    #[test]
+    fn the_group_partition_is_the_brokers() {
+        assert_eq!(group_partition("tally-revenue_agg", 50), Some(11));
+        assert_eq!(group_partition("tally-orders-ä", 50), Some(43));
+        assert_eq!(group_partition("a", 50), Some(47));
+        assert_eq!(group_partition("", 50), Some(0));
+        assert_eq!(group_partition("g", 0), None);
+    }
 
     /// A consumer-protocol assignment as a coordinator sends it.
     fn assignment(version: i16, topics: &[(&str, &[i32])], user_data: Option<&[u8]>) -> Vec<u8> {

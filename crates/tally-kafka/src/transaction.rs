@@ -146,7 +146,27 @@ impl EpochProducer {
         epoch: &EpochCommit<'_>,
         group: &ConsumerGroupMetadata,
     ) -> Result<()> {
-        let result = self.try_commit_epoch(epoch, group);
+        self.end_epoch(epoch, group, true)
+    }
+
+    /// Writes the epoch's transaction as [`EpochProducer::commit_epoch`] does, then aborts it
+    /// and returns Ok: fault injection, for a committed transaction that Kafka undid afterwards
+    /// (a hanging transaction aborted by hand drops what it held).
+    pub fn write_then_abort_epoch(
+        &self,
+        epoch: &EpochCommit<'_>,
+        group: &ConsumerGroupMetadata,
+    ) -> Result<()> {
+        self.end_epoch(epoch, group, false)
+    }
+
+    fn end_epoch(
+        &self,
+        epoch: &EpochCommit<'_>,
+        group: &ConsumerGroupMetadata,
+        commit: bool,
+    ) -> Result<()> {
+        let result = self.try_commit_epoch(epoch, group, commit);
         if result.is_err() {
             // Best effort: a fresh producer's init_transactions aborts it too.
             let _ = self.producer.abort_transaction(Duration::from_secs(10));
@@ -164,6 +184,7 @@ impl EpochProducer {
             restore_from,
         }: &EpochCommit<'_>,
         group: &ConsumerGroupMetadata,
+        commit: bool,
     ) -> Result<()> {
         if let Some(needed) = changelog.iter().map(|(p, _)| *p).max() {
             self.know_changelog_partition(needed)?;
@@ -203,6 +224,12 @@ impl EpochProducer {
             .map_err(kafka(format!(
                 "sending offsets of epoch {epoch} to the transaction"
             )))?;
+        if !commit {
+            return self
+                .producer
+                .abort_transaction(TIMEOUT)
+                .map_err(kafka(format!("aborting the transaction of epoch {epoch}")));
+        }
         self.producer
             .commit_transaction(TIMEOUT)
             .map_err(kafka(format!(

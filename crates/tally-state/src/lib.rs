@@ -46,6 +46,10 @@ const KEY_RESTORE_POINTS: &[u8] = b"restore_points";
 const KEY_FORMAT: &[u8] = b"format_version";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
 const KEY_WRITER: &[u8] = b"writer_id";
+/// The last epoch marked committed. Its outputs and changelog records stay until the next epoch
+/// is: if Kafka undoes its transaction afterwards (a hanging transaction aborted by hand), they
+/// are what a restart sends again.
+const KEY_LAST_COMMITTED: &[u8] = b"last_committed";
 /// Memory for all memtables together (each column family's is `MEMTABLE_BYTES` at most), and
 /// for the block cache: with the epochs in flight, the id filter and the consumer's prefetch
 /// they make up most of a worker's memory (322 MiB peak at 1M live keys and 20M ids, see
@@ -578,6 +582,7 @@ impl StateStore {
             Some(m) => (m.partitions, m.epoch.max(checkpoint.epoch)),
             None => (BTreeMap::new(), checkpoint.epoch),
         };
+        self.forget_retained(&mut batch)?;
         partitions.extend(checkpoint.partitions.iter().map(|(p, c)| (*p, *c)));
         let meta = CheckpointMeta {
             job: self.job.clone(),
@@ -620,6 +625,7 @@ impl StateStore {
         };
         meta.epoch = epoch;
         let mut batch = WriteBatch::default();
+        self.forget_retained(&mut batch)?;
         if let Some(outputs) = pending {
             meta.status = EpochStatus::PreCommitted;
             batch.put_cf(
@@ -780,8 +786,11 @@ impl StateStore {
             });
         };
         let mut batch = WriteBatch::default();
-        batch.delete_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes());
-        batch.delete_cf(self.cf(CF_PENDING_CHANGELOG)?, epoch.0.to_be_bytes());
+        if let Some(older) = self.last_committed()?.filter(|e| *e != epoch) {
+            batch.delete_cf(self.cf(CF_PENDING)?, older.0.to_be_bytes());
+            batch.delete_cf(self.cf(CF_PENDING_CHANGELOG)?, older.0.to_be_bytes());
+        }
+        batch.put_cf(self.cf(CF_META)?, KEY_LAST_COMMITTED, epoch.0.to_be_bytes());
         if meta.epoch == epoch {
             meta.status = EpochStatus::Committed;
             batch.put_cf(
@@ -835,6 +844,16 @@ impl StateStore {
     /// Epochs pre-committed and not yet marked committed, oldest first: what a restart must
     /// complete before reading new input.
     pub fn pending_epochs(&self) -> Result<Vec<Epoch>, StateError> {
+        let retained = self.last_committed()?;
+        Ok(self
+            .stored_outputs()?
+            .into_iter()
+            .filter(|e| Some(*e) != retained)
+            .collect())
+    }
+
+    /// Epochs whose outputs are stored: the pending ones and the last committed one.
+    fn stored_outputs(&self) -> Result<Vec<Epoch>, StateError> {
         let cf = self.cf(CF_PENDING)?;
         let mut epochs = Vec::new();
         for item in self.db.iterator_cf(cf, IteratorMode::Start) {
@@ -844,6 +863,43 @@ impl StateStore {
             epochs.push(Epoch(u64::from_be_bytes(bytes)));
         }
         Ok(epochs)
+    }
+
+    fn last_committed(&self) -> Result<Option<Epoch>, StateError> {
+        self.db
+            .get_cf(self.cf(CF_META)?, KEY_LAST_COMMITTED)
+            .map_err(|e| self.rocks(e))?
+            .map(|bytes| {
+                <[u8; 8]>::try_from(bytes.as_slice())
+                    .map(|b| Epoch(u64::from_be_bytes(b)))
+                    .map_err(|_| self.corrupt_key("last committed epoch"))
+            })
+            .transpose()
+    }
+
+    /// The last committed epoch while its outputs are still held (until the next epoch is
+    /// committed): [`StateStore::pending`] and [`StateStore::pending_changelog`] read them.
+    pub fn retained_commit(&self) -> Result<Option<Epoch>, StateError> {
+        let Some(epoch) = self.last_committed()? else {
+            return Ok(None);
+        };
+        let held = self
+            .db
+            .get_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes())
+            .map_err(|e| self.rocks(e))?
+            .is_some();
+        Ok(held.then_some(epoch))
+    }
+
+    /// Forgets the retained outputs of the last committed epoch: changes applied from the
+    /// changelog supersede them.
+    fn forget_retained(&self, batch: &mut WriteBatch) -> Result<(), StateError> {
+        if let Some(epoch) = self.last_committed()? {
+            batch.delete_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes());
+            batch.delete_cf(self.cf(CF_PENDING_CHANGELOG)?, epoch.0.to_be_bytes());
+            batch.delete_cf(self.cf(CF_META)?, KEY_LAST_COMMITTED);
+        }
+        Ok(())
     }
 
     /// Calls `f` with the pending epochs while no epoch can be marked committed: what `f`

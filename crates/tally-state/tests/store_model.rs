@@ -197,6 +197,13 @@ fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::Committed);
+    assert!(store.pending_epochs().unwrap().is_empty());
+    // Held until the next epoch is committed, in case Kafka undoes its transaction.
+    assert_eq!(store.retained_commit().unwrap(), Some(Epoch(1)));
+    assert_eq!(store.pending(Epoch(1)).unwrap(), without_ids(&cp));
+    store.pre_commit(&checkpoint(2, &[])).unwrap();
+    store.mark_committed(Epoch(2)).unwrap();
+    assert_eq!(store.retained_commit().unwrap(), Some(Epoch(2)));
     assert!(matches!(
         store.pending(Epoch(1)),
         Err(StateError::MissingPending { .. })
@@ -405,9 +412,11 @@ fn two_epochs_in_flight_are_completed_oldest_first() {
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.pending_epochs().unwrap(), vec![Epoch(2)]);
     assert_eq!(store.pending(Epoch(2)).unwrap(), without_ids(&two));
+    assert_eq!(store.retained_commit().unwrap(), Some(Epoch(1)));
     store.mark_committed(Epoch(2)).unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::Committed);
     assert!(store.pending_epochs().unwrap().is_empty());
+    assert_eq!(store.retained_commit().unwrap(), Some(Epoch(2)));
     assert_eq!(store.seen_event_time(0, "e2").unwrap(), Some(6));
 }
 

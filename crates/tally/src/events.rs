@@ -184,6 +184,84 @@ impl EpochRecovered {
     }
 }
 
+/// At start, the group's offsets show that Kafka no longer has the transaction of the last
+/// committed epoch (its marks are older): the transaction was undone after it committed, as an
+/// abort by hand of a hanging transaction does. Its dead letters, changelog records and offsets
+/// are sent again from the outputs the store held.
+pub struct KafkaCommitLost {
+    pub epoch: Epoch,
+    /// The newest epoch the group's offsets carry.
+    pub kafka_epoch: Epoch,
+    pub dead_letters: usize,
+    pub task: Option<u32>,
+}
+
+impl KafkaCommitLost {
+    pub fn emit(&self) {
+        let lost_before = Epoch(self.epoch.0.saturating_sub(1));
+        if self.kafka_epoch < lost_before {
+            tracing::error!(
+                epoch = %self.epoch,
+                kafka_epoch = %self.kafka_epoch,
+                "Kafka lost the transactions of epochs {} to {} too, which this state directory no longer holds: \
+                 their dead letters are missing from the topic and the changelog has a gap (a restore from it refuses)",
+                Epoch(self.kafka_epoch.0 + 1),
+                lost_before
+            );
+        }
+        tracing::warn!(
+            epoch = %self.epoch,
+            kafka_epoch = %self.kafka_epoch,
+            dead_letters = self.dead_letters,
+            "the Kafka transaction of the last committed epoch is gone (aborted after it committed, e.g. a hanging transaction aborted by hand): sending its dead letters, changelog records and offsets again"
+        );
+        counter!(
+            "tally_kafka_transactions_resent_total",
+            &task_labels(self.task)
+        )
+        .increment(1);
+    }
+}
+
+/// The group's committed offsets could not be read because a transaction that committed
+/// offsets for the group is open. This worker's producer was initialised first, which ends
+/// every transaction of its transactional id that the coordinator knows of; so if it lasts
+/// past the transaction timeout, it is a hanging transaction, one the coordinator has
+/// forgotten, and only an abort by hand ends it.
+pub struct OffsetsHeldByOpenTransaction<'a> {
+    pub error: &'a tally_kafka::Error,
+    pub brokers: &'a str,
+    pub transactional_id: &'a str,
+    pub task: Option<u32>,
+}
+
+impl OffsetsHeldByOpenTransaction<'_> {
+    pub fn emit(&self) {
+        let partition = match self.error {
+            tally_kafka::Error::UnstableOffsets {
+                offsets_partition: Some(p),
+                ..
+            } => p.to_string(),
+            _ => "<partition>".to_owned(),
+        };
+        tracing::error!(
+            error = %self.error,
+            transactional_id = self.transactional_id,
+            "waiting for an open transaction on the group's offsets. If it lasts longer than the transaction timeout, it is a hanging transaction \
+             (open on its partitions after its coordinator finished it): list it with `kafka-transactions.sh --bootstrap-server {} find-hanging --topic __consumer_offsets --partition {partition}` \
+             (and with --broker-id for the dead-letter and changelog partitions it holds too), then abort it with `kafka-transactions.sh --bootstrap-server {} abort --topic T --partition P --start-offset O` for each. \
+             An abort drops what it holds; if that was this job's last committed epoch, the worker holding that epoch's state directory sends it again (see docs/scale-out.md)",
+            self.brokers,
+            self.brokers
+        );
+        counter!(
+            "tally_kafka_offsets_unstable_total",
+            &task_labels(self.task)
+        )
+        .increment(1);
+    }
+}
+
 /// A fold step ran: final windows moved to one row each, replaced versions dropped.
 pub struct Folded<'a> {
     pub result: &'a Result<tally_clickhouse::FoldOutcome, tally_clickhouse::SinkError>,

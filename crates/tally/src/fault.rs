@@ -18,10 +18,14 @@ pub enum FaultPoint {
     FoldAfterInsert,
     FoldAfterLog,
     FoldAfterInstall,
+    /// The epoch's Kafka transaction is aborted, not committed, and the epoch goes on as if it
+    /// had committed; the kill comes once it is marked committed. Stands for a committed
+    /// transaction that Kafka undid afterwards (a hanging one aborted by hand).
+    KafkaCommitLost,
 }
 
 impl FaultPoint {
-    pub const ALL: [FaultPoint; 9] = [
+    pub const ALL: [FaultPoint; 10] = [
         FaultPoint::AfterPreCommit,
         FaultPoint::TwoInFlight,
         FaultPoint::AfterDeadLetterCommit,
@@ -31,6 +35,7 @@ impl FaultPoint {
         FaultPoint::FoldAfterInsert,
         FaultPoint::FoldAfterLog,
         FaultPoint::FoldAfterInstall,
+        FaultPoint::KafkaCommitLost,
     ];
 
     pub fn name(self) -> &'static str {
@@ -44,6 +49,7 @@ impl FaultPoint {
             FaultPoint::FoldAfterInsert => "fold_after_insert",
             FaultPoint::FoldAfterLog => "fold_after_log",
             FaultPoint::FoldAfterInstall => "fold_after_install",
+            FaultPoint::KafkaCommitLost => "kafka_commit_lost",
         }
     }
 }
@@ -86,9 +92,14 @@ impl FaultPlan {
         self.point.is_some()
     }
 
+    /// Whether the plan targets this point (and epoch).
+    pub fn targets(&self, point: FaultPoint, epoch: Epoch) -> bool {
+        self.point == Some(point) && self.epoch.is_none_or(|e| e == epoch)
+    }
+
     /// Kills the process if the plan targets this point (and epoch).
     pub fn hit(&self, point: FaultPoint, epoch: Epoch) {
-        if self.point == Some(point) && self.epoch.is_none_or(|e| e == epoch) {
+        if self.targets(point, epoch) {
             tracing::warn!(point = point.name(), %epoch, "fault injection: SIGKILL");
             kill_self();
         }

@@ -125,8 +125,18 @@ pub fn commit_marks(member: &Source, config: &Config) -> Result<BTreeMap<Partiti
         .into_iter()
         .filter(|p| config.owns(*p))
         .collect();
-    Ok(member
-        .committed(&partitions)?
+    let committed = member.committed(&partitions).inspect_err(|error| {
+        if matches!(error, tally_kafka::Error::UnstableOffsets { .. }) {
+            crate::events::OffsetsHeldByOpenTransaction {
+                error,
+                brokers: &config.kafka.brokers,
+                transactional_id: &config.transactional_id(),
+                task: config.job.task,
+            }
+            .emit();
+        }
+    })?;
+    Ok(committed
         .into_iter()
         .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
         .collect())

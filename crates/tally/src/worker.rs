@@ -147,6 +147,9 @@ struct Sinks {
     /// The producer that fenced the job's previous worker when this one took the lease: the
     /// first transaction's, instead of initialising another.
     fenced: Option<EpochProducer>,
+    /// The producer is new and no epoch has checked yet whether its transaction committed
+    /// before (by a previous process or a failed attempt).
+    unverified: bool,
     kafka: KafkaSettings,
     /// This worker's member of the job's group (it holds the job's lease): it reads the
     /// group's committed offsets and gives the group metadata for the transactions.
@@ -302,6 +305,7 @@ impl Worker {
             sink,
             dlq: None,
             fenced,
+            unverified: false,
             kafka,
             group: member,
             offsets: Source::connect(
@@ -341,16 +345,8 @@ impl Worker {
         })??;
         sinks.check_sink_matches_state()?;
         sinks.recover()?;
-        if sinks.dlq.is_none() {
-            // Fence any earlier instance now, not at the first checkpoint.
-            let producer = match sinks.fenced.take() {
-                Some(producer) => producer,
-                None => wait_for("kafka", &sinks.shutdown, || {
-                    SinkFailure::settle(sinks.connect_dead_letters())
-                })??,
-            };
-            sinks.dlq = Some(producer);
-        }
+        // Fence any earlier instance now, not at the first checkpoint.
+        sinks.ensure_producer()?;
         // Fold at once (which also repairs a step a crash interrupted), then every interval.
         // The view is whole at every step, so consumption need not wait for it.
         // One folder per job: the worker running its first task.
@@ -928,7 +924,9 @@ impl Sinks {
             bail!(
                 "ClickHouse commit log {} has partition {partition} up to offset {offset}, but the state directory {} has it {}. \
                  The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
-                 Restore the matching state directory, or rebuild it with `tally restore` (into an empty directory), or drop the job's tables ({}, {}, {}) to start over.",
+                 Restore the matching state directory, or rebuild it with `tally restore` (into an empty directory), or drop the job's tables ({}, {}, {}) to start over. \
+                 If the state came from the changelog and a Kafka transaction of this job was aborted by hand (a hanging one), Kafka lost that epoch: \
+                 the worker whose own state directory committed it sends it again when it starts.",
                 self.sink.names().commits_q(),
                 self.store.path().display(),
                 state_offset.map_or("not at all".to_string(), |o| format!("up to offset {o}")),
@@ -943,6 +941,7 @@ impl Sinks {
     /// Completes the pre-committed epochs a previous run left, oldest first, before any new
     /// input. With pipelined checkpoints there can be several.
     fn recover(&mut self) -> Result<()> {
+        self.resend_lost_commit()?;
         let pending = self.store.pending_epochs()?;
         if pending.is_empty() {
             if let Some(meta) = self.store.meta() {
@@ -967,19 +966,94 @@ impl Sinks {
                 clickhouse_already_committed,
             }
             .emit();
-            self.commit(&checkpoint, &changelog, &liveness, CommitStep::PreCommitted)?;
-            self.store.mark_committed(epoch)?;
-            CheckpointCommitted {
-                checkpoint: &checkpoint,
-                latency: started.elapsed(),
-                pause: BarrierPause::default(),
-                phases: self.phases,
-                bytes: EpochBytes::default(),
-                recovered: true,
-                task: self.config.job.task,
-            }
-            .emit();
+            self.complete_stored_epoch(&checkpoint, &changelog, &liveness, started)?;
         }
+        Ok(())
+    }
+
+    /// The job's transactional producer, created (which fences any earlier instance and ends
+    /// its open transaction) unless there is one.
+    fn ensure_producer(&mut self) -> Result<()> {
+        if self.dlq.is_none() {
+            let producer = match self.fenced.take() {
+                Some(producer) => producer,
+                None => wait_for("kafka", &self.shutdown, || {
+                    SinkFailure::settle(self.connect_dead_letters())
+                })??,
+            };
+            self.install_producer(producer);
+        }
+        Ok(())
+    }
+
+    /// A new producer: its first epoch checks whether its transaction committed already.
+    fn install_producer(&mut self, producer: EpochProducer) {
+        self.dlq = Some(producer);
+        self.unverified = true;
+    }
+
+    /// Sends the last committed epoch's Kafka transaction again when the group's offsets show
+    /// that Kafka no longer has it. A transaction can be left hanging (still open on its
+    /// partitions after its coordinator finished it, as a broker restart mid-commit can leave
+    /// it for a client without KIP-890's per-transaction epochs); an abort by hand then drops
+    /// the epoch's dead letters, changelog records and offsets. The store holds that epoch's
+    /// outputs until the next one commits, for this. Offsets that show nothing at all (expired
+    /// with an idle group) prove nothing and send nothing.
+    fn resend_lost_commit(&mut self) -> Result<()> {
+        let Some(epoch) = self.store.retained_commit()? else {
+            return Ok(());
+        };
+        // After init_transactions: every transaction of ours the coordinator knows is settled,
+        // so the offsets read next are final.
+        self.ensure_producer()?;
+        let marks = wait_for("kafka", &self.shutdown, || {
+            crate::lease::commit_marks(&self.offsets, &self.config).map_err(|e| format!("{e:#}"))
+        })?;
+        if crate::lease::foreign_mark(&marks, &self.store)?.is_some() {
+            // Another writer committed after it; its epochs supersede this one.
+            return Ok(());
+        }
+        let Some(kafka_epoch) = marks.values().map(|m| m.epoch).max() else {
+            return Ok(());
+        };
+        if kafka_epoch >= epoch {
+            return Ok(());
+        }
+        let checkpoint = self.store.pending(epoch)?;
+        let changelog = self.store.pending_changelog(epoch)?;
+        let liveness = tally_state::changelog::liveness_of_records(&changelog)?;
+        crate::events::KafkaCommitLost {
+            epoch,
+            kafka_epoch,
+            dead_letters: checkpoint.dead_letters.len(),
+            task: self.config.job.task,
+        }
+        .emit();
+        let started = Instant::now();
+        self.complete_stored_epoch(&checkpoint, &changelog, &liveness, started)
+    }
+
+    /// Commits an epoch read back from the store (pending, or held after its commit) and marks
+    /// it committed.
+    fn complete_stored_epoch(
+        &mut self,
+        checkpoint: &Checkpoint,
+        changelog: &[EncodedRecord],
+        liveness: &BTreeMap<PartitionId, EpochLiveness>,
+        started: Instant,
+    ) -> Result<()> {
+        self.commit(checkpoint, changelog, liveness, CommitStep::PreCommitted)?;
+        self.store.mark_committed(checkpoint.epoch)?;
+        CheckpointCommitted {
+            checkpoint,
+            latency: started.elapsed(),
+            pause: BarrierPause::default(),
+            phases: self.phases,
+            bytes: EpochBytes::default(),
+            recovered: true,
+            task: self.config.job.task,
+        }
+        .emit();
         Ok(())
     }
 
@@ -997,6 +1071,8 @@ impl Sinks {
                 CommitStep::PreCommitted,
             )?;
             self.store.mark_committed(checkpoint.epoch)?;
+            self.fault
+                .hit(FaultPoint::KafkaCommitLost, checkpoint.epoch);
             CheckpointCommitted {
                 checkpoint,
                 latency: next.barrier_at.elapsed(),
@@ -1133,18 +1209,22 @@ impl Sinks {
     ) -> Result<(), SinkFailure> {
         let kafka_err = |e: &dyn std::fmt::Display| SinkFailure::from(("kafka", e.to_string()));
         if self.dlq.is_none() {
-            // init_transactions fences an earlier producer of this id and settles its open
-            // transaction; only after that does the group's offset metadata tell for certain
-            // whether this epoch's transaction committed (after a crash or a failed commit).
             let producer = match self.fenced.take() {
                 Some(producer) => producer,
                 None => self.connect_dead_letters()?,
             };
-            self.dlq = Some(producer);
-            if self
+            self.install_producer(producer);
+        }
+        if self.unverified {
+            // init_transactions fenced an earlier producer of this id and settled its open
+            // transaction; only after that does the group's offset metadata tell for certain
+            // whether this epoch's transaction committed (after a crash or a failed commit).
+            // Only the first epoch after it can have: the next one's transaction had not begun.
+            let committed = self
                 .dead_letters_committed(checkpoint.epoch)
-                .map_err(|e| kafka_err(&format!("{e:#}")))?
-            {
+                .map_err(|e| kafka_err(&format!("{e:#}")))?;
+            self.unverified = false;
+            if committed {
                 tracing::info!(epoch = %checkpoint.epoch, "dead-letter transaction of this epoch already committed");
                 return Ok(());
             }
@@ -1172,6 +1252,15 @@ impl Sinks {
             offsets,
             restore_from: &restore_from,
         };
+        if self
+            .fault
+            .targets(FaultPoint::KafkaCommitLost, checkpoint.epoch)
+        {
+            tracing::warn!(point = FaultPoint::KafkaCommitLost.name(), epoch = %checkpoint.epoch, "fault injection: the transaction is aborted and the epoch goes on as committed");
+            return dlq
+                .write_then_abort_epoch(&epoch, &group)
+                .map_err(|e| kafka_err(&e));
+        }
         dlq.commit_epoch(&epoch, &group).map_err(|e| kafka_err(&e))
     }
 
