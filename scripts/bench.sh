@@ -278,7 +278,14 @@ else
   cargo build --release --locked -p tally >&2
   bin="$CARGO_TARGET_DIR/release/tally"
 fi
-cargo bench --locked -p tally --bench ceiling --no-run >&2
+# The ceiling's binary, built once: later edits to the sources must not rebuild it mid-run.
+ceiling_bin=$(cargo bench --locked -p tally --bench ceiling --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "ceiling" and m.get("executable"):
+        print(m["executable"])')
+[ -x "$ceiling_bin" ] || { echo "could not build benches/ceiling.rs" >&2; exit 1; }
 
 topic="bench_$(date +%s)"
 dir=".state/bench/$topic"
@@ -366,8 +373,7 @@ tally_run() {
 
 if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do
-    # cargo runs benches in the package's directory: give it an absolute path.
-    cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+    "$ceiling_bin" --config "$config" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
     tally_run "$r"
     echo "run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
   done
@@ -385,7 +391,7 @@ for r in $(seq 1 "$repeat"); do
     dir="$top/$label" bin=$this_bin
     [ "$label" = before ] && bin=$compare
     mkdir -p "$dir"
-    cargo bench --locked -p tally --bench ceiling -- --config "$(realpath "$config")" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+    "$ceiling_bin" --config "$config" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
     tally_run "$r" "$label" "$(case $label in standby) echo 1 ;; two) echo 2 ;; *) echo 0 ;; esac)"
     echo "$label run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
   done

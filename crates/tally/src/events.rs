@@ -150,6 +150,8 @@ pub struct CheckpointCut {
     pub epoch: Epoch,
     pub records: u64,
     pub pause: BarrierPause,
+    /// How long the barrier was put off, consuming on, while the committer was behind.
+    pub deferred: Duration,
 }
 
 impl CheckpointCut {
@@ -159,11 +161,13 @@ impl CheckpointCut {
             records = self.records,
             pause_us = self.pause.total.as_micros() as u64,
             backpressure_us = self.pause.backpressure.as_micros() as u64,
+            deferred_us = self.deferred.as_micros() as u64,
             "epoch cut"
         );
         histogram!("tally_checkpoint_pause_seconds").record(self.pause.total.as_secs_f64());
         histogram!("tally_checkpoint_backpressure_seconds")
             .record(self.pause.backpressure.as_secs_f64());
+        histogram!("tally_checkpoint_deferred_seconds").record(self.deferred.as_secs_f64());
     }
 }
 

@@ -55,6 +55,47 @@ const MAX_EPOCH_DEAD_LETTER_BYTES: usize = 64 << 20;
 /// hold about twice it each.
 const MAX_EPOCH_STATE_BYTES: usize = 8 << 20;
 const POLL: Duration = Duration::from_millis(100);
+
+/// What the current epoch holds, against the bounds that cut it.
+#[derive(Debug, Clone, Copy)]
+struct EpochFill {
+    records: u64,
+    dead_letter_bytes: usize,
+    state_bytes: usize,
+}
+
+impl EpochFill {
+    fn of(operator: &RevenueOperator) -> EpochFill {
+        EpochFill {
+            records: operator.pending_records(),
+            dead_letter_bytes: operator.pending_dead_letter_bytes(),
+            state_bytes: operator.pending_state_bytes(),
+        }
+    }
+
+    /// A bound is reached: the epoch is cut even before the interval ends.
+    fn full(&self) -> bool {
+        self.records >= MAX_EPOCH_RECORDS
+            || self.dead_letter_bytes >= MAX_EPOCH_DEAD_LETTER_BYTES
+            || self.state_bytes >= MAX_EPOCH_STATE_BYTES
+    }
+
+    /// Below twice the bounds (dead letters: below the bound, they are whole records).
+    fn may_grow(&self) -> bool {
+        self.records < 2 * MAX_EPOCH_RECORDS
+            && self.dead_letter_bytes < MAX_EPOCH_DEAD_LETTER_BYTES
+            && self.state_bytes < 2 * MAX_EPOCH_STATE_BYTES
+    }
+}
+
+/// Whether a barrier that is due is put off. With the committer `max_in_flight` epochs behind, a
+/// barrier would only wait for it (backpressure, the operator not consuming): the operator goes
+/// on filling the epoch instead, as Flink skips a checkpoint trigger while the previous ones run,
+/// and a larger epoch spreads the commit's fixed cost over more records. Bounded: at twice what
+/// cuts an epoch the barrier waits. A stop never waits.
+fn defer_barrier(fill: EpochFill, in_flight: usize, max_in_flight: usize, stopping: bool) -> bool {
+    !stopping && in_flight >= max_in_flight && fill.may_grow()
+}
 /// How often the changelog is truncated below the committed restore points.
 const TRUNCATE_EVERY: Duration = Duration::from_secs(30);
 /// The changelog is the job's state: nothing expires by time or size (tally truncates it
@@ -478,6 +519,8 @@ impl Consumer {
         let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
         let mut next_barrier = Instant::now() + interval;
         let mut consume_errors = 0u64;
+        // When the barrier that is due was first put off because the committer was behind.
+        let mut deferred_since: Option<Instant> = None;
         // Cut but not yet committed, oldest first: the operator reads through them (those
         // already pre-committed give the same answers as the store).
         let mut in_flight: VecDeque<Arc<EpochCut>> = VecDeque::new();
@@ -530,10 +573,13 @@ impl Consumer {
                 self.maybe_report_lag(&operator.next_offsets());
                 must_checkpoint |= self.adopt_added_partitions(operator, added.as_ref())?;
             }
-            let full = operator.pending_records() >= MAX_EPOCH_RECORDS
-                || operator.pending_dead_letter_bytes() >= MAX_EPOCH_DEAD_LETTER_BYTES
-                || operator.pending_state_bytes() >= MAX_EPOCH_STATE_BYTES;
-            if !idle && (stopping || full || Instant::now() >= next_barrier) {
+            let fill = EpochFill::of(operator);
+            let due = !idle && (stopping || fill.full() || Instant::now() >= next_barrier);
+            let defer = due && defer_barrier(fill, in_flight.len(), max_in_flight, stopping);
+            if defer {
+                deferred_since.get_or_insert_with(Instant::now);
+            }
+            if due && !defer {
                 let barrier_at = Instant::now();
                 // Backpressure: the committer is `max_in_flight` epochs behind. A shutdown
                 // while a sink fails ends the sink thread, which closes the channel.
@@ -558,6 +604,9 @@ impl Consumer {
                     epoch,
                     records: cut.consumed(),
                     pause,
+                    deferred: deferred_since
+                        .take()
+                        .map_or(Duration::ZERO, |since| barrier_at.duration_since(since)),
                 }
                 .emit();
                 in_flight.push_back(cut.clone());
@@ -1532,5 +1581,48 @@ pub(crate) fn wait_for<T>(
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill(records: u64, dead_letter_bytes: usize, state_bytes: usize) -> EpochFill {
+        EpochFill {
+            records,
+            dead_letter_bytes,
+            state_bytes,
+        }
+    }
+
+    #[test]
+    fn a_barrier_is_put_off_only_while_the_committer_is_behind_and_the_epoch_may_grow() {
+        let small = fill(10, 0, 0);
+        assert!(!small.full());
+        assert!(!defer_barrier(small, 1, 2, false), "a free slot: cut");
+        assert!(defer_barrier(small, 2, 2, false), "committer behind: go on");
+        assert!(!defer_barrier(small, 2, 2, true), "a stop never waits");
+
+        let full = fill(MAX_EPOCH_RECORDS, 0, 0);
+        assert!(full.full());
+        assert!(defer_barrier(full, 2, 2, false));
+        for overfull in [
+            fill(2 * MAX_EPOCH_RECORDS, 0, 0),
+            fill(0, MAX_EPOCH_DEAD_LETTER_BYTES, 0),
+            fill(0, 0, 2 * MAX_EPOCH_STATE_BYTES),
+        ] {
+            assert!(overfull.full());
+            assert!(
+                !defer_barrier(overfull, 2, 2, false),
+                "{overfull:?} waits for the committer"
+            );
+        }
+        assert!(defer_barrier(
+            fill(0, 0, 2 * MAX_EPOCH_STATE_BYTES - 1),
+            2,
+            2,
+            false
+        ));
     }
 }
