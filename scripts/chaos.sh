@@ -10,7 +10,8 @@
 #
 # Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
 #          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
-#          --release (run the release build of tally, as production would)
+#          --release (run the release build of tally, as production would; TALLY_CHAOS_BIN=path
+#          runs that build instead)
 #          --workers W (replicas of the job, each with its own state directory; kills hit the one
 #          running the job)  --zombies Z (SIGSTOP the running worker past the session timeout,
 #          then SIGCONT it)  --leaves L (SIGTERM a random worker and start it again)
@@ -44,7 +45,9 @@ started=$(date +%s)
 
 scripts/bootstrap.sh
 scripts/services.sh up >&2
-if [ "$profile" = release ]; then
+if [ -n "${TALLY_CHAOS_BIN:-}" ]; then
+  TALLY_BIN="$TALLY_CHAOS_BIN"   # a given build: the run never picks up a rebuild made meanwhile
+elif [ "$profile" = release ]; then
   cargo build --release --locked -p tally >&2
   TALLY_BIN="$CARGO_TARGET_DIR/release/tally"
 else

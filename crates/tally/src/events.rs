@@ -248,10 +248,10 @@ impl OffsetsHeldByOpenTransaction<'_> {
             } => p.to_string(),
             _ => "<partition>".to_owned(),
         };
-        tracing::error!(
+        tracing::warn!(
             error = %self.error,
             transactional_id = self.transactional_id,
-            "waiting for an open transaction on the group's offsets. If it lasts longer than the transaction timeout, it is a hanging transaction \
+            "waiting for an open transaction on the group's offsets (for a moment after a broker restart or a fencing, that is normal). If it lasts longer than the transaction timeout, it is a hanging transaction \
              (open on its partitions after its coordinator finished it): list it with `kafka-transactions.sh --bootstrap-server {} find-hanging --topic __consumer_offsets --partition {partition}` \
              (and with --broker-id for the dead-letter and changelog partitions it holds too), then abort it with `kafka-transactions.sh --bootstrap-server {} abort --topic T --partition P --start-offset O` for each. \
              An abort drops what it holds; if that was this job's last committed epoch, the worker holding that epoch's state directory sends it again (see docs/scale-out.md)",
@@ -395,9 +395,13 @@ mod tests {
         ];
         let mut names = BTreeSet::new();
         for source in sources {
-            for macro_name in ["counter!(\"", "gauge!(\"", "histogram!(\""] {
+            for macro_name in ["counter!(", "gauge!(", "histogram!("] {
+                // The name may follow on the next line, as rustfmt breaks long calls.
                 for piece in source.split(macro_name).skip(1) {
-                    if let Some(name) = piece.split('"').next()
+                    if let Some(name) = piece
+                        .trim_start()
+                        .strip_prefix('"')
+                        .and_then(|rest| rest.split('"').next())
                         && name.starts_with("tally_")
                     {
                         names.insert(name.to_owned());
