@@ -28,11 +28,30 @@ pub fn window_prefix(p: PartitionId, window_start_ms: i64) -> Vec<u8> {
 
 /// partition | window start | customer length (u32) | customer | currency
 pub fn window(p: PartitionId, key: &WindowKey) -> Vec<u8> {
-    let mut k = window_prefix(p, key.window_start_ms);
+    let mut k = Vec::with_capacity(16 + key.customer_id.len() + key.currency.len());
+    window_into(&mut k, p, key);
+    k
+}
+
+/// [`window`] written into `k` (cleared first), reusing its allocation.
+pub fn window_into(k: &mut Vec<u8>, p: PartitionId, key: &WindowKey) {
+    k.clear();
+    k.extend_from_slice(&i32_key(p));
+    k.extend_from_slice(&i64_key(key.window_start_ms));
     k.extend_from_slice(&(key.customer_id.len() as u32).to_be_bytes());
     k.extend_from_slice(key.customer_id.as_bytes());
     k.extend_from_slice(key.currency.as_bytes());
-    k
+}
+
+/// Orders windows as their encoded keys are ordered, without encoding them.
+pub fn window_order(p: PartitionId, key: &WindowKey) -> impl Ord + '_ {
+    (
+        p,
+        key.window_start_ms,
+        key.customer_id.len(),
+        key.customer_id.as_bytes(),
+        key.currency.as_bytes(),
+    )
 }
 
 pub fn decode_window(k: &[u8]) -> Option<(PartitionId, WindowKey)> {
@@ -53,9 +72,16 @@ pub fn decode_window(k: &[u8]) -> Option<(PartitionId, WindowKey)> {
 
 pub fn seen_id(p: PartitionId, id: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(4 + id.len());
+    seen_id_into(&mut k, p, id);
+    k
+}
+
+/// [`seen_id`] written into `k` (cleared first), reusing its allocation. Keys are ordered as
+/// `(p, id)` are.
+pub fn seen_id_into(k: &mut Vec<u8>, p: PartitionId, id: &[u8]) {
+    k.clear();
     k.extend_from_slice(&i32_key(p));
     k.extend_from_slice(id);
-    k
 }
 
 pub fn decode_seen_id(k: &[u8]) -> Option<(PartitionId, &[u8])> {
@@ -75,6 +101,32 @@ mod tests {
         assert!(window_prefix(-1, i64::MAX) < window_prefix(0, i64::MIN));
         assert!(seen_id(-1, b"\xff\xff") < seen_id(0, b""));
         assert_eq!(decode_seen_id(&seen_id(-7, b"id")), Some((-7, &b"id"[..])));
+    }
+
+    proptest::proptest! {
+        /// The order the pre-commit sorts by before writing is the keys' byte order.
+        #[test]
+        fn sorting_without_encoding_is_key_order(
+            a in (-3i32..3, -2i64..2, "[a-c\\x00ü]{0,3}", "[A-C]{0,2}"),
+            b in (-3i32..3, -2i64..2, "[a-c\\x00ü]{0,3}", "[A-C]{0,2}"),
+            ida in proptest::collection::vec(proptest::num::u8::ANY, 0..4),
+            idb in proptest::collection::vec(proptest::num::u8::ANY, 0..4),
+        ) {
+            let key = |(p, w, c, cur): &(i32, i64, String, String)| (*p, WindowKey {
+                window_start_ms: w * 60_000,
+                customer_id: c.clone(),
+                currency: cur.clone(),
+            });
+            let ((pa, ka), (pb, kb)) = (key(&a), key(&b));
+            proptest::prop_assert_eq!(
+                window_order(pa, &ka).cmp(&window_order(pb, &kb)),
+                window(pa, &ka).cmp(&window(pb, &kb))
+            );
+            proptest::prop_assert_eq!(
+                (a.0, ida.as_slice()).cmp(&(b.0, idb.as_slice())),
+                seen_id(a.0, &ida).cmp(&seen_id(b.0, &idb))
+            );
+        }
     }
 
     #[test]

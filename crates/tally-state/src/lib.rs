@@ -304,7 +304,13 @@ impl StateStore {
         // that grew with the dedup set, for lookups that never come.
         let mut scan_cf_opts = Options::default();
         scan_cf_opts.set_block_based_table_factory(&table);
-        scan_cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
+        // Levels 0 and 1 uncompressed: they hold the newest, soon rewritten (or, for pending
+        // epochs, deleted) data, and compressing it at every flush cost about a tenth of the
+        // flush thread (BENCHMARKS.md, "Sorted writes"). Deeper levels, where a large dedup set
+        // lives, stay LZ4.
+        let lz4 = rocksdb::DBCompressionType::Lz4;
+        let none = rocksdb::DBCompressionType::None;
+        scan_cf_opts.set_compression_per_level(&[none, none, lz4, lz4, lz4, lz4, lz4]);
         scan_cf_opts.set_write_buffer_size(MEMTABLE_BYTES);
         table.set_bloom_filter(10.0, false);
         let mut cf_opts = scan_cf_opts.clone();
@@ -736,29 +742,41 @@ impl StateStore {
             *done = (*done).max(cutoff);
         }
         let cutoffs = &expired_seen_before;
+        // Already past the horizon at this checkpoint. Any older entry of the id is past it too
+        // (else the operator would have found it a duplicate): nothing to write.
+        let mut seen: Vec<(PartitionId, &str, i64)> = seen
+            .filter(|(p, _, t)| cutoffs.get(p).is_none_or(|cutoff| t >= cutoff))
+            .collect();
+        // In key order: the memtable's skip list takes keys in order for about a third of the
+        // CPU of keys in random order (BENCHMARKS.md, "Sorted writes").
+        seen.sort_unstable_by(|a, b| (a.0, a.1.as_bytes()).cmp(&(b.0, b.1.as_bytes())));
+        let mut key = Vec::new();
         for (p, id, t) in seen {
-            // Already past the horizon at this checkpoint. Any older entry of the id is past it
-            // too (else the operator would have found it a duplicate): nothing to write.
-            if cutoffs.get(&p).is_some_and(|cutoff| t < *cutoff) {
-                continue;
-            }
-            batch.put_cf(id_cf, keys::seen_id(p, id.as_bytes()), t.to_be_bytes());
+            keys::seen_id_into(&mut key, p, id.as_bytes());
+            batch.put_cf(id_cf, &key, t.to_be_bytes());
         }
         let mut close_at = closed_windows_before.clone();
         for &(p, cutoff) in &checkpoint.close_windows_before {
             let c = close_at.entry(p).or_insert(cutoff);
             *c = (*c).max(cutoff);
         }
-        for row in &checkpoint.rows {
-            // A window that closed in this epoch was emitted (pending outputs) and leaves the state.
-            if close_at
-                .get(&row.partition)
-                .is_some_and(|c| row.key.window_start_ms < *c)
-            {
-                continue;
-            }
+        // A window that closed in this epoch was emitted (pending outputs) and leaves the state.
+        let mut rows: Vec<&tally_core::OutputRow> = checkpoint
+            .rows
+            .iter()
+            .filter(|row| {
+                close_at
+                    .get(&row.partition)
+                    .is_none_or(|c| row.key.window_start_ms >= *c)
+            })
+            .collect();
+        rows.sort_unstable_by(|a, b| {
+            keys::window_order(a.partition, &a.key).cmp(&keys::window_order(b.partition, &b.key))
+        });
+        for row in rows {
             let value = self.encode(&row.value, "window aggregate")?;
-            batch.put_cf(windows_cf, keys::window(row.partition, &row.key), value);
+            keys::window_into(&mut key, row.partition, &row.key);
+            batch.put_cf(windows_cf, &key, value);
         }
         for &(p, cutoff) in &checkpoint.close_windows_before {
             let done = closed_windows_before.get(&p).copied().unwrap_or(i64::MIN);
