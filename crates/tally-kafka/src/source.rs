@@ -176,6 +176,9 @@ impl Source {
             .set("auto.offset.reset", "error");
         // Bounds the prefetch buffer: the memory held while a sink is down.
         set_default(&mut config, "queued.max.messages.kbytes", "16384");
+        // librdkafka's default (1 s) lets the fetcher sleep while the operator has drained the
+        // queue: profiled, the operator waited on an empty queue for about half a catch-up.
+        set_default(&mut config, "fetch.queue.backoff.ms", "20");
         let consumer: BaseConsumer<MemberContext> = config
             .create_with_context(MemberContext::default())
             .map_err(kafka("creating consumer"))?;
