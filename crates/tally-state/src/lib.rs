@@ -306,7 +306,7 @@ impl StateStore {
         scan_cf_opts.set_block_based_table_factory(&table);
         // Levels 0 and 1 uncompressed: they hold the newest, soon rewritten (or, for pending
         // epochs, deleted) data, and compressing it at every flush cost about a tenth of the
-        // flush thread (BENCHMARKS.md, "Sorted writes"). Deeper levels, where a large dedup set
+        // flush thread (BENCHMARKS.md, "Backpressure, sorted writes, one allocator, the fetch queue"). Deeper levels, where a large dedup set
         // lives, stay LZ4.
         let lz4 = rocksdb::DBCompressionType::Lz4;
         let none = rocksdb::DBCompressionType::None;
@@ -748,8 +748,10 @@ impl StateStore {
             .filter(|(p, _, t)| cutoffs.get(p).is_none_or(|cutoff| t >= cutoff))
             .collect();
         // In key order: the memtable's skip list takes keys in order for about a third of the
-        // CPU of keys in random order (BENCHMARKS.md, "Sorted writes").
-        seen.sort_unstable_by(|a, b| (a.0, a.1.as_bytes()).cmp(&(b.0, b.1.as_bytes())));
+        // CPU of keys in random order (BENCHMARKS.md, "Backpressure, sorted writes, one allocator, the fetch queue").
+        seen.sort_unstable_by(|a, b| {
+            keys::seen_id_order(a.0, a.1.as_bytes()).cmp(&keys::seen_id_order(b.0, b.1.as_bytes()))
+        });
         let mut key = Vec::new();
         for (p, id, t) in seen {
             keys::seen_id_into(&mut key, p, id.as_bytes());
