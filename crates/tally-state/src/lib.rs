@@ -11,6 +11,7 @@ pub mod replay;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use rocksdb::compaction_filter::{CompactionFilter, Decision};
@@ -50,24 +51,50 @@ const KEY_WRITER: &[u8] = b"writer_id";
 /// is: if Kafka undoes its transaction afterwards (a hanging transaction aborted by hand), they
 /// are what a restart sends again.
 const KEY_LAST_COMMITTED: &[u8] = b"last_committed";
-/// Memory for all memtables together (each column family's is `MEMTABLE_BYTES` at most), and
-/// for the block cache: with the epochs in flight, the id filter and the consumer's prefetch
-/// they make up most of a worker's memory (322 MiB peak at 1M live keys and 20M ids, see
-/// BENCHMARKS.md). Both are the process's, shared by every store it opens (the tasks it runs,
-/// their standbys, restores), so a worker's memory does not grow with its tasks.
-const MEMTABLE_BUDGET: usize = 32 << 20;
+/// The memory RocksDB shares across every store of this process (the tasks it runs, their
+/// standbys, restores), so that a worker's memory does not grow with its tasks: half for all
+/// memtables together (each column family's is `MEMTABLE_BYTES` at most), half for the block
+/// cache, which holds index and filter blocks too. With the epochs in flight, the id filter and
+/// the consumer's prefetch they make up most of a worker's memory (BENCHMARKS.md, "Memory").
+pub const DEFAULT_SHARED_MEMORY_MIB: u64 = 64;
 const MEMTABLE_BYTES: usize = 8 << 20;
-const BLOCK_CACHE_BYTES: usize = 32 << 20;
+
+static SHARED_MEMORY_MIB: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
+/// Sets the shared memory for this process, before its first store opens (`job.state_memory_mib`).
+/// Fails when it was set already, or a store opened with another size.
+pub fn set_shared_memory_mib(mib: u64) -> Result<(), u64> {
+    let set = *SHARED_MEMORY_MIB.get_or_init(|| mib);
+    if set == mib { Ok(()) } else { Err(set) }
+}
 
 /// The block cache and the memtable budget of every store of this process.
 fn process_memory() -> &'static (Cache, WriteBufferManager) {
     static SHARED: std::sync::OnceLock<(Cache, WriteBufferManager)> = std::sync::OnceLock::new();
     SHARED.get_or_init(|| {
+        let mib = *SHARED_MEMORY_MIB.get_or_init(|| DEFAULT_SHARED_MEMORY_MIB);
+        let half = usize::try_from(mib << 19).unwrap_or(usize::MAX);
         (
-            Cache::new_lru_cache(BLOCK_CACHE_BYTES),
-            WriteBufferManager::new_write_buffer_manager(MEMTABLE_BUDGET, false),
+            Cache::new_lru_cache(half),
+            WriteBufferManager::new_write_buffer_manager(half, false),
         )
     })
+}
+
+/// What the memory RocksDB shares across this process's stores holds now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedMemoryUsage {
+    pub memtables: usize,
+    /// Data, index and filter blocks (index and filters live in the cache).
+    pub block_cache: usize,
+}
+
+pub fn shared_memory_usage() -> SharedMemoryUsage {
+    let (cache, memtables) = process_memory();
+    SharedMemoryUsage {
+        memtables: memtables.get_usage(),
+        block_cache: cache.get_usage(),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +193,10 @@ pub struct StateStore {
     /// The metadata's expiry cutoffs, for lookups (without the metadata's lock, which a
     /// pre-commit holds through its sync) and for compaction, which drops the ids before them.
     expiry: ExpiryCutoffs,
+    /// The size of the last pre-commit's write batch: the next one is allocated at about its
+    /// size at once, rather than doubled up to it (each doubling held the old and the new
+    /// buffer, tens of MiB at 1M live keys).
+    last_batch_bytes: AtomicUsize,
 }
 
 /// Per partition, dedup entries with event time before the cutoff are expired.
@@ -350,6 +381,7 @@ impl StateStore {
             meta: Mutex::new(None),
             writer: String::new(),
             expiry,
+            last_batch_bytes: AtomicUsize::new(0),
         };
         store.check_format()?;
         store.writer = store.read_or_create_writer()?;
@@ -536,7 +568,7 @@ impl StateStore {
         seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
         changelog: &[EncodedRecord],
     ) -> Result<usize, StateError> {
-        let mut batch = WriteBatch::default();
+        let mut batch = WriteBatch::with_capacity_bytes(self.last_batch_bytes.load(Relaxed));
         let base = self.meta();
         let (expired_seen_before, closed_windows_before) =
             self.stage_changes(&mut batch, checkpoint, seen, base.as_ref())?;
@@ -569,6 +601,7 @@ impl StateStore {
         );
         // Under the lock: a concurrent `mark_committed` of the previous epoch must not write
         // its metadata over this one's.
+        self.last_batch_bytes.store(batch.size_in_bytes(), Relaxed);
         let mut current = self.meta_lock();
         self.write(batch)?;
         self.expiry.publish(&meta.expired_seen_before, true);
@@ -1064,5 +1097,22 @@ impl StateReader for StateStore {
                 Ok((!self.expiry.is_expired(partition, t)).then_some(t))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shared_memory_is_set_once_for_the_process() {
+        // Stores opened by other tests of this binary size it by the default, as no one sets it.
+        assert_eq!(set_shared_memory_mib(DEFAULT_SHARED_MEMORY_MIB), Ok(()));
+        assert_eq!(
+            set_shared_memory_mib(DEFAULT_SHARED_MEMORY_MIB / 2),
+            Err(DEFAULT_SHARED_MEMORY_MIB)
+        );
+        let usage = shared_memory_usage();
+        assert!(usage.memtables <= (DEFAULT_SHARED_MEMORY_MIB as usize) << 19);
     }
 }

@@ -133,6 +133,10 @@ pub struct JobConfig {
     /// consuming; the operator waits at a barrier when this many are in flight.
     #[serde(default = "default_max_epochs_in_flight", deserialize_with = "de_u64")]
     pub max_epochs_in_flight: u64,
+    /// RocksDB's memory for the whole process, in MiB: half for memtables, half for the block
+    /// cache, shared by every state store the worker opens.
+    #[serde(default = "default_state_memory_mib", deserialize_with = "de_u64")]
+    pub state_memory_mib: u64,
     /// How long the job's group waits for a silent worker before a standby takes the job over.
     #[serde(default = "default_session_timeout")]
     pub session_timeout: Millis,
@@ -166,8 +170,25 @@ fn default_start_from() -> StartFrom {
 fn default_max_record_bytes() -> u64 {
     1 << 20
 }
+/// A setting outside its range, named with the range and why it is bounded.
+fn within(
+    key: &'static str,
+    value: u64,
+    range: std::ops::RangeInclusive<u64>,
+    why: &str,
+) -> Result<(), (&'static str, String)> {
+    if range.contains(&value) {
+        return Ok(());
+    }
+    let (low, high) = range.into_inner();
+    Err((key, format!("{value} is outside {low}..={high} ({why})")))
+}
+
 fn default_max_epochs_in_flight() -> u64 {
     2
+}
+fn default_state_memory_mib() -> u64 {
+    tally_state::DEFAULT_SHARED_MEMORY_MIB
 }
 fn default_session_timeout() -> Millis {
     Millis(10_000)
@@ -462,15 +483,18 @@ impl Config {
                 ),
             ));
         }
-        if !(1..=4).contains(&self.job.max_epochs_in_flight) {
-            return Err((
-                "job.max_epochs_in_flight",
-                format!(
-                    "{} is outside 1..=4 (each epoch in flight holds its changes in memory)",
-                    self.job.max_epochs_in_flight
-                ),
-            ));
-        }
+        within(
+            "job.max_epochs_in_flight",
+            self.job.max_epochs_in_flight,
+            1..=4,
+            "each epoch in flight holds its changes in memory",
+        )?;
+        within(
+            "job.state_memory_mib",
+            self.job.state_memory_mib,
+            16..=65_536,
+            "MiB of RocksDB memtables and block cache",
+        )?;
         // The broker's default bounds (group.min/max.session.timeout.ms).
         if !(6_000..=1_800_000).contains(&self.job.session_timeout.0) {
             return Err((
@@ -753,6 +777,17 @@ password = "hunter2"
             .unwrap_err()
             .to_string();
         assert!(err.contains("job.tasks"), "{err}");
+    }
+
+    #[test]
+    fn the_state_memory_is_bounded_and_named_when_out_of_range() {
+        assert_eq!(parse(BASE, &[]).unwrap().job.state_memory_mib, 64);
+        let c = parse(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "32")]).unwrap();
+        assert_eq!(c.job.state_memory_mib, 32);
+        let err = parse(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "8")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("job.state_memory_mib"), "{err}");
     }
 
     #[test]

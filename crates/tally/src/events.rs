@@ -149,6 +149,10 @@ impl SinkRetry<'_> {
 pub struct CheckpointCut {
     pub epoch: Epoch,
     pub records: u64,
+    /// The estimated heap of the epoch's changed windows and ids, which it holds until committed.
+    pub state_bytes: usize,
+    /// The in-memory dedup filters of the operator's partitions.
+    pub seen_filter_bytes: usize,
     pub pause: BarrierPause,
     /// How long the barrier was put off, consuming on, while the committer was behind.
     pub deferred: Duration,
@@ -159,6 +163,8 @@ impl CheckpointCut {
         tracing::debug!(
             epoch = %self.epoch,
             records = self.records,
+            estimated_state_bytes = self.state_bytes,
+            seen_filter_bytes = self.seen_filter_bytes,
             pause_us = self.pause.total.as_micros() as u64,
             backpressure_us = self.pause.backpressure.as_micros() as u64,
             deferred_us = self.deferred.as_micros() as u64,
@@ -168,6 +174,7 @@ impl CheckpointCut {
         histogram!("tally_checkpoint_backpressure_seconds")
             .record(self.pause.backpressure.as_secs_f64());
         histogram!("tally_checkpoint_deferred_seconds").record(self.deferred.as_secs_f64());
+        gauge!("tally_memory_bytes", "part" => "seen_filters").set(self.seen_filter_bytes as f64);
     }
 }
 
@@ -307,6 +314,51 @@ impl LagMeasured {
     pub fn emit(&self) {
         gauge!("tally_partition_lag_records", "partition" => self.partition.to_string())
             .set(self.lag as f64);
+    }
+}
+
+/// Where the process's memory is, sampled once a second (`crate::memory`).
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryMeasured {
+    pub rss: usize,
+    pub peak_rss: usize,
+    /// Bytes the allocator has handed out (RocksDB and librdkafka allocate from it too).
+    pub allocated: usize,
+    /// Pages the allocator holds resident: `allocated` plus its free lists and metadata.
+    pub allocator_resident: usize,
+    pub allocator_metadata: usize,
+    /// RocksDB's memory shared by every store of the process, part of `allocated`.
+    pub memtables: usize,
+    pub block_cache: usize,
+}
+
+impl MemoryMeasured {
+    /// Logged (debug) when the peak grew since the last log, with what held the memory then.
+    pub fn emit(&self, new_peak: bool) {
+        for (part, bytes) in [
+            ("rss", self.rss),
+            ("peak_rss", self.peak_rss),
+            ("allocated", self.allocated),
+            ("allocator_resident", self.allocator_resident),
+            ("allocator_metadata", self.allocator_metadata),
+            ("rocksdb_memtables", self.memtables),
+            ("rocksdb_block_cache", self.block_cache),
+        ] {
+            gauge!("tally_memory_bytes", "part" => part).set(bytes as f64);
+        }
+        if new_peak {
+            let mib = |b: usize| b >> 20;
+            tracing::debug!(
+                peak_rss_mib = mib(self.peak_rss),
+                rss_mib = mib(self.rss),
+                allocated_mib = mib(self.allocated),
+                allocator_resident_mib = mib(self.allocator_resident),
+                allocator_metadata_mib = mib(self.allocator_metadata),
+                memtables_mib = mib(self.memtables),
+                block_cache_mib = mib(self.block_cache),
+                "memory peak"
+            );
+        }
     }
 }
 

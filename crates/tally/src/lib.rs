@@ -8,6 +8,7 @@ pub mod fault;
 pub mod health;
 pub mod lease;
 pub mod loadgen;
+pub mod memory;
 pub mod prove;
 pub mod restore;
 pub mod worker;

@@ -603,6 +603,8 @@ impl Consumer {
                 CheckpointCut {
                     epoch,
                     records: cut.consumed(),
+                    state_bytes: fill.state_bytes,
+                    seen_filter_bytes: operator.seen_filter_bytes(),
                     pause,
                     deferred: deferred_since
                         .take()
