@@ -12,13 +12,8 @@ use common::*;
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
+        .and_then(|s| tally::memory::status_kib(&s, "VmRSS:").ok())
+        .map_or(0, |kib| kib as u64)
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -599,9 +599,9 @@ impl StateStore {
             KEY_CHECKPOINT,
             self.encode(&meta, "checkpoint metadata")?,
         );
+        self.last_batch_bytes.store(batch.size_in_bytes(), Relaxed);
         // Under the lock: a concurrent `mark_committed` of the previous epoch must not write
         // its metadata over this one's.
-        self.last_batch_bytes.store(batch.size_in_bytes(), Relaxed);
         let mut current = self.meta_lock();
         self.write(batch)?;
         self.expiry.publish(&meta.expired_seen_before, true);

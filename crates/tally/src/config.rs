@@ -170,20 +170,6 @@ fn default_start_from() -> StartFrom {
 fn default_max_record_bytes() -> u64 {
     1 << 20
 }
-/// A setting outside its range, named with the range and why it is bounded.
-fn within(
-    key: &'static str,
-    value: u64,
-    range: std::ops::RangeInclusive<u64>,
-    why: &str,
-) -> Result<(), (&'static str, String)> {
-    if range.contains(&value) {
-        return Ok(());
-    }
-    let (low, high) = range.into_inner();
-    Err((key, format!("{value} is outside {low}..={high} ({why})")))
-}
-
 fn default_max_epochs_in_flight() -> u64 {
     2
 }
@@ -355,6 +341,20 @@ impl Default for MetricsConfig {
             address: default_metrics_address(),
         }
     }
+}
+
+/// A setting outside its range, named with the range and why it is bounded.
+fn within(
+    key: &'static str,
+    value: u64,
+    range: std::ops::RangeInclusive<u64>,
+    why: &str,
+) -> Result<(), (&'static str, String)> {
+    if range.contains(&value) {
+        return Ok(());
+    }
+    let (low, high) = range.into_inner();
+    Err((key, format!("{value} is outside {low}..={high} ({why})")))
 }
 
 impl Config {

@@ -50,7 +50,8 @@ pub fn measure() -> Result<MemoryMeasured, String> {
     })
 }
 
-fn status_kib(status: &str, field: &str) -> Result<usize, String> {
+/// A `kB` field of a `/proc/<pid>/status` text, e.g. `VmRSS:`.
+pub fn status_kib(status: &str, field: &str) -> Result<usize, String> {
     status
         .lines()
         .find_map(|line| line.strip_prefix(field))
