@@ -543,9 +543,15 @@ mod tests {
                 is_final: false,
             });
             let records = encode_in_chunks(&cut, chunk_bytes).unwrap();
+            let checkpoint = cut.to_checkpoint_without_ids();
             owner
-                .pre_commit_with_seen(&cut.to_checkpoint_without_ids(), cut.seen_ids(), &records)
+                .pre_commit_with_seen(&checkpoint, cut.seen_ids(), &records)
                 .unwrap();
+            // The sinks' batch comes back whole from the changelog records kept beside it.
+            assert_eq!(
+                owner.pending(epoch, rules().window.size_ms).unwrap(),
+                checkpoint
+            );
             owner.mark_committed(epoch).unwrap();
             log.push((records, liveness_of_cut(&cut)));
         }

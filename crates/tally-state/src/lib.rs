@@ -156,7 +156,9 @@ pub struct CheckpointMeta {
 
 /// What a restart needs of a pre-committed epoch to complete it in the sinks: the checkpoint
 /// without its dedup ids, which are in their own column families already (they were a third
-/// of the bytes). Encoded as a [`Checkpoint`] is, so it decodes as one with no ids.
+/// of the bytes), and without its rows when the epoch's changelog records are kept beside it:
+/// they hold every changed window too ([`StateStore::pending`] takes the rows from them).
+/// Encoded as a [`Checkpoint`] is, so it decodes as one.
 #[derive(Serialize)]
 struct PendingOutputs<'a> {
     epoch: Epoch,
@@ -169,11 +171,11 @@ struct PendingOutputs<'a> {
 }
 
 impl<'a> PendingOutputs<'a> {
-    fn of(c: &'a Checkpoint) -> PendingOutputs<'a> {
+    fn of(c: &'a Checkpoint, with_rows: bool) -> PendingOutputs<'a> {
         PendingOutputs {
             epoch: c.epoch,
             partitions: &c.partitions,
-            rows: &c.rows,
+            rows: if with_rows { &c.rows } else { &[] },
             seen: &[],
             dead_letters: &c.dead_letters,
             close_windows_before: &c.close_windows_before,
@@ -360,6 +362,11 @@ impl StateStore {
         let expiry = ExpiryCutoffs::default();
         let mut id_cf_opts = cf_opts.clone();
         id_cf_opts.set_compaction_filter_factory(expiry.clone());
+        // Tiered (universal) compaction: ids arrive in random key order and are looked up
+        // rarely (the operator's in-memory filter answers most), so leveled compaction's
+        // rewrites bought nothing. At 20M ids it rewrote each id about seven times, a fifth of
+        // the worker's CPU; tiered, about three (BENCHMARKS.md, "Fold steps, tiered ids").
+        id_cf_opts.set_compaction_style(rocksdb::DBCompactionStyle::Universal);
         let has_time_index = DB::list_cf(&db_opts, &path)
             .is_ok_and(|names| names.iter().any(|n| n == CF_SEEN_TIME_V1));
         let cfs = ALL_CFS
@@ -585,7 +592,10 @@ impl StateStore {
         batch.put_cf(
             self.cf(CF_PENDING)?,
             key,
-            self.encode(&PendingOutputs::of(checkpoint), "pending outputs")?,
+            self.encode(
+                &PendingOutputs::of(checkpoint, changelog.is_empty()),
+                "pending outputs",
+            )?,
         );
         if !changelog.is_empty() {
             batch.put_cf(
@@ -670,7 +680,7 @@ impl StateStore {
             batch.put_cf(
                 self.cf(CF_PENDING)?,
                 epoch.0.to_be_bytes(),
-                self.encode(&PendingOutputs::of(outputs), "pending outputs")?,
+                self.encode(&PendingOutputs::of(outputs, true), "pending outputs")?,
             );
         }
         batch.put_cf(
@@ -963,19 +973,41 @@ impl StateStore {
     }
 
     /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`]: the
-    /// checkpoint without its dedup ids.
-    pub fn pending(&self, epoch: Epoch) -> Result<Checkpoint, StateError> {
-        match self
+    /// checkpoint without its dedup ids. Rows kept only in the epoch's changelog records are
+    /// read from them, each window ending `window_size_ms` after its start.
+    pub fn pending(&self, epoch: Epoch, window_size_ms: i64) -> Result<Checkpoint, StateError> {
+        let mut checkpoint: Checkpoint = match self
             .db
             .get_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes())
             .map_err(|e| self.rocks(e))?
         {
-            Some(bytes) => self.decode(&bytes, "pending outputs"),
-            None => Err(StateError::MissingPending {
-                path: self.path.clone(),
-                epoch,
-            }),
+            Some(bytes) => self.decode(&bytes, "pending outputs")?,
+            None => {
+                return Err(StateError::MissingPending {
+                    path: self.path.clone(),
+                    epoch,
+                });
+            }
+        };
+        if checkpoint.rows.is_empty() {
+            for (_, bytes) in self.pending_changelog(epoch)? {
+                let record = changelog::ChangelogRecord::decode(&bytes).map_err(|e| {
+                    StateError::Corrupt {
+                        path: self.path.clone(),
+                        what: "pending changelog record",
+                        detail: e.to_string(),
+                    }
+                })?;
+                checkpoint
+                    .rows
+                    .extend(record.to_checkpoint(window_size_ms).rows);
+            }
+            // In the order the pre-commit had them: the batch is the same whichever wrote it.
+            checkpoint
+                .rows
+                .sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
         }
+        Ok(checkpoint)
     }
 
     fn write(&self, batch: WriteBatch) -> Result<(), StateError> {

@@ -10,6 +10,9 @@ use tally_core::{
 };
 use tally_state::{EpochStatus, StateError, StateStore};
 
+/// The window size of the rows these tests write.
+const WINDOW_MS: i64 = 1000;
+
 fn key(start: i64, customer: u8) -> WindowKey {
     WindowKey {
         window_start_ms: start * 1000,
@@ -82,7 +85,7 @@ fn checkpoint(epoch: u64, ops: &[Op]) -> Checkpoint {
                     (*p, k.clone()),
                     OutputRow {
                         partition: *p,
-                        window_end_ms: k.window_start_ms + 1000,
+                        window_end_ms: k.window_start_ms + WINDOW_MS,
                         key: k,
                         value,
                     },
@@ -192,7 +195,10 @@ fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::PreCommitted);
-    assert_eq!(store.pending(Epoch(1)).unwrap(), without_ids(&cp));
+    assert_eq!(
+        store.pending(Epoch(1), WINDOW_MS).unwrap(),
+        without_ids(&cp)
+    );
     store.mark_committed(Epoch(1)).unwrap();
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
@@ -200,12 +206,15 @@ fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
     assert!(store.pending_epochs().unwrap().is_empty());
     // Held until the next epoch is committed, in case Kafka undoes its transaction.
     assert_eq!(store.retained_commit().unwrap(), Some(Epoch(1)));
-    assert_eq!(store.pending(Epoch(1)).unwrap(), without_ids(&cp));
+    assert_eq!(
+        store.pending(Epoch(1), WINDOW_MS).unwrap(),
+        without_ids(&cp)
+    );
     store.pre_commit(&checkpoint(2, &[])).unwrap();
     store.mark_committed(Epoch(2)).unwrap();
     assert_eq!(store.retained_commit().unwrap(), Some(Epoch(2)));
     assert!(matches!(
-        store.pending(Epoch(1)),
+        store.pending(Epoch(1), WINDOW_MS),
         Err(StateError::MissingPending { .. })
     ));
 }
@@ -411,7 +420,10 @@ fn two_epochs_in_flight_are_completed_oldest_first() {
     drop(store);
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.pending_epochs().unwrap(), vec![Epoch(2)]);
-    assert_eq!(store.pending(Epoch(2)).unwrap(), without_ids(&two));
+    assert_eq!(
+        store.pending(Epoch(2), WINDOW_MS).unwrap(),
+        without_ids(&two)
+    );
     assert_eq!(store.retained_commit().unwrap(), Some(Epoch(1)));
     store.mark_committed(Epoch(2)).unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::Committed);
