@@ -19,10 +19,14 @@ async fn count(sql: &str) -> u64 {
 }
 
 /// Runs the job to the end of `manifest`, with a fold step every second, while `tally probe`
-/// polls the view. Returns the probe's output.
+/// polls the view. Steps are bounded to a few hundred versions, so that a backlog folds in
+/// many steps. Returns the probe's output.
 async fn run_with_reader(job: &Job, manifest: &tally::loadgen::Manifest) -> String {
     let before = job.log().len();
-    let mut worker = job.spawn(&[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s")]);
+    let mut worker = job.spawn(&[
+        ("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s"),
+        ("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "300"),
+    ]);
     job.wait_until_consuming(before).await;
     let reader = Command::new(env!("CARGO_BIN_EXE_tally"))
         .args(["probe", "--config", job.config.to_str().unwrap()])
@@ -87,6 +91,13 @@ async fn final_windows_fold_to_one_row_and_readers_never_see_a_fold_half_done() 
         "SELECT toUInt64(max(frontier)) FROM {db}.{t}_folds"
     ))
     .await;
+    // With steps of about 300 versions the backlog folds a share of a partition at a time
+    // (8 steps here; 2 without the bound).
+    let steps = count(&format!(
+        "SELECT count() FROM {db}.{t}_folds WHERE folded_rows > 0"
+    ))
+    .await;
+    assert!(steps >= 5, "the backlog folds in bounded steps: {steps}");
     let answer_rows = manifest.rows.len() as u64;
     let folded = count(&format!("SELECT count() FROM {db}.{t}_final")).await;
     let expected_folded = manifest

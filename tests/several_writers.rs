@@ -161,6 +161,7 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
         window_size_ms: MINUTE,
         allowed_lateness_ms: MINUTE,
         retention_ms: None,
+        step_rows: tally_clickhouse::FOLD_STEP_ROWS,
     };
     let outcome = sink.fold(rules, 4, |_| {}).await.unwrap();
     assert_eq!(

@@ -5,7 +5,12 @@
 //! window start below which every window is final. One step, each part idempotent:
 //! 1. drop rows at or after the logged frontier from the folded table (leftovers of a step that
 //!    died before logging; readers never saw them, the view reads folded rows below `F` only);
-//! 2. insert the folded rows of `[F_old, F_new)`, computed by the server from committed versions;
+//! 2. insert the folded rows of `[F_old, F_new)`, computed by the server from committed versions.
+//!    `F_new` is the frontier the watermarks allow, but no further than about
+//!    [`FoldRules::step_rows`] versions (whole version partitions, or a share of one larger
+//!    than that): however far behind folding is, a step groups a bounded number of rows (after
+//!    a backlog, the whole range at once exceeded the server's memory limit, as did every
+//!    retry), and the next step follows at once;
 //! 3. log `F_new` in the fold log;
 //! 4. install the view with `F_new` as a literal (created under a temporary name, then swapped
 //!    in atomically), so each SELECT reads folded rows below one frontier and versions from the
@@ -25,6 +30,10 @@ use crate::{ClickHouseSink, Result};
 /// a SELECT that resolved an older view has long opened the parts it reads by then.
 pub const READER_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// About the most versions one fold step reads by default: the server groups them in memory
+/// (some hundreds of bytes each on 18.16).
+pub const FOLD_STEP_ROWS: u64 = 1_000_000;
+
 /// What folding needs of the job's window rules.
 #[derive(Debug, Clone, Copy)]
 pub struct FoldRules {
@@ -32,6 +41,8 @@ pub struct FoldRules {
     pub allowed_lateness_ms: i64,
     /// Folded windows older than this (before the frontier) are dropped; `None` keeps all.
     pub retention_ms: Option<i64>,
+    /// About the most versions one step groups ([`FOLD_STEP_ROWS`] by default).
+    pub step_rows: u64,
 }
 
 /// Where a fault-injection hook may stop a fold step.
@@ -56,6 +67,8 @@ pub struct FoldOutcome {
     pub dropped_partitions: u64,
     /// Whether leftovers of an interrupted step were removed first.
     pub repaired: bool,
+    /// Whether more windows are final than this step folded: the next step can follow at once.
+    pub behind: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -206,6 +219,31 @@ impl ClickHouseSink {
             .collect())
     }
 
+    /// Rows per active version partition, by partition index, in order.
+    async fn version_rows(&self) -> Result<Vec<(i64, u64)>> {
+        #[derive(Deserialize)]
+        struct Row {
+            partition: String,
+            rows: String,
+        }
+        let rows: Vec<Row> = schema::json_rows(
+            &self.client,
+            &self.names.version_rows_sql(),
+            &self.url,
+            "counting versions per partition",
+        )
+        .await?;
+        let mut out: Vec<(i64, u64)> = rows
+            .into_iter()
+            .filter_map(|r| {
+                let index = r.partition.trim_matches('\'').parse().ok()?;
+                Some((index, r.rows.parse().ok()?))
+            })
+            .collect();
+        out.sort_unstable();
+        Ok(out)
+    }
+
     /// Drops version partitions whose windows all start before `below` (seconds).
     async fn drop_folded_versions(&self, below: u32) -> Result<u64> {
         let mut dropped = 0;
@@ -251,9 +289,12 @@ impl ClickHouseSink {
             ..FoldOutcome::default()
         };
         if let Some(watermark) = self.committed_watermark(logged.seconds, partitions).await?
-            && let Ok(seconds) = u32::try_from(rules.frontier_ms(watermark).div_euclid(1000))
-            && seconds > logged.seconds
+            && let Ok(allowed) = u32::try_from(rules.frontier_ms(watermark).div_euclid(1000))
+            && allowed > logged.seconds
         {
+            let versions = self.version_rows().await?;
+            let seconds = step_end(logged.seconds, allowed, &versions, rules.step_rows);
+            outcome.behind = seconds < allowed;
             let next = Frontier { seconds };
             self.exec(&self.names.fold_insert_sql(logged, seconds))
                 .await?;
@@ -291,6 +332,40 @@ impl ClickHouseSink {
     }
 }
 
+/// Where a step from the `logged` frontier ends: at the frontier the watermarks allow, or
+/// earlier, once it holds about `step_rows` versions: whole version partitions (of
+/// `partitions`, (index, rows) in order), or, when the first is larger than that, a share of
+/// its span at its mean rate. Every window before either end is final, so the view is exact
+/// wherever a step ends; and it ends past `logged`.
+fn step_end(logged: u32, allowed: u32, partitions: &[(i64, u64)], step_rows: u64) -> u32 {
+    let clamp = |seconds: i64| u32::try_from(seconds).map_or(allowed, |s| s.min(allowed));
+    let mut rows = 0u64;
+    for &(index, n) in partitions {
+        let start = index.saturating_mul(DATA_PARTITION_SECONDS);
+        let end = start.saturating_add(DATA_PARTITION_SECONDS);
+        if end <= i64::from(logged) {
+            continue; // folded already, its versions not dropped yet
+        }
+        if start >= i64::from(allowed) {
+            break;
+        }
+        if rows > 0 && rows.saturating_add(n) > step_rows {
+            // Past `logged`: an earlier partition ended after it, where this one starts.
+            return clamp(start);
+        }
+        if rows == 0 && n > step_rows {
+            let from = start.max(i64::from(logged));
+            let share = i128::from(DATA_PARTITION_SECONDS) * i128::from(step_rows) / i128::from(n);
+            let span = i64::try_from(share)
+                .unwrap_or(DATA_PARTITION_SECONDS)
+                .max(1);
+            return clamp(from.saturating_add(span).min(end));
+        }
+        rows = rows.saturating_add(n);
+    }
+    allowed
+}
+
 /// End (exclusive, seconds since the epoch, UTC) of a `YYYYMMDD` day.
 fn day_end_seconds(day: &str) -> Option<i64> {
     let n: i64 = day.parse().ok()?;
@@ -322,6 +397,7 @@ mod tests {
             window_size_ms: 60_000,
             allowed_lateness_ms: 60_000,
             retention_ms: None,
+            step_rows: FOLD_STEP_ROWS,
         };
         // Watermark 10:03:30 with 1 min lateness: windows ending by 10:02:30 are final, i.e.
         // every window starting before 10:02 (the one ending 10:02 is the last).
@@ -331,6 +407,47 @@ mod tests {
         let wm = 10 * 3_600_000 + 3 * 60_000;
         assert_eq!(rules.frontier_ms(wm), 10 * 3_600_000 + 2 * 60_000);
         assert_eq!(rules.frontier_ms(wm - 1), 10 * 3_600_000 + 60_000);
+    }
+
+    #[test]
+    fn a_step_folds_a_bounded_number_of_versions() {
+        let p = DATA_PARTITION_SECONDS;
+        let end = |i: i64| u32::try_from(i * p).unwrap();
+        let half = FOLD_STEP_ROWS / 2;
+        // Far behind: whole partitions up to the bound, from the one holding the frontier.
+        let parts = [(3, half), (4, half), (5, half), (6, 10)];
+        assert_eq!(
+            step_end(end(3) + 60, end(100), &parts, FOLD_STEP_ROWS),
+            end(5)
+        );
+        // Partitions wholly below the frontier (folded, not dropped yet) do not count.
+        assert_eq!(step_end(end(4), end(100), &parts, FOLD_STEP_ROWS), end(6));
+        // A partition over the bound is folded a share at a time, each step moving on.
+        let big = [(3, 3 * FOLD_STEP_ROWS), (4, 1)];
+        assert_eq!(
+            step_end(end(3), end(100), &big, FOLD_STEP_ROWS),
+            end(3) + 200
+        );
+        assert_eq!(
+            step_end(end(3) + 200, end(100), &big, FOLD_STEP_ROWS),
+            end(3) + 400
+        );
+        assert_eq!(
+            step_end(end(3) + 500, end(100), &big, FOLD_STEP_ROWS),
+            end(4)
+        );
+        let huge = [(3, u64::MAX)];
+        assert_eq!(step_end(end(3), end(100), &huge, 1), end(3) + 1);
+        // Caught up: the allowed frontier, inside a partition or past every version.
+        assert_eq!(
+            step_end(end(3), end(3) + 60, &parts, FOLD_STEP_ROWS),
+            end(3) + 60
+        );
+        assert_eq!(step_end(end(7), end(9), &parts, FOLD_STEP_ROWS), end(9));
+        assert_eq!(step_end(0, end(9), &[], FOLD_STEP_ROWS), end(9));
+        // Partitions at or after the allowed frontier do not hold the step back.
+        let late = [(3, 10), (8, 5 * FOLD_STEP_ROWS)];
+        assert_eq!(step_end(end(3), end(8), &late, FOLD_STEP_ROWS), end(8));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use clickhouse::Client;
 use serde::{Deserialize, Serialize};
 use tally_core::{Epoch, OutputRow, PartitionId};
 
-pub use fold::{FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
+pub use fold::{FOLD_STEP_ROWS, FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
 pub use schema::{Cut, Frontier, TableNames};
 
 #[derive(Debug, thiserror::Error)]

@@ -304,6 +304,14 @@ pub struct ClickHouseConfig {
     /// Folded windows older than this are dropped; absent keeps everything.
     #[serde(default)]
     pub retention: Option<Millis>,
+    /// About the most versions one fold step groups: bounds the memory a step takes on the
+    /// server.
+    #[serde(default = "default_fold_step_rows", deserialize_with = "de_u64")]
+    pub fold_step_rows: u64,
+}
+
+fn default_fold_step_rows() -> u64 {
+    tally_clickhouse::FOLD_STEP_ROWS
 }
 
 fn default_fold_interval() -> Millis {
@@ -488,6 +496,12 @@ impl Config {
             self.job.max_epochs_in_flight,
             1..=4,
             "each epoch in flight holds its changes in memory",
+        )?;
+        within(
+            "clickhouse.fold_step_rows",
+            self.clickhouse.fold_step_rows,
+            1..=u64::MAX,
+            "versions one fold step groups in the server's memory",
         )?;
         within(
             "job.state_memory_mib",
@@ -692,6 +706,7 @@ impl Config {
             window_size_ms: self.window.size.0,
             allowed_lateness_ms: self.window.allowed_lateness.0,
             retention_ms: self.clickhouse.retention.map(|r| r.0),
+            step_rows: self.clickhouse.fold_step_rows,
         }
     }
 
@@ -788,6 +803,18 @@ password = "hunter2"
             .unwrap_err()
             .to_string();
         assert!(err.contains("job.state_memory_mib"), "{err}");
+    }
+
+    #[test]
+    fn a_fold_step_is_bounded_by_the_configured_versions() {
+        let c = parse(BASE, &[]).unwrap();
+        assert_eq!(c.fold_rules().step_rows, tally_clickhouse::FOLD_STEP_ROWS);
+        let c = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "500")]).unwrap();
+        assert_eq!(c.fold_rules().step_rows, 500);
+        let err = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("clickhouse.fold_step_rows"), "{err}");
     }
 
     #[test]

@@ -371,10 +371,12 @@ fn real_main(cli: Cli) -> Result<()> {
                 let partitions =
                     tally_kafka::topic_extent(&cfg.kafka_settings(), &cfg.kafka.source_topic)?
                         .len();
-                // The second step drops the versions the first one folded: a step only drops
-                // below a frontier installed READER_MARGIN before it.
-                for step in 0..2 {
-                    if step > 0 {
+                // Steps until every final window is folded; then one more after READER_MARGIN
+                // drops the versions the last ones folded (a step only drops below a frontier
+                // installed that long before it).
+                let mut caught_up = false;
+                loop {
+                    if caught_up {
                         tokio::time::sleep(tally_clickhouse::READER_MARGIN).await;
                     }
                     let outcome = sink.fold(cfg.fold_rules(), partitions, |_| {}).await?;
@@ -389,6 +391,10 @@ fn real_main(cli: Cli) -> Result<()> {
                             ""
                         }
                     );
+                    if caught_up {
+                        break;
+                    }
+                    caught_up = !outcome.behind;
                 }
                 anyhow::Ok(())
             })

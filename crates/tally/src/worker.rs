@@ -895,9 +895,9 @@ fn start_partition_discovery(
 type AddedPartitions = Vec<(PartitionId, i64)>;
 
 impl Folder {
-    /// Runs a fold step now and then every `fold_interval`, until `stop` changes. Folding only
-    /// tidies what readers read (the view's result is the same before and after), so a failed
-    /// step is logged and retried at the next.
+    /// Runs a fold step now and then every `fold_interval` (at once while folding is behind),
+    /// until `stop` changes. Folding only tidies what readers read (the view's result is the
+    /// same before and after), so a failed step is logged and retried at the next.
     fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) {
         // A connection of its own (made here, off the start path): the fold frontier it
         // installs is the folder's state, not the sink's.
@@ -915,19 +915,21 @@ impl Folder {
         let interval = self.config.clickhouse.fold_interval.as_duration();
         self.rt.block_on(async {
             loop {
-                tokio::select! {
-                    () = self.step(&sink) => {}
+                let behind = tokio::select! {
+                    behind = self.step(&sink) => behind,
                     _ = stop.changed() => return,
-                }
+                };
+                let wait = if behind { Duration::ZERO } else { interval };
                 // A change, or the sender gone: either way, stop.
-                if tokio::time::timeout(interval, stop.changed()).await.is_ok() {
+                if tokio::time::timeout(wait, stop.changed()).await.is_ok() {
                     return;
                 }
             }
         });
     }
 
-    async fn step(&self, sink: &ClickHouseSink) {
+    /// One fold step; true when more windows are final than it folded.
+    async fn step(&self, sink: &ClickHouseSink) -> bool {
         let started = Instant::now();
         let fault = self.fault;
         // Fault points of a step are keyed by the newest epoch of the local state.
@@ -947,6 +949,7 @@ impl Folder {
             duration: started.elapsed(),
         }
         .emit();
+        result.is_ok_and(|outcome| outcome.behind)
     }
 }
 
