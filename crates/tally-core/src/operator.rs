@@ -608,7 +608,7 @@ impl EpochCut {
                 })
             })
             .collect();
-        rows.sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+        OutputRow::sort_batch(&mut rows);
         Checkpoint {
             epoch: self.epoch,
             partitions: self.partitions.clone(),

@@ -63,6 +63,14 @@ pub struct OutputRow {
     pub value: WindowAgg,
 }
 
+impl OutputRow {
+    /// Puts a batch's rows in their one order (partition, then window), so that a batch is the
+    /// same whoever builds it: the operator's cut, a restart, a restore.
+    pub fn sort_batch(rows: &mut [OutputRow]) {
+        rows.sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+    }
+}
+
 /// A record that could not be aggregated, kept byte for byte with its origin and reason.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeadLetter {

@@ -166,6 +166,16 @@ impl ChangelogRecord {
             .map_err(|e| ChangelogError::Undecodable(e.to_string()))
     }
 
+    /// The windows of this record as rows of the epoch's batch.
+    pub fn output_rows(&self, window_size_ms: i64) -> impl Iterator<Item = OutputRow> + '_ {
+        self.windows.iter().map(move |(key, value)| OutputRow {
+            partition: self.partition,
+            window_end_ms: key.window_start_ms + window_size_ms,
+            key: key.clone(),
+            value: *value,
+        })
+    }
+
     /// The checkpoint this record stands for, as the store applies it: this partition only,
     /// without dead letters (they are in the dead-letter topic already).
     pub fn to_checkpoint(&self, window_size_ms: i64) -> Checkpoint {
@@ -173,16 +183,7 @@ impl ChangelogRecord {
         Checkpoint {
             epoch: self.epoch,
             partitions: [(p, self.progress)].into(),
-            rows: self
-                .windows
-                .iter()
-                .map(|(key, value)| OutputRow {
-                    partition: p,
-                    window_end_ms: key.window_start_ms + window_size_ms,
-                    key: key.clone(),
-                    value: *value,
-                })
-                .collect(),
+            rows: self.output_rows(window_size_ms).collect(),
             seen: self
                 .seen
                 .iter()

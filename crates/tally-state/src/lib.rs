@@ -998,14 +998,9 @@ impl StateStore {
                         detail: e.to_string(),
                     }
                 })?;
-                checkpoint
-                    .rows
-                    .extend(record.to_checkpoint(window_size_ms).rows);
+                checkpoint.rows.extend(record.output_rows(window_size_ms));
             }
-            // In the order the pre-commit had them: the batch is the same whichever wrote it.
-            checkpoint
-                .rows
-                .sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+            tally_core::OutputRow::sort_batch(&mut checkpoint.rows);
         }
         Ok(checkpoint)
     }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use tally_core::{Checkpoint, Epoch, Offset, PartitionId};
+use tally_core::{Checkpoint, Epoch, Offset, OutputRow, PartitionId};
 
 use crate::changelog::{
     ChainCheck, ChangelogError, ChangelogRecord, EpochLiveness, Liveness, RestorePoints,
@@ -287,9 +287,7 @@ impl<'s> Replay<'s> {
         // Chunks of one partition repeat its cutoffs.
         merged.close_windows_before.dedup();
         merged.expire_seen_before.dedup();
-        merged
-            .rows
-            .sort_by(|a, b| (a.partition, &a.key).cmp(&(b.partition, &b.key)));
+        OutputRow::sort_batch(&mut merged.rows);
         Some(merged)
     }
 
