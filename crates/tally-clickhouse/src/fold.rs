@@ -76,6 +76,13 @@ struct PartitionRow {
     partition: String,
 }
 
+/// An active partition of one of the job's tables: its name and its rows.
+#[derive(Debug, Deserialize)]
+struct ActivePartition {
+    partition: String,
+    rows: String,
+}
+
 impl FoldRules {
     /// The newest aligned window start below which every window is final for a watermark:
     /// a window `[s, s + size)` is final when `s + size + lateness <= watermark`.
@@ -205,40 +212,34 @@ impl ClickHouseSink {
         Ok(())
     }
 
-    async fn partitions_of(&self, qualified: &str) -> Result<Vec<String>> {
-        let rows: Vec<PartitionRow> = schema::json_rows(
+    async fn partitions_of(&self, qualified: &str) -> Result<Vec<(String, u64)>> {
+        let rows: Vec<ActivePartition> = schema::json_rows(
             &self.client,
             &self.names.partitions_sql(qualified),
             &self.url,
             "listing partitions",
         )
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|r| r.partition.trim_matches('\'').to_owned())
-            .collect())
+        rows.into_iter()
+            .map(|r| {
+                let count = r.rows.parse().map_err(|e| {
+                    crate::SinkError::Schema(format!(
+                        "listing partitions of {qualified}: rows {:?}: {e}",
+                        r.rows
+                    ))
+                })?;
+                Ok((r.partition.trim_matches('\'').to_owned(), count))
+            })
+            .collect()
     }
 
     /// Rows per active version partition, by partition index, in order.
     async fn version_rows(&self) -> Result<Vec<(i64, u64)>> {
-        #[derive(Deserialize)]
-        struct Row {
-            partition: String,
-            rows: String,
-        }
-        let rows: Vec<Row> = schema::json_rows(
-            &self.client,
-            &self.names.version_rows_sql(),
-            &self.url,
-            "counting versions per partition",
-        )
-        .await?;
-        let mut out: Vec<(i64, u64)> = rows
+        let mut out: Vec<(i64, u64)> = self
+            .partitions_of(&self.names.data)
+            .await?
             .into_iter()
-            .filter_map(|r| {
-                let index = r.partition.trim_matches('\'').parse().ok()?;
-                Some((index, r.rows.parse().ok()?))
-            })
+            .filter_map(|(name, rows)| Some((name.parse().ok()?, rows)))
             .collect();
         out.sort_unstable();
         Ok(out)
@@ -247,7 +248,7 @@ impl ClickHouseSink {
     /// Drops version partitions whose windows all start before `below` (seconds).
     async fn drop_folded_versions(&self, below: u32) -> Result<u64> {
         let mut dropped = 0;
-        for partition in self.partitions_of(&self.names.data).await? {
+        for (partition, _) in self.partitions_of(&self.names.data).await? {
             let Ok(index) = partition.parse::<i64>() else {
                 continue;
             };
@@ -263,7 +264,7 @@ impl ClickHouseSink {
     /// Drops folded day partitions that end at or before `below_seconds`.
     async fn drop_retained(&self, below_seconds: i64) -> Result<u64> {
         let mut dropped = 0;
-        for day in self.partitions_of(&self.names.final_rows).await? {
+        for (day, _) in self.partitions_of(&self.names.final_rows).await? {
             if day_end_seconds(&day).is_some_and(|end| end <= below_seconds) {
                 self.exec(&self.names.drop_partition_sql(&self.names.final_rows, &day))
                     .await?;

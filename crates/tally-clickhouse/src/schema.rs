@@ -327,18 +327,9 @@ impl TableNames {
         )
     }
 
-    /// Active partitions of one of the job's tables (`data` or `final_rows`).
+    /// Active partitions of one of the job's tables (`data` or `final_rows`), with their rows.
     pub(crate) fn partitions_sql(&self, qualified: &str) -> String {
         let table = qualified.rsplit('.').next().unwrap_or(qualified);
-        format!(
-            "SELECT DISTINCT partition FROM system.parts WHERE database = '{}' AND table = '{table}' AND active",
-            self.database
-        )
-    }
-
-    /// Rows per active partition of the version table, for bounding a fold step.
-    pub(crate) fn version_rows_sql(&self) -> String {
-        let table = self.data.rsplit('.').next().unwrap_or(&self.data);
         format!(
             "SELECT partition, toString(sum(rows)) AS rows FROM system.parts WHERE database = '{}' AND table = '{table}' AND active GROUP BY partition ORDER BY partition",
             self.database
@@ -480,7 +471,6 @@ impl TableNames {
             ("read.count_final", self.count_final_sql(None)),
             ("read.unlogged_days", self.unlogged_days_sql(to.seconds)),
             ("read.partitions", self.partitions_sql(&self.data)),
-            ("read.version_rows", self.version_rows_sql()),
             ("read.database_engine", self.database_engine_sql()),
         ];
         out.extend(reads.into_iter().map(|(n, s)| (n.to_owned(), s)));

@@ -550,7 +550,7 @@ mod tests {
                 .unwrap();
             // The sinks' batch comes back whole from the changelog records kept beside it.
             assert_eq!(
-                owner.pending(epoch, rules().window.size_ms).unwrap(),
+                owner.pending(epoch, rules().window.size_ms).unwrap().0,
                 checkpoint
             );
             owner.mark_committed(epoch).unwrap();

@@ -751,7 +751,7 @@ impl StateStore {
 
     /// The changelog records kept with pre-committed `epoch`; empty when it was pre-committed
     /// by a release without a changelog.
-    pub fn pending_changelog(&self, epoch: Epoch) -> Result<Vec<EncodedRecord>, StateError> {
+    fn pending_changelog(&self, epoch: Epoch) -> Result<Vec<EncodedRecord>, StateError> {
         self.db
             .get_cf(self.cf(CF_PENDING_CHANGELOG)?, epoch.0.to_be_bytes())
             .map_err(|e| self.rocks(e))?
@@ -941,7 +941,7 @@ impl StateStore {
     }
 
     /// The last committed epoch while its outputs are still held (until the next epoch is
-    /// committed): [`StateStore::pending`] and [`StateStore::pending_changelog`] read them.
+    /// committed): [`StateStore::pending`] reads them.
     pub fn retained_commit(&self) -> Result<Option<Epoch>, StateError> {
         let Some(epoch) = self.last_committed()? else {
             return Ok(None);
@@ -972,10 +972,15 @@ impl StateStore {
         Ok(f(&self.pending_epochs()?))
     }
 
-    /// The outputs of a pre-committed epoch, as written by [`StateStore::pre_commit`]: the
-    /// checkpoint without its dedup ids. Rows kept only in the epoch's changelog records are
-    /// read from them, each window ending `window_size_ms` after its start.
-    pub fn pending(&self, epoch: Epoch, window_size_ms: i64) -> Result<Checkpoint, StateError> {
+    /// A pre-committed epoch, as written by [`StateStore::pre_commit_with_seen`]: its outputs
+    /// (the checkpoint without its dedup ids) and its changelog records (empty when a release
+    /// without a changelog pre-committed it). Rows kept only in the records are read from them,
+    /// each window ending `window_size_ms` after its start.
+    pub fn pending(
+        &self,
+        epoch: Epoch,
+        window_size_ms: i64,
+    ) -> Result<(Checkpoint, Vec<EncodedRecord>), StateError> {
         let mut checkpoint: Checkpoint = match self
             .db
             .get_cf(self.cf(CF_PENDING)?, epoch.0.to_be_bytes())
@@ -989,20 +994,20 @@ impl StateStore {
                 });
             }
         };
+        let changelog = self.pending_changelog(epoch)?;
         if checkpoint.rows.is_empty() {
-            for (_, bytes) in self.pending_changelog(epoch)? {
-                let record = changelog::ChangelogRecord::decode(&bytes).map_err(|e| {
-                    StateError::Corrupt {
+            for (_, bytes) in &changelog {
+                let record =
+                    changelog::ChangelogRecord::decode(bytes).map_err(|e| StateError::Corrupt {
                         path: self.path.clone(),
                         what: "pending changelog record",
                         detail: e.to_string(),
-                    }
-                })?;
+                    })?;
                 checkpoint.rows.extend(record.output_rows(window_size_ms));
             }
             tally_core::OutputRow::sort_batch(&mut checkpoint.rows);
         }
-        Ok(checkpoint)
+        Ok((checkpoint, changelog))
     }
 
     fn write(&self, batch: WriteBatch) -> Result<(), StateError> {

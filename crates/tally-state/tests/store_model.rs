@@ -196,7 +196,7 @@ fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.meta().unwrap().status, EpochStatus::PreCommitted);
     assert_eq!(
-        store.pending(Epoch(1), WINDOW_MS).unwrap(),
+        store.pending(Epoch(1), WINDOW_MS).unwrap().0,
         without_ids(&cp)
     );
     store.mark_committed(Epoch(1)).unwrap();
@@ -207,7 +207,7 @@ fn pre_committed_outputs_survive_a_reopen_until_marked_committed() {
     // Held until the next epoch is committed, in case Kafka undoes its transaction.
     assert_eq!(store.retained_commit().unwrap(), Some(Epoch(1)));
     assert_eq!(
-        store.pending(Epoch(1), WINDOW_MS).unwrap(),
+        store.pending(Epoch(1), WINDOW_MS).unwrap().0,
         without_ids(&cp)
     );
     store.pre_commit(&checkpoint(2, &[])).unwrap();
@@ -421,7 +421,7 @@ fn two_epochs_in_flight_are_completed_oldest_first() {
     let store = StateStore::open(dir.path(), "job").unwrap();
     assert_eq!(store.pending_epochs().unwrap(), vec![Epoch(2)]);
     assert_eq!(
-        store.pending(Epoch(2), WINDOW_MS).unwrap(),
+        store.pending(Epoch(2), WINDOW_MS).unwrap().0,
         without_ids(&two)
     );
     assert_eq!(store.retained_commit().unwrap(), Some(Epoch(1)));

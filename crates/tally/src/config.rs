@@ -761,6 +761,11 @@ password = "hunter2"
         Config::parse("job.toml", text, &env)
     }
 
+    /// The error a configuration is refused with.
+    fn refusal(text: &str, env: &[(&str, &str)]) -> String {
+        parse(text, env).unwrap_err().to_string()
+    }
+
     #[test]
     fn defaults_apply() {
         let c = parse(BASE, &[]).unwrap();
@@ -788,9 +793,7 @@ password = "hunter2"
         assert_eq!(t.transactional_id(), "tally-revenue_agg-task-1");
         assert_eq!(t.job.state_dir, PathBuf::from("/tmp/x/task-1"));
         assert_ne!(t.state_identity(), c.state_identity());
-        let err = parse(BASE, &[("TALLY_JOB__TASKS", "0")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_JOB__TASKS", "0")]);
         assert!(err.contains("job.tasks"), "{err}");
     }
 
@@ -799,9 +802,7 @@ password = "hunter2"
         assert_eq!(parse(BASE, &[]).unwrap().job.state_memory_mib, 64);
         let c = parse(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "32")]).unwrap();
         assert_eq!(c.job.state_memory_mib, 32);
-        let err = parse(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "8")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "8")]);
         assert!(err.contains("job.state_memory_mib"), "{err}");
     }
 
@@ -811,33 +812,32 @@ password = "hunter2"
         assert_eq!(c.fold_rules().step_rows, tally_clickhouse::FOLD_STEP_ROWS);
         let c = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "500")]).unwrap();
         assert_eq!(c.fold_rules().step_rows, 500);
-        let err = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "0")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "0")]);
         assert!(err.contains("clickhouse.fold_step_rows"), "{err}");
     }
 
     #[test]
     fn a_misspelled_key_is_named_with_the_file() {
-        let err = parse(&format!("{BASE}\n[window]\nsise = \"60s\"\n"), &[])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&format!("{BASE}\n[window]\nsise = \"60s\"\n"), &[]);
         assert!(err.starts_with("job.toml: window"), "{err}");
         assert!(err.contains("unknown field `sise`"), "{err}");
     }
 
     #[test]
     fn a_negative_window_is_refused_by_key() {
-        let err = parse(&format!("{BASE}\n[window]\nsize = \"-60s\"\n"), &[])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(&format!("{BASE}\n[window]\nsize = \"-60s\"\n"), &[]);
         assert!(err.contains("window.size"), "{err}");
         assert!(err.contains("negative"), "{err}");
     }
 
     #[test]
     fn the_dedup_horizon_must_cover_window_and_lateness() {
-        let err = parse(&format!("{BASE}\n[window]\nsize = \"60s\"\nallowed_lateness = \"60s\"\ndedup_horizon = \"90s\"\n"), &[]).unwrap_err().to_string();
+        let err = refusal(
+            &format!(
+                "{BASE}\n[window]\nsize = \"60s\"\nallowed_lateness = \"60s\"\ndedup_horizon = \"90s\"\n"
+            ),
+            &[],
+        );
         assert!(err.contains("window.dedup_horizon"), "{err}");
     }
 
@@ -861,16 +861,12 @@ password = "hunter2"
             Some("ssl")
         );
         assert_eq!(c.job.max_record_bytes, 2048);
-        let err = parse(BASE, &[("TALLY_WINDOW__SIZE", "soon")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_WINDOW__SIZE", "soon")]);
         assert!(
             err.contains("window.size (from TALLY_WINDOW__SIZE)"),
             "{err}"
         );
-        let err = parse(BASE, &[("TALLY_WINDOW__SIZZE", "1s")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_WINDOW__SIZZE", "1s")]);
         assert!(err.contains("sizze"), "{err}");
     }
 
@@ -881,13 +877,9 @@ password = "hunter2"
         assert_eq!(c.fold_rules().retention_ms, None);
         let c = parse(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "30d")]).unwrap();
         assert_eq!(c.fold_rules().retention_ms, Some(30 * 86_400_000));
-        let err = parse(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "90s")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "90s")]);
         assert!(err.contains("clickhouse.retention"), "{err}");
-        let err = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "-1s")])
-            .unwrap_err()
-            .to_string();
+        let err = refusal(BASE, &[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "-1s")]);
         assert!(err.contains("clickhouse.fold_interval"), "{err}");
     }
 

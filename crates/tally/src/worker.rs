@@ -1005,8 +1005,7 @@ impl Sinks {
         }
         for epoch in pending {
             self.fault.hit(FaultPoint::DuringRestore, epoch);
-            let checkpoint = self.store.pending(epoch, self.config.window.size.0)?;
-            let changelog = self.store.pending_changelog(epoch)?;
+            let (checkpoint, changelog) = self.store.pending(epoch, self.config.window.size.0)?;
             let liveness = tally_state::changelog::liveness_of_records(&changelog)?;
             let started = Instant::now();
             let clickhouse_already_committed = self
@@ -1073,8 +1072,7 @@ impl Sinks {
         if kafka_epoch >= epoch {
             return Ok(());
         }
-        let checkpoint = self.store.pending(epoch, self.config.window.size.0)?;
-        let changelog = self.store.pending_changelog(epoch)?;
+        let (checkpoint, changelog) = self.store.pending(epoch, self.config.window.size.0)?;
         let liveness = tally_state::changelog::liveness_of_records(&changelog)?;
         crate::events::KafkaCommitLost {
             epoch,
