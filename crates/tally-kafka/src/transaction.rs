@@ -230,11 +230,29 @@ impl EpochProducer {
                 .abort_transaction(TIMEOUT)
                 .map_err(kafka(format!("aborting the transaction of epoch {epoch}")));
         }
+        self.await_deliveries(epoch)?;
         self.producer
             .commit_transaction(TIMEOUT)
             .map_err(kafka(format!(
                 "committing dead-letter transaction of epoch {epoch}"
             )))
+    }
+
+    /// Waits until the broker has acknowledged every record of the transaction. rust-rdkafka's
+    /// `commit_transaction` flushes first by polling the delivery queue in 100 ms slices, but
+    /// this producer's own thread takes the delivery reports, so a slice with records still in
+    /// flight always ran out in full: 100 ms of every epoch's commit (measured: 102 of 122 ms).
+    fn await_deliveries(&self, epoch: Epoch) -> Result<()> {
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        while self.producer.in_flight_count() > 0 {
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::Other(format!(
+                    "records of the transaction of epoch {epoch} not acknowledged after {TIMEOUT:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// Makes sure the producer's metadata has changelog partition `partition`, refreshing it
