@@ -96,6 +96,51 @@ impl EpochFill {
 fn defer_barrier(fill: EpochFill, in_flight: usize, max_in_flight: usize, stopping: bool) -> bool {
     !stopping && in_flight >= max_in_flight && fill.may_grow()
 }
+/// When a barrier last had to be put off or wait because the committer was behind. The fold
+/// thread reads it: a catch-up's back-to-back fold steps took the cores the committer needed
+/// (profiled: the barriers that waited clustered in the steps, BENCHMARKS.md), so while the
+/// committer is behind, folding keeps to its interval and the commit path goes first.
+#[derive(Debug)]
+struct CommitPressure {
+    origin: Instant,
+    /// Milliseconds after `origin`, plus one (zero: never).
+    last: std::sync::atomic::AtomicU64,
+}
+
+impl CommitPressure {
+    fn new() -> CommitPressure {
+        CommitPressure {
+            origin: Instant::now(),
+            last: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn millis_now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    fn note(&self) {
+        self.last.store(self.millis_now(), Ordering::Relaxed);
+    }
+
+    /// Whether a barrier was put off or waited within `window`.
+    fn within(&self, window: Duration) -> bool {
+        let last = self.last.load(Ordering::Relaxed);
+        let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        last > 0 && self.millis_now().saturating_sub(last) <= window
+    }
+}
+
+/// How long the folder waits before its next step: at once while it is behind, unless the
+/// committer was behind within the interval; otherwise the interval.
+fn next_fold_wait(fold_behind: bool, commit_pressed: bool, interval: Duration) -> Duration {
+    if fold_behind && !commit_pressed {
+        Duration::ZERO
+    } else {
+        interval
+    }
+}
+
 /// How often the changelog is truncated below the committed restore points.
 const TRUNCATE_EVERY: Duration = Duration::from_secs(30);
 /// The changelog is the job's state: nothing expires by time or size (tally truncates it
@@ -219,6 +264,7 @@ struct Folder {
     partitions: Arc<AtomicUsize>,
     /// Set when the worker stops: ends a wait for ClickHouse.
     stop: Arc<AtomicBool>,
+    pressure: Arc<CommitPressure>,
 }
 
 /// The running fold thread. Dropping it stops and joins the thread: a step in progress is
@@ -369,6 +415,7 @@ impl Worker {
                 partitions,
                 last_lag: None,
                 readiness,
+                pressure: Arc::new(CommitPressure::new()),
             },
             sinks,
         })
@@ -401,6 +448,7 @@ impl Worker {
                 store: consumer.store.clone(),
                 partitions: consumer.topic_partitions.clone(),
                 stop: Arc::new(AtomicBool::new(false)),
+                pressure: consumer.pressure.clone(),
             })?)
         } else {
             None
@@ -499,6 +547,7 @@ struct Consumer {
     /// When consumer lag was last measured.
     last_lag: Option<Instant>,
     readiness: Arc<Readiness>,
+    pressure: Arc<CommitPressure>,
 }
 
 impl Consumer {
@@ -576,13 +625,17 @@ impl Consumer {
             let fill = EpochFill::of(operator);
             let due = !idle && (stopping || fill.full() || Instant::now() >= next_barrier);
             let defer = due && defer_barrier(fill, in_flight.len(), max_in_flight, stopping);
-            if defer {
-                deferred_since.get_or_insert_with(Instant::now);
+            if defer && deferred_since.is_none() {
+                deferred_since = Some(Instant::now());
+                self.pressure.note();
             }
             if due && !defer {
                 let barrier_at = Instant::now();
                 // Backpressure: the committer is `max_in_flight` epochs behind. A shutdown
                 // while a sink fails ends the sink thread, which closes the channel.
+                if in_flight.len() >= max_in_flight {
+                    self.pressure.note();
+                }
                 while in_flight.len() >= max_in_flight {
                     match committed.recv_timeout(POLL) {
                         Ok(epoch) => retire(epoch, &mut in_flight),
@@ -895,8 +948,8 @@ fn start_partition_discovery(
 type AddedPartitions = Vec<(PartitionId, i64)>;
 
 impl Folder {
-    /// Runs a fold step now and then every `fold_interval` (at once while folding is behind),
-    /// until `stop` changes. Folding only tidies what readers read (the view's result is the
+    /// Runs a fold step now and then every `fold_interval` (at once while folding is behind and
+    /// the committer is not), until `stop` changes. Folding only tidies what readers read (the view's result is the
     /// same before and after), so a failed step is logged and retried at the next.
     fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) {
         // A connection of its own (made here, off the start path): the fold frontier it
@@ -919,7 +972,7 @@ impl Folder {
                     behind = self.step(&sink) => behind,
                     _ = stop.changed() => return,
                 };
-                let wait = if behind { Duration::ZERO } else { interval };
+                let wait = next_fold_wait(behind, self.pressure.within(interval), interval);
                 // A change, or the sender gone: either way, stop.
                 if tokio::time::timeout(wait, stop.changed()).await.is_ok() {
                     return;
@@ -1627,5 +1680,29 @@ mod tests {
             2,
             false
         ));
+    }
+
+    #[test]
+    fn folding_steps_back_to_back_only_while_the_committer_keeps_up() {
+        let interval = Duration::from_secs(60);
+        assert_eq!(next_fold_wait(true, false, interval), Duration::ZERO);
+        assert_eq!(next_fold_wait(true, true, interval), interval);
+        assert_eq!(next_fold_wait(false, false, interval), interval);
+        assert_eq!(next_fold_wait(false, true, interval), interval);
+    }
+
+    #[test]
+    fn commit_pressure_is_recent_only_after_a_note_and_within_the_window() {
+        let pressure = CommitPressure::new();
+        assert!(!pressure.within(Duration::from_secs(3600)), "never noted");
+        pressure.note();
+        assert!(pressure.within(Duration::from_secs(60)));
+        // A note 10 s before now, without sleeping: move the origin back instead.
+        let pressure = CommitPressure {
+            origin: Instant::now() - Duration::from_secs(10),
+            last: std::sync::atomic::AtomicU64::new(1),
+        };
+        assert!(!pressure.within(Duration::from_secs(5)));
+        assert!(pressure.within(Duration::from_secs(60)));
     }
 }
