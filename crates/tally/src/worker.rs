@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,7 @@ impl EpochFill {
 fn defer_barrier(fill: EpochFill, in_flight: usize, max_in_flight: usize, stopping: bool) -> bool {
     !stopping && in_flight >= max_in_flight && fill.may_grow()
 }
+
 /// When a barrier last had to be put off or wait because the committer was behind. The fold
 /// thread reads it: a catch-up's back-to-back fold steps took the cores the committer needed
 /// (profiled: the barriers that waited clustered in the steps, BENCHMARKS.md), so while the
@@ -104,14 +105,14 @@ fn defer_barrier(fill: EpochFill, in_flight: usize, max_in_flight: usize, stoppi
 struct CommitPressure {
     origin: Instant,
     /// Milliseconds after `origin`, plus one (zero: never).
-    last: std::sync::atomic::AtomicU64,
+    last: AtomicU64,
 }
 
 impl CommitPressure {
     fn new() -> CommitPressure {
         CommitPressure {
             origin: Instant::now(),
-            last: std::sync::atomic::AtomicU64::new(0),
+            last: AtomicU64::new(0),
         }
     }
 
@@ -949,8 +950,9 @@ type AddedPartitions = Vec<(PartitionId, i64)>;
 
 impl Folder {
     /// Runs a fold step now and then every `fold_interval` (at once while folding is behind and
-    /// the committer is not), until `stop` changes. Folding only tidies what readers read (the view's result is the
-    /// same before and after), so a failed step is logged and retried at the next.
+    /// the committer is not), until `stop` changes. Folding only tidies what readers read (the
+    /// view's result is the same before and after), so a failed step is logged and retried at
+    /// the next.
     fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) {
         // A connection of its own (made here, off the start path): the fold frontier it
         // installs is the folder's state, not the sink's.
@@ -967,12 +969,25 @@ impl Folder {
         };
         let interval = self.config.clickhouse.fold_interval.as_duration();
         self.rt.block_on(async {
+            // Whether the last wait was the interval because the committer was behind.
+            let mut yielding = false;
             loop {
                 let behind = tokio::select! {
                     behind = self.step(&sink) => behind,
                     _ = stop.changed() => return,
                 };
-                let wait = next_fold_wait(behind, self.pressure.within(interval), interval);
+                let pressed = self.pressure.within(interval);
+                if (behind && pressed) != yielding {
+                    yielding = behind && pressed;
+                    if yielding {
+                        tracing::info!(
+                            "folding is behind, and so is the committer: fold steps keep to the interval meanwhile"
+                        );
+                    } else {
+                        tracing::info!("fold steps no longer wait for the committer");
+                    }
+                }
+                let wait = next_fold_wait(behind, pressed, interval);
                 // A change, or the sender gone: either way, stop.
                 if tokio::time::timeout(wait, stop.changed()).await.is_ok() {
                     return;
@@ -1699,8 +1714,10 @@ mod tests {
         assert!(pressure.within(Duration::from_secs(60)));
         // A note 10 s before now, without sleeping: move the origin back instead.
         let pressure = CommitPressure {
-            origin: Instant::now() - Duration::from_secs(10),
-            last: std::sync::atomic::AtomicU64::new(1),
+            origin: Instant::now()
+                .checked_sub(Duration::from_secs(10))
+                .expect("the monotonic clock is past 10 s"),
+            last: AtomicU64::new(1),
         };
         assert!(!pressure.within(Duration::from_secs(5)));
         assert!(pressure.within(Duration::from_secs(60)));
