@@ -248,13 +248,15 @@ impl ClickHouseSink {
     /// Drops version partitions whose windows all start before `below` (seconds).
     async fn drop_folded_versions(&self, below: u32) -> Result<u64> {
         let mut dropped = 0;
-        for (partition, _) in self.partitions_of(&self.names.data).await? {
-            let Ok(index) = partition.parse::<i64>() else {
-                continue;
-            };
+        for (index, _) in self.version_rows().await? {
             if (index + 1) * DATA_PARTITION_SECONDS <= i64::from(below) {
-                self.exec(&self.names.drop_partition_sql(&self.names.data, &partition))
-                    .await?;
+                // The partition's name is its index (`intDiv` of the window start).
+                self.exec(
+                    &self
+                        .names
+                        .drop_partition_sql(&self.names.data, &index.to_string()),
+                )
+                .await?;
                 dropped += 1;
             }
         }

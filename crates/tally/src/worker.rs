@@ -976,9 +976,9 @@ impl Folder {
                     behind = self.step(&sink) => behind,
                     _ = stop.changed() => return,
                 };
-                let pressed = self.pressure.within(interval);
-                if (behind && pressed) != yielding {
-                    yielding = behind && pressed;
+                let wait = next_fold_wait(behind, self.pressure.within(interval), interval);
+                if (behind && !wait.is_zero()) != yielding {
+                    yielding = !yielding;
                     if yielding {
                         tracing::info!(
                             "folding is behind, and so is the committer: fold steps keep to the interval meanwhile"
@@ -987,7 +987,6 @@ impl Folder {
                         tracing::info!("fold steps no longer wait for the committer");
                     }
                 }
-                let wait = next_fold_wait(behind, pressed, interval);
                 // A change, or the sender gone: either way, stop.
                 if tokio::time::timeout(wait, stop.changed()).await.is_ok() {
                     return;
