@@ -10,11 +10,11 @@
 //! writer, and a commit by another writer outside the lease stops it ([`AnotherWriter`]).
 //!
 //! Pipelined: at a barrier the operator only cuts the epoch ([`EpochCut`], no copy) and goes on
-//! consuming, reading through the cuts not yet committed. Two threads commit behind it, in epoch
-//! order: the persister pre-commits each cut, the sink thread commits it to Kafka and
+//! consuming, reading through the cuts not yet pre-committed. Two threads commit behind it, in
+//! epoch order: the persister pre-commits each cut, the sink thread commits it to Kafka and
 //! ClickHouse and marks it committed. At most `job.max_epochs_in_flight` epochs are between
 //! barrier and committed; at the limit the operator waits (backpressure). Beside them, the fold
-//! thread folds final windows on its own schedule, and committed cuts are freed off the
+//! thread folds final windows on its own schedule, and pre-committed cuts are freed off the
 //! consuming thread.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -477,20 +477,31 @@ impl Worker {
         // Epochs committed in every sink, from the sink thread only: when it ends, for whatever
         // reason, the operator sees the channel close.
         let (committed_tx, committed_rx) = mpsc::channel::<Epoch>();
+        // Epochs pre-committed, from the persister: from then on the store answers for them.
+        let (precommitted_tx, precommitted_rx) = mpsc::channel::<Epoch>();
         let persister = Persister {
             store: consumer.store.clone(),
             fault: sinks.fault,
         };
         let persister = std::thread::Builder::new()
             .name("tally-persist".into())
-            .spawn(move || persister.run(handoff_rx, persisted_tx))
+            .spawn(move || persister.run(handoff_rx, precommitted_tx, persisted_tx))
             .context("starting the persister thread")?;
         let sink_thread = std::thread::Builder::new()
             .name("tally-sinks".into())
             .spawn(move || sinks.run(persisted_rx, committed_tx))
             .context("starting the sink thread")?;
 
-        let consumed = consumer.consume(&mut operator, handoff_tx, committed_rx, filters, added);
+        let consumed = consumer.consume(
+            &mut operator,
+            handoff_tx,
+            Progress {
+                precommitted: precommitted_rx,
+                committed: committed_rx,
+            },
+            filters,
+            added,
+        );
         // The committing threads finish what was handed to them (or stop at a shutdown).
         let persisted = persister
             .join()
@@ -536,6 +547,16 @@ enum Stop {
     Final(Epoch),
 }
 
+/// What the committing threads report back to the operator, each in epoch order.
+struct Progress {
+    /// Pre-committed: the store answers for the epoch from now on, so its cut is no longer read
+    /// and is freed (its maps are the largest part of an epoch in flight; the sinks still to
+    /// come need only the rows and changelog made from it).
+    precommitted: Receiver<Epoch>,
+    /// Committed in every sink: the epoch no longer counts against `max_epochs_in_flight`.
+    committed: Receiver<Epoch>,
+}
+
 /// The operator side: consumes, processes, cuts epochs.
 struct Consumer {
     config: Config,
@@ -561,7 +582,7 @@ impl Consumer {
         &mut self,
         operator: &mut RevenueOperator,
         handoff: Sender<Handoff>,
-        committed: Receiver<Epoch>,
+        progress: Progress,
         mut filters: Option<Receiver<(PartitionId, SeenIdFilter)>>,
         added: Option<Receiver<AddedPartitions>>,
     ) -> Result<Stop> {
@@ -571,9 +592,10 @@ impl Consumer {
         let mut consume_errors = 0u64;
         // When the barrier that is due was first put off because the committer was behind.
         let mut deferred_since: Option<Instant> = None;
-        // Cut but not yet committed, oldest first: the operator reads through them (those
-        // already pre-committed give the same answers as the store).
-        let mut in_flight: VecDeque<Arc<EpochCut>> = VecDeque::new();
+        // Cut but not yet committed, oldest first.
+        let mut in_flight: VecDeque<Epoch> = VecDeque::new();
+        // Cut but not yet pre-committed, oldest first: the operator reads through them.
+        let mut unpersisted: VecDeque<Arc<EpochCut>> = VecDeque::new();
         // Partitions that started from `start_from` have no checkpoint yet: take one even if idle,
         // so a restart resumes at the resolved offset instead of resolving `latest` again.
         let mut must_checkpoint = self.store.meta().is_none_or(|m| {
@@ -581,18 +603,21 @@ impl Consumer {
                 .iter()
                 .any(|p| !m.partitions.contains_key(p))
         });
-        // Freeing a committed cut (every key and id of an epoch) costs as much as processing
+        // Freeing a pre-committed cut (every key and id of an epoch) costs as much as processing
         // thousands of records: it happens on a thread of its own, not on the consuming one.
         let (retired_tx, retired_rx) = mpsc::channel::<Arc<EpochCut>>();
         std::thread::Builder::new()
             .name("tally-free".into())
             .spawn(move || retired_rx.into_iter().for_each(drop))
-            .context("starting the thread that frees committed epochs")?;
-        let retire = |epoch: Epoch, in_flight: &mut VecDeque<Arc<EpochCut>>| {
-            while let Some(cut) = in_flight.pop_front_if(|c| c.epoch <= epoch) {
+            .context("starting the thread that frees pre-committed epochs")?;
+        let retire = |epoch: Epoch, unpersisted: &mut VecDeque<Arc<EpochCut>>| {
+            while let Some(cut) = unpersisted.pop_front_if(|c| c.epoch <= epoch) {
                 // A closed channel means the thread ended: the cut is freed here instead.
                 let _ = retired_tx.send(cut);
             }
+        };
+        let complete = |epoch: Epoch, in_flight: &mut VecDeque<Epoch>| {
+            while in_flight.pop_front_if(|e| *e <= epoch).is_some() {}
         };
         loop {
             if let Some(rx) = &filters {
@@ -603,9 +628,14 @@ impl Consumer {
                     Err(TryRecvError::Disconnected) => filters = None,
                 }
             }
+            // A persister that ended (at a stop, or failing, which ends the sink thread too)
+            // pre-commits nothing more: its cuts stay readable.
+            while let Ok(epoch) = progress.precommitted.try_recv() {
+                retire(epoch, &mut unpersisted);
+            }
             loop {
-                match committed.try_recv() {
-                    Ok(epoch) => retire(epoch, &mut in_flight),
+                match progress.committed.try_recv() {
+                    Ok(epoch) => complete(epoch, &mut in_flight),
                     Err(TryRecvError::Empty) => break,
                     // The sink thread ended (a shutdown while a sink failed, or an error that
                     // joining it returns): nothing more can commit.
@@ -638,8 +668,11 @@ impl Consumer {
                     self.pressure.note();
                 }
                 while in_flight.len() >= max_in_flight {
-                    match committed.recv_timeout(POLL) {
-                        Ok(epoch) => retire(epoch, &mut in_flight),
+                    while let Ok(epoch) = progress.precommitted.try_recv() {
+                        retire(epoch, &mut unpersisted);
+                    }
+                    match progress.committed.recv_timeout(POLL) {
+                        Ok(epoch) => complete(epoch, &mut in_flight),
                         Err(RecvTimeoutError::Timeout) => {}
                         Err(RecvTimeoutError::Disconnected) => return Ok(Stop::Idle),
                     }
@@ -665,7 +698,8 @@ impl Consumer {
                         .map_or(Duration::ZERO, |since| barrier_at.duration_since(since)),
                 }
                 .emit();
-                in_flight.push_back(cut.clone());
+                in_flight.push_back(epoch);
+                unpersisted.push_back(cut.clone());
                 if handoff
                     .send(Handoff {
                         cut,
@@ -688,7 +722,7 @@ impl Consumer {
                 Ok(None) => {}
                 Ok(Some(record)) => {
                     let state = WithInFlight {
-                        cuts: &in_flight,
+                        cuts: &unpersisted,
                         store: &*self.store,
                     };
                     operator
@@ -1567,7 +1601,12 @@ struct Persister {
 }
 
 impl Persister {
-    fn run(self, handoffs: Receiver<Handoff>, persisted: Sender<Persisted>) -> Result<()> {
+    fn run(
+        self,
+        handoffs: Receiver<Handoff>,
+        precommitted: Sender<Epoch>,
+        persisted: Sender<Persisted>,
+    ) -> Result<()> {
         for handoff in handoffs {
             let started = Instant::now();
             // The sinks do not need the ids (the largest part of an epoch): they go from the
@@ -1583,6 +1622,15 @@ impl Persister {
             };
             let liveness = tally_state::changelog::liveness_of_cut(&handoff.cut);
             let epoch = checkpoint.epoch;
+            // The operator's reference is then the last: it frees the cut off this thread. A
+            // consumer that stopped listening has no cuts left to free.
+            let Handoff {
+                cut,
+                barrier_at,
+                pause,
+            } = handoff;
+            drop(cut);
+            let _ = precommitted.send(epoch);
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() {
                 // Under the store's lock: the sink thread must not commit the older epoch
@@ -1598,8 +1646,8 @@ impl Persister {
                 changelog,
                 liveness,
                 bytes,
-                barrier_at: handoff.barrier_at,
-                pause: handoff.pause,
+                barrier_at,
+                pause,
                 pre_commit: started.elapsed(),
             };
             if persisted.send(next).is_err() {
