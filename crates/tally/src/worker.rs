@@ -557,6 +557,46 @@ struct Progress {
     committed: Receiver<Epoch>,
 }
 
+/// The epochs between their barrier and committed, and the cuts of those not yet pre-committed.
+/// The operator reads through the cuts; the epochs count against `max_epochs_in_flight`.
+#[derive(Default)]
+struct InFlight {
+    /// Oldest first.
+    epochs: VecDeque<Epoch>,
+    /// Oldest first.
+    unpersisted: VecDeque<Arc<EpochCut>>,
+}
+
+impl InFlight {
+    fn push(&mut self, cut: Arc<EpochCut>) {
+        self.epochs.push_back(cut.epoch);
+        self.unpersisted.push_back(cut);
+    }
+
+    /// Epochs not yet committed.
+    fn len(&self) -> usize {
+        self.epochs.len()
+    }
+
+    /// The cuts the operator still reads through, oldest first.
+    fn readable(&self) -> &VecDeque<Arc<EpochCut>> {
+        &self.unpersisted
+    }
+
+    /// Takes out the cuts of `epoch` and older: the store answers for them now.
+    fn precommitted(&mut self, epoch: Epoch) -> Vec<Arc<EpochCut>> {
+        let mut done = Vec::new();
+        while let Some(cut) = self.unpersisted.pop_front_if(|c| c.epoch <= epoch) {
+            done.push(cut);
+        }
+        done
+    }
+
+    fn committed(&mut self, epoch: Epoch) {
+        while self.epochs.pop_front_if(|e| *e <= epoch).is_some() {}
+    }
+}
+
 /// The operator side: consumes, processes, cuts epochs.
 struct Consumer {
     config: Config,
@@ -592,10 +632,7 @@ impl Consumer {
         let mut consume_errors = 0u64;
         // When the barrier that is due was first put off because the committer was behind.
         let mut deferred_since: Option<Instant> = None;
-        // Cut but not yet committed, oldest first.
-        let mut in_flight: VecDeque<Epoch> = VecDeque::new();
-        // Cut but not yet pre-committed, oldest first: the operator reads through them.
-        let mut unpersisted: VecDeque<Arc<EpochCut>> = VecDeque::new();
+        let mut in_flight = InFlight::default();
         // Partitions that started from `start_from` have no checkpoint yet: take one even if idle,
         // so a restart resumes at the resolved offset instead of resolving `latest` again.
         let mut must_checkpoint = self.store.meta().is_none_or(|m| {
@@ -610,14 +647,15 @@ impl Consumer {
             .name("tally-free".into())
             .spawn(move || retired_rx.into_iter().for_each(drop))
             .context("starting the thread that frees pre-committed epochs")?;
-        let retire = |epoch: Epoch, unpersisted: &mut VecDeque<Arc<EpochCut>>| {
-            while let Some(cut) = unpersisted.pop_front_if(|c| c.epoch <= epoch) {
-                // A closed channel means the thread ended: the cut is freed here instead.
-                let _ = retired_tx.send(cut);
+        // A persister that ended (at a stop, or failing, which ends the sink thread too)
+        // pre-commits nothing more: its cuts stay readable.
+        let retire_precommitted = |in_flight: &mut InFlight| {
+            while let Ok(epoch) = progress.precommitted.try_recv() {
+                for cut in in_flight.precommitted(epoch) {
+                    // A closed channel means the thread ended: the cut is freed here instead.
+                    let _ = retired_tx.send(cut);
+                }
             }
-        };
-        let complete = |epoch: Epoch, in_flight: &mut VecDeque<Epoch>| {
-            while in_flight.pop_front_if(|e| *e <= epoch).is_some() {}
         };
         loop {
             if let Some(rx) = &filters {
@@ -628,14 +666,10 @@ impl Consumer {
                     Err(TryRecvError::Disconnected) => filters = None,
                 }
             }
-            // A persister that ended (at a stop, or failing, which ends the sink thread too)
-            // pre-commits nothing more: its cuts stay readable.
-            while let Ok(epoch) = progress.precommitted.try_recv() {
-                retire(epoch, &mut unpersisted);
-            }
+            retire_precommitted(&mut in_flight);
             loop {
                 match progress.committed.try_recv() {
-                    Ok(epoch) => complete(epoch, &mut in_flight),
+                    Ok(epoch) => in_flight.committed(epoch),
                     Err(TryRecvError::Empty) => break,
                     // The sink thread ended (a shutdown while a sink failed, or an error that
                     // joining it returns): nothing more can commit.
@@ -668,11 +702,9 @@ impl Consumer {
                     self.pressure.note();
                 }
                 while in_flight.len() >= max_in_flight {
-                    while let Ok(epoch) = progress.precommitted.try_recv() {
-                        retire(epoch, &mut unpersisted);
-                    }
+                    retire_precommitted(&mut in_flight);
                     match progress.committed.recv_timeout(POLL) {
-                        Ok(epoch) => complete(epoch, &mut in_flight),
+                        Ok(epoch) => in_flight.committed(epoch),
                         Err(RecvTimeoutError::Timeout) => {}
                         Err(RecvTimeoutError::Disconnected) => return Ok(Stop::Idle),
                     }
@@ -698,8 +730,7 @@ impl Consumer {
                         .map_or(Duration::ZERO, |since| barrier_at.duration_since(since)),
                 }
                 .emit();
-                in_flight.push_back(epoch);
-                unpersisted.push_back(cut.clone());
+                in_flight.push(cut.clone());
                 if handoff
                     .send(Handoff {
                         cut,
@@ -722,7 +753,7 @@ impl Consumer {
                 Ok(None) => {}
                 Ok(Some(record)) => {
                     let state = WithInFlight {
-                        cuts: &unpersisted,
+                        cuts: in_flight.readable(),
                         store: &*self.store,
                     };
                     operator
@@ -1712,6 +1743,40 @@ mod tests {
             dead_letter_bytes,
             state_bytes,
         }
+    }
+
+    #[test]
+    fn a_cut_is_read_until_pre_committed_and_counted_until_committed() {
+        let cut = |n: u64| {
+            let mut cut = EpochCut::default();
+            cut.epoch = Epoch(n);
+            Arc::new(cut)
+        };
+        let epochs = |cuts: &[Arc<EpochCut>]| cuts.iter().map(|c| c.epoch.0).collect::<Vec<_>>();
+        let readable = |f: &InFlight| epochs(&f.readable().iter().cloned().collect::<Vec<_>>());
+        let mut flight = InFlight::default();
+        flight.push(cut(1));
+        flight.push(cut(2));
+        assert_eq!(epochs(&flight.precommitted(Epoch(1))), [1]);
+        assert_eq!(readable(&flight), [2]);
+        assert_eq!(
+            flight.len(),
+            2,
+            "a pre-committed epoch still counts until committed"
+        );
+        flight.committed(Epoch(1));
+        assert_eq!(flight.len(), 1);
+        // Reports of both kinds may cover several epochs at once, in either order.
+        flight.push(cut(3));
+        flight.committed(Epoch(3));
+        assert_eq!(flight.len(), 0);
+        assert_eq!(
+            readable(&flight),
+            [2, 3],
+            "read until the store answers for them"
+        );
+        assert_eq!(epochs(&flight.precommitted(Epoch(3))), [2, 3]);
+        assert!(flight.readable().is_empty());
     }
 
     #[test]
