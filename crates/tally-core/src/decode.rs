@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
+use compact_str::CompactString;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
@@ -104,9 +105,9 @@ impl Default for FieldMapping {
 /// A valid order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrderEvent {
-    pub event_id: String,
-    pub customer_id: String,
-    pub currency: String,
+    pub event_id: CompactString,
+    pub customer_id: CompactString,
+    pub currency: CompactString,
     pub amount: Amount,
     pub event_time_ms: i64,
 }
@@ -393,9 +394,9 @@ impl RecordDecoder {
             ));
         }
         Ok(OrderEvent {
-            event_id: event_id.into_owned(),
-            customer_id: customer_id.into_owned(),
-            currency: currency.into_owned(),
+            event_id: CompactString::from(event_id.as_ref()),
+            customer_id: CompactString::from(customer_id.as_ref()),
+            currency: CompactString::from(currency.as_ref()),
             amount,
             event_time_ms,
         })

@@ -10,6 +10,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
@@ -26,6 +27,8 @@ type FastMap<K, V> = HashMap<K, V, foldhash::quality::RandomState>;
 
 /// Heap bytes of a changed id or window besides its strings: the map entry, its share of the
 /// table and the allocator's overhead (an estimate: peak RSS in BENCHMARKS.md is the check).
+/// The strings' lengths are added although short ones live inline: they are bytes again in
+/// the epoch's rows, changelog and write batch.
 const SEEN_ENTRY_BYTES: usize = 72;
 const WINDOW_ENTRY_BYTES: usize = 144;
 
@@ -130,7 +133,7 @@ pub struct RevenueOperator {
     partitions: BTreeMap<PartitionId, PartitionState>,
     /// Per partition, so that a lookup by `&WindowKey` needs no owned key.
     dirty_windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
-    dirty_seen: FastMap<PartitionId, FastMap<String, i64>>,
+    dirty_seen: FastMap<PartitionId, FastMap<CompactString, i64>>,
     dead_letters: Vec<DeadLetter>,
     dead_letter_bytes: usize,
     /// Estimated heap bytes of the epoch's changed windows and ids.
@@ -564,7 +567,7 @@ pub struct EpochCut {
     pub epoch: Epoch,
     window_size_ms: i64,
     windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
-    seen: FastMap<PartitionId, FastMap<String, i64>>,
+    seen: FastMap<PartitionId, FastMap<CompactString, i64>>,
     pub dead_letters: Vec<DeadLetter>,
     pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
     close_windows_before: Vec<(PartitionId, i64)>,

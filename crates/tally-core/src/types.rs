@@ -1,6 +1,7 @@
 //! Named concepts shared by every crate: partitions, offsets, epochs, barriers, window keys,
 //! dead letters and accounting.
 
+use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
@@ -43,8 +44,8 @@ pub struct CheckpointBarrier {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct WindowKey {
     pub window_start_ms: i64,
-    pub customer_id: String,
-    pub currency: String,
+    pub customer_id: CompactString,
+    pub currency: CompactString,
 }
 
 /// The full current value of one window aggregate.

@@ -67,8 +67,8 @@ pub fn decode_window(k: &[u8]) -> Option<(PartitionId, WindowKey)> {
         p,
         WindowKey {
             window_start_ms,
-            customer_id: String::from_utf8(customer.to_vec()).ok()?,
-            currency: String::from_utf8(currency.to_vec()).ok()?,
+            customer_id: std::str::from_utf8(customer).ok()?.into(),
+            currency: std::str::from_utf8(currency).ok()?.into(),
         },
     ))
 }
@@ -121,8 +121,8 @@ mod tests {
         ) {
             let key = |(p, w, c, cur): &(i32, i64, String, String)| (*p, WindowKey {
                 window_start_ms: w * 60_000,
-                customer_id: c.clone(),
-                currency: cur.clone(),
+                customer_id: c.as_str().into(),
+                currency: cur.as_str().into(),
             });
             let ((pa, ka), (pb, kb)) = (key(&a), key(&b));
             proptest::prop_assert_eq!(

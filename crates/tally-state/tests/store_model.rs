@@ -16,7 +16,7 @@ const WINDOW_MS: i64 = 1000;
 fn key(start: i64, customer: u8) -> WindowKey {
     WindowKey {
         window_start_ms: start * 1000,
-        customer_id: format!("c{customer}"),
+        customer_id: format!("c{customer}").into(),
         currency: "EUR".into(),
     }
 }

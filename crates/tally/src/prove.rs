@@ -453,8 +453,8 @@ pub async fn reconcile(
                             row.partition,
                             (
                                 row.key.window_start_ms,
-                                row.key.customer_id,
-                                row.key.currency,
+                                row.key.customer_id.into(),
+                                row.key.currency.into(),
                             ),
                         ),
                         (row.value.orders, row.value.revenue.units()),
@@ -906,10 +906,10 @@ impl IncrementalReconciler {
         result.source_duplicates = cp.accounting().duplicates;
         let mut changed = BTreeSet::new();
         for row in cp.rows {
-            let key = (
+            let key: (i64, String, String) = (
                 row.key.window_start_ms,
-                row.key.customer_id,
-                row.key.currency,
+                row.key.customer_id.into(),
+                row.key.currency.into(),
             );
             self.source
                 .entry(key.clone())
