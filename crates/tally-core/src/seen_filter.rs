@@ -6,7 +6,8 @@
 //! Ids are kept in generations, each a blocked Bloom filter (all bits of one id in one 64-byte
 //! block: one cache miss per probe). A generation spans at most half the horizon of event time
 //! and is dropped as a whole once its newest id is past the horizon, so memory follows the ids
-//! within the horizon (about 1.3 bytes each) and deletion is never needed.
+//! within the horizon (about 1.3 bytes each, and up to twice that while a new generation, sized
+//! for the ids of the last half horizon, fills) and deletion is never needed.
 
 use std::collections::BTreeMap;
 use std::hash::BuildHasher;
