@@ -12,7 +12,6 @@ pub mod types;
 pub mod window;
 
 pub use amount::{Amount, AmountError};
-pub use compact_str::CompactString;
 pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
 pub use mem::MemStore;
 pub use operator::{

@@ -477,15 +477,17 @@ impl Worker {
         // Epochs committed in every sink, from the sink thread only: when it ends, for whatever
         // reason, the operator sees the channel close.
         let (committed_tx, committed_rx) = mpsc::channel::<Epoch>();
-        // Epochs pre-committed, from the persister: from then on the store answers for them.
-        let (precommitted_tx, precommitted_rx) = mpsc::channel::<Epoch>();
+        // The newest epoch pre-committed, from the persister: the store answers for it and every
+        // older one (those before the operator's first epoch were in the store at its start).
+        let precommitted = Arc::new(AtomicU64::new(operator.current_epoch().0.saturating_sub(1)));
         let persister = Persister {
             store: consumer.store.clone(),
             fault: sinks.fault,
+            precommitted: precommitted.clone(),
         };
         let persister = std::thread::Builder::new()
             .name("tally-persist".into())
-            .spawn(move || persister.run(handoff_rx, precommitted_tx, persisted_tx))
+            .spawn(move || persister.run(handoff_rx, persisted_tx))
             .context("starting the persister thread")?;
         let sink_thread = std::thread::Builder::new()
             .name("tally-sinks".into())
@@ -495,10 +497,8 @@ impl Worker {
         let consumed = consumer.consume(
             &mut operator,
             handoff_tx,
-            Progress {
-                precommitted: precommitted_rx,
-                committed: committed_rx,
-            },
+            &precommitted,
+            committed_rx,
             filters,
             added,
         );
@@ -547,18 +547,10 @@ enum Stop {
     Final(Epoch),
 }
 
-/// What the committing threads report back to the operator, each in epoch order.
-struct Progress {
-    /// Pre-committed: the store answers for the epoch from now on, so its cut is no longer read
-    /// and is freed (its maps are the largest part of an epoch in flight; the sinks still to
-    /// come need only the rows and changelog made from it).
-    precommitted: Receiver<Epoch>,
-    /// Committed in every sink: the epoch no longer counts against `max_epochs_in_flight`.
-    committed: Receiver<Epoch>,
-}
-
 /// The epochs between their barrier and committed, and the cuts of those not yet pre-committed.
-/// The operator reads through the cuts; the epochs count against `max_epochs_in_flight`.
+/// The operator reads through the cuts; the epochs count against `max_epochs_in_flight`. A
+/// pre-committed cut is freed: the store answers for it, and the sinks still to come need only
+/// the rows and changelog made from it (its maps are the largest part of an epoch in flight).
 #[derive(Default)]
 struct InFlight {
     /// Oldest first.
@@ -622,7 +614,8 @@ impl Consumer {
         &mut self,
         operator: &mut RevenueOperator,
         handoff: Sender<Handoff>,
-        progress: Progress,
+        precommitted: &AtomicU64,
+        committed: Receiver<Epoch>,
         mut filters: Option<Receiver<(PartitionId, SeenIdFilter)>>,
         added: Option<Receiver<AddedPartitions>>,
     ) -> Result<Stop> {
@@ -647,14 +640,10 @@ impl Consumer {
             .name("tally-free".into())
             .spawn(move || retired_rx.into_iter().for_each(drop))
             .context("starting the thread that frees pre-committed epochs")?;
-        // A persister that ended (at a stop, or failing, which ends the sink thread too)
-        // pre-commits nothing more: its cuts stay readable.
         let retire_precommitted = |in_flight: &mut InFlight| {
-            while let Ok(epoch) = progress.precommitted.try_recv() {
-                for cut in in_flight.precommitted(epoch) {
-                    // A closed channel means the thread ended: the cut is freed here instead.
-                    let _ = retired_tx.send(cut);
-                }
+            for cut in in_flight.precommitted(Epoch(precommitted.load(Ordering::Acquire))) {
+                // A closed channel means the thread ended: the cut is freed here instead.
+                let _ = retired_tx.send(cut);
             }
         };
         loop {
@@ -668,7 +657,7 @@ impl Consumer {
             }
             retire_precommitted(&mut in_flight);
             loop {
-                match progress.committed.try_recv() {
+                match committed.try_recv() {
                     Ok(epoch) => in_flight.committed(epoch),
                     Err(TryRecvError::Empty) => break,
                     // The sink thread ended (a shutdown while a sink failed, or an error that
@@ -703,7 +692,7 @@ impl Consumer {
                 }
                 while in_flight.len() >= max_in_flight {
                     retire_precommitted(&mut in_flight);
-                    match progress.committed.recv_timeout(POLL) {
+                    match committed.recv_timeout(POLL) {
                         Ok(epoch) => in_flight.committed(epoch),
                         Err(RecvTimeoutError::Timeout) => {}
                         Err(RecvTimeoutError::Disconnected) => return Ok(Stop::Idle),
@@ -1629,15 +1618,12 @@ fn rebuild_seen_filters(
 struct Persister {
     store: Arc<StateStore>,
     fault: FaultPlan,
+    /// The newest epoch pre-committed, for the operator.
+    precommitted: Arc<AtomicU64>,
 }
 
 impl Persister {
-    fn run(
-        self,
-        handoffs: Receiver<Handoff>,
-        precommitted: Sender<Epoch>,
-        persisted: Sender<Persisted>,
-    ) -> Result<()> {
+    fn run(self, handoffs: Receiver<Handoff>, persisted: Sender<Persisted>) -> Result<()> {
         for handoff in handoffs {
             let started = Instant::now();
             // The sinks do not need the ids (the largest part of an epoch): they go from the
@@ -1653,15 +1639,14 @@ impl Persister {
             };
             let liveness = tally_state::changelog::liveness_of_cut(&handoff.cut);
             let epoch = checkpoint.epoch;
-            // The operator's reference is then the last: it frees the cut off this thread. A
-            // consumer that stopped listening has no cuts left to free.
+            // The operator's reference is then the last: it frees the cut off this thread.
             let Handoff {
                 cut,
                 barrier_at,
                 pause,
             } = handoff;
             drop(cut);
-            let _ = precommitted.send(epoch);
+            self.precommitted.store(epoch.0, Ordering::Release);
             self.fault.hit(FaultPoint::AfterPreCommit, epoch);
             if self.fault.is_armed() {
                 // Under the store's lock: the sink thread must not commit the older epoch
