@@ -149,6 +149,8 @@ impl SinkRetry<'_> {
 pub struct CheckpointCut {
     pub epoch: Epoch,
     pub records: u64,
+    /// Why the epoch was cut: stop, full, interval or caught_up.
+    pub reason: &'static str,
     /// The estimated heap of the epoch's changed windows and ids, which it holds until committed.
     pub state_bytes: usize,
     /// The in-memory dedup filters of the operator's partitions.
@@ -163,6 +165,7 @@ impl CheckpointCut {
         tracing::debug!(
             epoch = %self.epoch,
             records = self.records,
+            reason = self.reason,
             estimated_state_bytes = self.state_bytes,
             seen_filter_bytes = self.seen_filter_bytes,
             pause_us = self.pause.total.as_micros() as u64,

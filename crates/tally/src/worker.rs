@@ -88,6 +88,54 @@ impl EpochFill {
     }
 }
 
+/// Why an epoch is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CutReason {
+    Stop,
+    /// A bound of [`EpochFill::full`]: the input arrives faster than one epoch per interval.
+    Full,
+    Interval,
+    /// The input went quiet after the last epoch filled up: a drained backlog is cut at once,
+    /// so its last records reach the sinks now rather than up to an interval later.
+    CaughtUp,
+}
+
+impl CutReason {
+    fn name(self) -> &'static str {
+        match self {
+            CutReason::Stop => "stop",
+            CutReason::Full => "full",
+            CutReason::Interval => "interval",
+            CutReason::CaughtUp => "caught_up",
+        }
+    }
+}
+
+/// Why the current epoch is cut now, if it is. `quiet`: the last poll found no record;
+/// `last_cut`: why the previous epoch was cut.
+fn cut_reason(
+    fill: EpochFill,
+    idle: bool,
+    stopping: bool,
+    interval_over: bool,
+    quiet: bool,
+    last_cut: Option<CutReason>,
+) -> Option<CutReason> {
+    if idle {
+        None
+    } else if stopping {
+        Some(CutReason::Stop)
+    } else if fill.full() {
+        Some(CutReason::Full)
+    } else if interval_over {
+        Some(CutReason::Interval)
+    } else if quiet && last_cut == Some(CutReason::Full) {
+        Some(CutReason::CaughtUp)
+    } else {
+        None
+    }
+}
+
 /// Whether a barrier that is due is put off. With the committer `max_in_flight` epochs behind, a
 /// barrier would only wait for it (backpressure, the operator not consuming): the operator goes
 /// on filling the epoch instead, as Flink skips a checkpoint trigger while the previous ones run,
@@ -626,6 +674,8 @@ impl Consumer {
         // When the barrier that is due was first put off because the committer was behind.
         let mut deferred_since: Option<Instant> = None;
         let mut in_flight = InFlight::default();
+        let mut last_cut = None;
+        let mut quiet = false;
         // Partitions that started from `start_from` have no checkpoint yet: take one even if idle,
         // so a restart resumes at the resolved offset instead of resolving `latest` again.
         let mut must_checkpoint = self.store.meta().is_none_or(|m| {
@@ -677,13 +727,21 @@ impl Consumer {
                 must_checkpoint |= self.adopt_added_partitions(operator, added.as_ref())?;
             }
             let fill = EpochFill::of(operator);
-            let due = !idle && (stopping || fill.full() || Instant::now() >= next_barrier);
+            let reason = cut_reason(
+                fill,
+                idle,
+                stopping,
+                Instant::now() >= next_barrier,
+                quiet,
+                last_cut,
+            );
+            let due = reason.is_some();
             let defer = due && defer_barrier(fill, in_flight.len(), max_in_flight, stopping);
             if defer && deferred_since.is_none() {
                 deferred_since = Some(Instant::now());
                 self.pressure.note();
             }
-            if due && !defer {
+            if let Some(reason) = reason.filter(|_| !defer) {
                 let barrier_at = Instant::now();
                 // Backpressure: the committer is `max_in_flight` epochs behind. A shutdown
                 // while a sink fails ends the sink thread, which closes the channel.
@@ -711,6 +769,7 @@ impl Consumer {
                 CheckpointCut {
                     epoch,
                     records: cut.consumed(),
+                    reason: reason.name(),
                     state_bytes: fill.state_bytes,
                     seen_filter_bytes: operator.seen_filter_bytes(),
                     pause,
@@ -731,6 +790,7 @@ impl Consumer {
                     return Ok(Stop::Idle);
                 }
                 next_barrier = Instant::now() + interval;
+                last_cut = Some(reason);
                 self.maybe_report_lag(&operator.next_offsets());
                 must_checkpoint = self.adopt_added_partitions(operator, added.as_ref())?;
                 if stopping {
@@ -739,8 +799,9 @@ impl Consumer {
                 continue;
             }
             match self.source.poll(POLL) {
-                Ok(None) => {}
+                Ok(None) => quiet = true,
                 Ok(Some(record)) => {
+                    quiet = false;
                     let state = WithInFlight {
                         cuts: in_flight.readable(),
                         store: &*self.store,
@@ -1792,6 +1853,43 @@ mod tests {
             2,
             false
         ));
+    }
+
+    #[test]
+    fn a_quiet_input_cuts_the_epoch_only_after_a_full_one() {
+        use CutReason::*;
+        let (small, full) = (fill(10, 0, 0), fill(MAX_EPOCH_RECORDS, 0, 0));
+        // A drained backlog: the last epoch filled up, then the input went quiet.
+        assert_eq!(
+            cut_reason(small, false, false, false, true, Some(Full)),
+            Some(CaughtUp)
+        );
+        // Live input that goes quiet waits for the interval, as does a backlog still flowing.
+        for last in [None, Some(Interval), Some(CaughtUp), Some(Stop)] {
+            assert_eq!(
+                cut_reason(small, false, false, false, true, last),
+                None,
+                "{last:?}"
+            );
+        }
+        assert_eq!(
+            cut_reason(small, false, false, false, false, Some(Full)),
+            None
+        );
+        assert_eq!(
+            cut_reason(small, false, false, true, true, None),
+            Some(Interval)
+        );
+        // Nothing to cut, whatever else holds; a stop and a bound come first.
+        assert_eq!(cut_reason(full, true, true, true, true, Some(Full)), None);
+        assert_eq!(
+            cut_reason(full, false, true, true, true, Some(Full)),
+            Some(Stop)
+        );
+        assert_eq!(
+            cut_reason(full, false, false, true, true, Some(Full)),
+            Some(Full)
+        );
     }
 
     #[test]
