@@ -320,36 +320,45 @@ pub async fn ensure_topic(
     Ok(changes.first() == Some(&TopicChange::Created))
 }
 
-/// Deletes the records of `topic` before the given offset of each partition (`DeleteRecords`).
-pub async fn delete_records_before(
-    settings: &KafkaSettings,
-    topic: &str,
-    before: &BTreeMap<i32, i64>,
-) -> Result<()> {
-    use rdkafka::{Offset, TopicPartitionList};
-    let admin: AdminClient<DefaultClientContext> = settings
-        .client_config()
-        .create()
-        .map_err(kafka("creating admin client"))?;
-    let mut tpl = TopicPartitionList::new();
-    for (&p, &o) in before {
-        tpl.add_partition_offset(topic, p, Offset::Offset(o))
-            .map_err(kafka("building offsets"))?;
+/// Deletes records below given offsets (`DeleteRecords`) through one admin client, kept for
+/// every call instead of connecting anew each time.
+pub struct RecordDeleter {
+    admin: AdminClient<DefaultClientContext>,
+}
+
+impl RecordDeleter {
+    pub fn connect(settings: &KafkaSettings) -> Result<RecordDeleter> {
+        let admin = settings
+            .client_config()
+            .create()
+            .map_err(kafka("creating admin client"))?;
+        Ok(RecordDeleter { admin })
     }
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    let result = admin
-        .delete_records(&tpl, &opts)
-        .await
-        .map_err(kafka(format!("deleting records of {topic}")))?;
-    for element in result.elements() {
-        if let Err(e) = element.error() {
-            return Err(Error::Kafka {
-                context: format!("deleting records of {topic}/{}", element.partition()),
-                source: e,
-            });
+
+    /// Deletes the records of `topic` before the given offset of each partition.
+    pub async fn delete_before(&self, topic: &str, before: &BTreeMap<i32, i64>) -> Result<()> {
+        use rdkafka::{Offset, TopicPartitionList};
+        let mut tpl = TopicPartitionList::new();
+        for (&p, &o) in before {
+            tpl.add_partition_offset(topic, p, Offset::Offset(o))
+                .map_err(kafka("building offsets"))?;
         }
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        let result = self
+            .admin
+            .delete_records(&tpl, &opts)
+            .await
+            .map_err(kafka(format!("deleting records of {topic}")))?;
+        for element in result.elements() {
+            if let Err(e) = element.error() {
+                return Err(Error::Kafka {
+                    context: format!("deleting records of {topic}/{}", element.partition()),
+                    source: e,
+                });
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// How durable a topic is on its cluster: what `tally doctor` checks for the hops up to

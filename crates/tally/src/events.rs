@@ -17,11 +17,12 @@ pub struct EpochBytes {
 /// The changelog was truncated below the committed restore points.
 pub struct ChangelogTruncated<'a> {
     pub before: &'a std::collections::BTreeMap<i32, i64>,
+    pub took: Duration,
 }
 
 impl ChangelogTruncated<'_> {
     pub fn emit(&self) {
-        tracing::debug!(before = ?self.before, "truncated the changelog");
+        tracing::debug!(before = ?self.before, millis = self.took.as_millis() as u64, "truncated the changelog");
         counter!("tally_changelog_truncations_total").increment(1);
         for (p, offset) in self.before {
             gauge!("tally_changelog_restore_point_offset", "partition" => p.to_string())
@@ -35,7 +36,11 @@ impl ChangelogTruncated<'_> {
 pub struct CommitPhases {
     pub pre_commit: Duration,
     pub dead_letters: Duration,
+    /// After the Kafka transaction: the changelog's new restore points (its end offsets read,
+    /// the points saved) and, now and then, its truncation below the old ones.
+    pub changelog: Duration,
     pub clickhouse: Duration,
+    pub mark_committed: Duration,
 }
 
 /// How long the operator stopped consuming at a barrier, and how much of that it waited for the
@@ -84,7 +89,9 @@ impl CheckpointCommitted<'_> {
             backpressure_us = self.pause.backpressure.as_micros() as u64,
             pre_commit_ms = self.phases.pre_commit.as_millis() as u64,
             dead_letters_ms = self.phases.dead_letters.as_millis() as u64,
+            changelog_ms = self.phases.changelog.as_millis() as u64,
             clickhouse_ms = self.phases.clickhouse.as_millis() as u64,
+            mark_committed_ms = self.phases.mark_committed.as_millis() as u64,
             state_bytes = self.bytes.state,
             changelog_bytes = self.bytes.changelog,
             recovered = self.recovered,
@@ -113,7 +120,9 @@ impl CheckpointCommitted<'_> {
         for (phase, d) in [
             ("pre_commit", self.phases.pre_commit),
             ("dead_letters", self.phases.dead_letters),
+            ("changelog", self.phases.changelog),
             ("clickhouse", self.phases.clickhouse),
+            ("mark_committed", self.phases.mark_committed),
         ] {
             histogram!("tally_checkpoint_phase_seconds", "phase" => phase).record(d.as_secs_f64());
         }

@@ -31,7 +31,8 @@ use tally_core::{
     SeenIdFilter, WithInFlight,
 };
 use tally_kafka::{
-    CommitMark, EpochCommit, EpochProducer, EpochTopics, KafkaSettings, Source, StartFrom,
+    CommitMark, EpochCommit, EpochProducer, EpochTopics, KafkaSettings, RecordDeleter, Source,
+    StartFrom,
 };
 use tally_state::changelog::{EpochLiveness, RestorePoints};
 use tally_state::{EncodedRecord, StateStore};
@@ -299,6 +300,71 @@ struct Sinks {
     restore_points: RestorePoints,
     /// When the changelog was last truncated below the committed restore points.
     truncated_at: Option<Instant>,
+    truncator: ChangelogTruncator,
+}
+
+/// Truncates the changelog below the committed restore points on a thread of its own, with
+/// one admin client: on the commit path, a `DeleteRecords` through a new client now and then
+/// took over a second (`changelog_ms` in the commit line), and every commit behind it waited.
+/// Failures cost only a longer restore; a stop waits for the request in progress.
+struct ChangelogTruncator {
+    requests: Option<mpsc::SyncSender<BTreeMap<PartitionId, i64>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ChangelogTruncator {
+    fn start(rt: Handle, kafka: KafkaSettings, topic: String) -> Result<ChangelogTruncator> {
+        let (requests, pending) = mpsc::sync_channel::<BTreeMap<PartitionId, i64>>(1);
+        let thread = std::thread::Builder::new()
+            .name("tally-truncate".into())
+            .spawn(move || {
+                let mut deleter: Option<RecordDeleter> = None;
+                for before in pending {
+                    let started = Instant::now();
+                    let deleted = match deleter
+                        .take()
+                        .map_or_else(|| RecordDeleter::connect(&kafka), Ok)
+                    {
+                        Ok(d) => rt.block_on(d.delete_before(&topic, &before)).map(|()| d),
+                        Err(e) => Err(e),
+                    };
+                    match deleted {
+                        Ok(d) => {
+                            deleter = Some(d);
+                            ChangelogTruncated {
+                                before: &before,
+                                took: started.elapsed(),
+                            }
+                            .emit();
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not truncate the changelog; retrying later")
+                        }
+                    }
+                }
+            })
+            .context("starting the thread that truncates the changelog")?;
+        Ok(ChangelogTruncator {
+            requests: Some(requests),
+            thread: Some(thread),
+        })
+    }
+
+    /// False when a truncation is still in progress: a later one carries newer points.
+    fn request(&self, before: BTreeMap<PartitionId, i64>) -> bool {
+        self.requests
+            .as_ref()
+            .is_some_and(|r| r.try_send(before).is_ok())
+    }
+}
+
+impl Drop for ChangelogTruncator {
+    fn drop(&mut self) {
+        drop(self.requests.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// Fold steps, on a thread of their own: a step can take seconds (it moves every final
@@ -432,6 +498,8 @@ impl Worker {
         if let Some(task) = config.job.task {
             tracing::info!(task, partitions = ?partitions, "running task {task} of {}", config.tasks());
         }
+        let truncator =
+            ChangelogTruncator::start(rt.clone(), kafka.clone(), config.changelog_topic())?;
         let sinks = Sinks {
             config: config.clone(),
             rt,
@@ -453,6 +521,7 @@ impl Worker {
             readiness: readiness.clone(),
             restore_points: store.restore_points()?,
             truncated_at: None,
+            truncator,
         };
         Ok(Worker {
             consumer: Consumer {
@@ -1277,7 +1346,7 @@ impl Sinks {
         started: Instant,
     ) -> Result<()> {
         self.commit(checkpoint, changelog, liveness, CommitStep::PreCommitted)?;
-        self.store.mark_committed(checkpoint.epoch)?;
+        self.mark_committed(checkpoint.epoch)?;
         CheckpointCommitted {
             checkpoint,
             latency: started.elapsed(),
@@ -1304,7 +1373,7 @@ impl Sinks {
                 &next.liveness,
                 CommitStep::PreCommitted,
             )?;
-            self.store.mark_committed(checkpoint.epoch)?;
+            self.mark_committed(checkpoint.epoch)?;
             self.fault
                 .hit(FaultPoint::KafkaCommitLost, checkpoint.epoch);
             CheckpointCommitted {
@@ -1320,6 +1389,13 @@ impl Sinks {
             // The operator may have stopped already; the epoch is committed either way.
             let _ = committed.send(checkpoint.epoch);
         }
+        Ok(())
+    }
+
+    fn mark_committed(&mut self, epoch: Epoch) -> Result<()> {
+        let started = Instant::now();
+        self.store.mark_committed(epoch)?;
+        self.phases.mark_committed = started.elapsed();
         Ok(())
     }
 
@@ -1399,7 +1475,9 @@ impl Sinks {
                     match step {
                         CommitStep::PreCommitted => {
                             self.phases.dead_letters = step_started.elapsed();
+                            let started = Instant::now();
                             self.advance_restore_points(points.clone(), offsets.keys());
+                            self.phases.changelog = started.elapsed();
                         }
                         CommitStep::DeadLettersCommitted => {
                             self.phases.clickhouse = step_started.elapsed()
@@ -1504,8 +1582,9 @@ impl Sinks {
     /// transaction, so a commit by another writer that raced the first check shows now, and
     /// from here on only this producer can commit until another one initialises and fences it.
     /// After an epoch's transaction committed: its restore points are the job's, the next
-    /// epoch's records start after the changelog's end, and now and then the changelog is
-    /// truncated below the committed points. Failures here cost only a longer restore.
+    /// epoch's records start after the changelog's end, and now and then the truncator thread is
+    /// asked to delete the changelog below the committed points. Failures here cost only a
+    /// longer restore.
     fn advance_restore_points<'a>(
         &mut self,
         mut points: RestorePoints,
@@ -1544,17 +1623,8 @@ impl Sinks {
         {
             return;
         }
-        self.truncated_at = Some(Instant::now());
-        let topic = self.config.changelog_topic();
-        match self.rt.block_on(tally_kafka::delete_records_before(
-            &self.kafka,
-            &topic,
-            &before,
-        )) {
-            Ok(()) => ChangelogTruncated { before: &before }.emit(),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not truncate the changelog; retrying later")
-            }
+        if self.truncator.request(before) {
+            self.truncated_at = Some(Instant::now());
         }
     }
 
