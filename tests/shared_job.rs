@@ -112,12 +112,11 @@ async fn three_workers_share_a_job_and_its_tasks_move_on_kill_stop_and_join() {
     // be complete before the last worker's join has moved a task to it, so allow that a while.
     let started =
         || -> Vec<Vec<u32>> { [&a, &b, &c].iter().map(|w| started_tasks(w, 0)).collect() };
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    let mut spread = started();
-    while spread.iter().filter(|t| !t.is_empty()).count() < 2 && std::time::Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        spread = started();
-    }
+    wait_until(Duration::from_secs(30), || {
+        started().iter().filter(|t| !t.is_empty()).count() >= 2
+    })
+    .await;
+    let spread = started();
     println!("tasks started per worker: {spread:?}");
     let all: BTreeSet<u32> = spread.iter().flatten().copied().collect();
     assert_eq!(all, (0..4).collect(), "{spread:?}");
@@ -153,10 +152,10 @@ async fn three_workers_share_a_job_and_its_tasks_move_on_kill_stop_and_join() {
     assert_view_eq(&view, &manifest.rows, &logs());
     let remaining = (0..3).find(|i| *i != victim && *i != stopping).unwrap();
     // The group rebalanced onto the newcomer, which ran at least one task.
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    while started_tasks(&d, joined_at).is_empty() && std::time::Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_until(Duration::from_secs(30), || {
+        !started_tasks(&d, joined_at).is_empty()
+    })
+    .await;
     assert!(!started_tasks(&d, joined_at).is_empty(), "{}", d.log());
     // It joined a running job: it warmed its copies first, so a task given to it resumed
     // after a catch-up, not a whole restore while the task waited.

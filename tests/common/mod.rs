@@ -364,6 +364,14 @@ pub fn sigterm(child: &Child) {
 }
 
 /// Waits for a child to exit, killing it after `timeout`.
+/// Polls `done` every 200 ms until it holds or `timeout` passes; the caller asserts.
+pub async fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + timeout;
+    while !done() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
     let until = Instant::now() + timeout;
     while Instant::now() < until {

@@ -213,8 +213,8 @@ fn commit(store: &mut MemStore, outputs: &mut Outputs, cp: &Checkpoint) {
 
 /// Like `run`, but each cut becomes durable only later (pipelined checkpoints): the operator
 /// goes on reading through the cuts in flight until the store holds them (the worker's
-/// pre-commit; its sinks' later steps change no state the operator reads). After each record in `commit_at` the oldest cut
-/// in flight is committed; at most `max_in_flight` are held.
+/// pre-commit; its sinks' later steps change no state the operator reads). After each record
+/// in `commit_at` the oldest cut in flight is committed; at most `max_in_flight` are held.
 fn run_pipelined(
     records: &[(PartitionId, i64, Vec<u8>)],
     barriers: &BTreeSet<usize>,

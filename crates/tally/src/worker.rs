@@ -298,71 +298,67 @@ struct Sinks {
     readiness: Arc<Readiness>,
     /// Where a restore of each partition may start reading the changelog.
     restore_points: RestorePoints,
-    /// When the changelog was last truncated below the committed restore points.
-    truncated_at: Option<Instant>,
     truncator: ChangelogTruncator,
 }
 
-/// Truncates the changelog below the committed restore points on a thread of its own, with
-/// one admin client: on the commit path, a `DeleteRecords` through a new client now and then
-/// took over a second (`changelog_ms` in the commit line), and every commit behind it waited.
-/// Failures cost only a longer restore; a stop waits for the request in progress.
+/// Truncates the changelog below the committed restore points, at most every
+/// [`TRUNCATE_EVERY`], on a thread of its own with one admin client: on the commit path, a
+/// `DeleteRecords` through a new client now and then took over a second (`changelog_ms` in the
+/// commit line), and every commit behind it waited. Failures cost only a longer restore; a stop
+/// waits for the request in progress.
 struct ChangelogTruncator {
-    requests: Option<mpsc::SyncSender<BTreeMap<PartitionId, i64>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// Declared before the thread: dropped first, it ends the thread's loop, then the join.
+    requests: mpsc::SyncSender<BTreeMap<PartitionId, i64>>,
+    _thread: Background,
+    /// When a truncation was last asked for.
+    asked_at: Option<Instant>,
 }
 
 impl ChangelogTruncator {
     fn start(rt: Handle, kafka: KafkaSettings, topic: String) -> Result<ChangelogTruncator> {
         let (requests, pending) = mpsc::sync_channel::<BTreeMap<PartitionId, i64>>(1);
-        let thread = std::thread::Builder::new()
-            .name("tally-truncate".into())
-            .spawn(move || {
-                let mut deleter: Option<RecordDeleter> = None;
-                for before in pending {
-                    let started = Instant::now();
-                    let deleted = match deleter
-                        .take()
-                        .map_or_else(|| RecordDeleter::connect(&kafka), Ok)
-                    {
-                        Ok(d) => rt.block_on(d.delete_before(&topic, &before)).map(|()| d),
-                        Err(e) => Err(e),
-                    };
-                    match deleted {
-                        Ok(d) => {
-                            deleter = Some(d);
-                            ChangelogTruncated {
-                                before: &before,
-                                took: started.elapsed(),
-                            }
-                            .emit();
+        // The thread ends when `requests` closes; the flag is not needed.
+        let thread = Background::spawn("tally-truncate", Arc::default(), move || {
+            let mut deleter: Option<RecordDeleter> = None;
+            for before in pending {
+                let started = Instant::now();
+                let deleted = match deleter
+                    .take()
+                    .map_or_else(|| RecordDeleter::connect(&kafka), Ok)
+                {
+                    Ok(d) => rt.block_on(d.delete_before(&topic, &before)).map(|()| d),
+                    Err(e) => Err(e),
+                };
+                match deleted {
+                    Ok(d) => {
+                        deleter = Some(d);
+                        ChangelogTruncated {
+                            before: &before,
+                            took: started.elapsed(),
                         }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not truncate the changelog; retrying later")
-                        }
+                        .emit();
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not truncate the changelog; retrying later")
                     }
                 }
-            })
-            .context("starting the thread that truncates the changelog")?;
+            }
+        })?;
         Ok(ChangelogTruncator {
-            requests: Some(requests),
-            thread: Some(thread),
+            requests,
+            _thread: thread,
+            asked_at: None,
         })
     }
 
-    /// False when a truncation is still in progress: a later one carries newer points.
-    fn request(&self, before: BTreeMap<PartitionId, i64>) -> bool {
-        self.requests
-            .as_ref()
-            .is_some_and(|r| r.try_send(before).is_ok())
-    }
-}
-
-impl Drop for ChangelogTruncator {
-    fn drop(&mut self) {
-        drop(self.requests.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+    /// Asks for the records below `before` to be deleted, unless a truncation was asked for
+    /// within [`TRUNCATE_EVERY`] or is still in progress: a later one carries newer points.
+    fn request(&mut self, before: BTreeMap<PartitionId, i64>) {
+        if before.is_empty() || self.asked_at.is_some_and(|t| t.elapsed() < TRUNCATE_EVERY) {
+            return;
+        }
+        if self.requests.try_send(before).is_ok() {
+            self.asked_at = Some(Instant::now());
         }
     }
 }
@@ -520,7 +516,6 @@ impl Worker {
             phases: CommitPhases::default(),
             readiness: readiness.clone(),
             restore_points: store.restore_points()?,
-            truncated_at: None,
             truncator,
         };
         Ok(Worker {
@@ -1616,16 +1611,7 @@ impl Sinks {
             .filter(|(_, from)| *from > 0)
             .collect();
         self.restore_points = points;
-        if before.is_empty()
-            || self
-                .truncated_at
-                .is_some_and(|t| t.elapsed() < TRUNCATE_EVERY)
-        {
-            return;
-        }
-        if self.truncator.request(before) {
-            self.truncated_at = Some(Instant::now());
-        }
+        self.truncator.request(before);
     }
 
     fn connect_dead_letters(&self) -> Result<EpochProducer, SinkFailure> {
