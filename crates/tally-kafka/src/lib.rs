@@ -21,6 +21,7 @@ pub use source::{
 pub use transaction::{
     CommitMark, EpochCommit, EpochProducer, EpochTopics, HEADER_ERROR, HEADER_REASON,
     HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC,
+    UnfencedProducer,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -147,10 +148,13 @@ impl KafkaSettings {
     }
 }
 
-/// Connects and reads the cluster's metadata. A failure no retry can cure (TLS handshake,
-/// authentication) is `Refused`, naming the connection and librdkafka's reason; a broker that
-/// is only down or slow gives a retryable error.
-pub fn check_connection(settings: &KafkaSettings, timeout: Duration) -> Result<()> {
+/// Connects and reads the cluster's metadata: the partition count of every topic. A failure no
+/// retry can cure (TLS handshake, authentication) is `Refused`, naming the connection and
+/// librdkafka's reason; a broker that is only down or slow gives a retryable error.
+pub fn check_connection(
+    settings: &KafkaSettings,
+    timeout: Duration,
+) -> Result<BTreeMap<String, usize>> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let mut config = settings.client_config();
     config.set("group.id", "tally-connection-check");
@@ -178,7 +182,7 @@ pub fn check_connection(settings: &KafkaSettings, timeout: Duration) -> Result<(
         }
     }
     match (result, background) {
-        (Ok(_), _) => Ok(()),
+        (Ok(metadata), _) => Ok(partition_counts(&metadata)),
         (Err(_), Some((error, reason))) if is_permanent(&error, &reason) => {
             Err(Error::Refused(format!(
                 "{}: cannot connect: {reason} ({error}); check kafka.client's ssl.* and sasl.* settings",
@@ -194,6 +198,16 @@ pub fn check_connection(settings: &KafkaSettings, timeout: Duration) -> Result<(
             source: error,
         }),
     }
+}
+
+/// The partition count of every topic in `metadata` that the broker described without error.
+fn partition_counts(metadata: &rdkafka::metadata::Metadata) -> BTreeMap<String, usize> {
+    metadata
+        .topics()
+        .iter()
+        .filter(|t| t.error().is_none())
+        .map(|t| (t.name().to_owned(), t.partitions().len()))
+        .collect()
 }
 
 /// A topic tally needs: created with these settings when missing, grown when it has fewer

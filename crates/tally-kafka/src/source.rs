@@ -311,6 +311,16 @@ impl Source {
         &self.consumer
     }
 
+    /// The partition count of every topic of the cluster, from one metadata request: asking
+    /// by name could create a missing one.
+    pub fn partition_counts(&self) -> Result<BTreeMap<String, usize>> {
+        let metadata = self
+            .consumer
+            .fetch_metadata(None, TIMEOUT)
+            .map_err(kafka("fetching the cluster's metadata".to_owned()))?;
+        Ok(crate::partition_counts(&metadata))
+    }
+
     pub fn partitions(&self) -> Result<Vec<PartitionId>> {
         let metadata = self
             .consumer

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tally_core::PartitionId;
-use tally_kafka::{CommitMark, EpochProducer, EpochTopics, Source};
+use tally_kafka::{CommitMark, EpochProducer, EpochTopics, Source, UnfencedProducer};
 use tally_state::{StateError, StateStore};
 use tokio::runtime::Handle;
 
@@ -154,11 +154,17 @@ fn join_group(
     let kafka = config.kafka_settings();
     let lease_topic = config.lease_topic();
     wait_for("kafka", shutdown, || {
-        if let Err(refused) = settle(tally_kafka::check_connection(
+        let topics = match settle(tally_kafka::check_connection(
             &kafka,
             Duration::from_secs(10),
         ))? {
-            return Ok(Err(refused));
+            Ok(topics) => topics,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        // Most starts find it in place: an admin client (a new connection) only to make or grow it.
+        let wanted = usize::try_from(lease_partitions).unwrap_or(usize::MAX);
+        if topics.get(&lease_topic).is_some_and(|&n| n >= wanted) {
+            return Ok(Ok(false));
         }
         settle(rt.block_on(tally_kafka::ensure_topic(
             &kafka,
@@ -187,6 +193,13 @@ pub fn acquire(
     readiness: &Readiness,
 ) -> Result<Option<Lease>> {
     let lease_topic = config.lease_topic();
+    // Ready to fence the moment the lease is held; a client that cannot be made now is made
+    // again there, where failing is retried.
+    let unfenced = unfenced_producer(config)
+        .inspect_err(
+            |e| tracing::debug!(error = %e, "could not create the producer ahead of the lease"),
+        )
+        .ok();
     let member = join_group(config, rt, shutdown, 1)?;
 
     let waiting = Instant::now();
@@ -234,7 +247,7 @@ pub fn acquire(
     };
     // Its round in progress ends first: the directory is then between two committed epochs.
     drop(standby);
-    lease.producer = Some(fence_and_make_current(config, rt, shutdown)?);
+    lease.producer = Some(fence_and_make_current(config, rt, shutdown, unfenced)?);
     Ok(Some(lease))
 }
 
@@ -246,18 +259,16 @@ fn fence_and_make_current(
     config: &Config,
     rt: &Handle,
     stop: &AtomicBool,
+    mut unfenced: Option<UnfencedProducer>,
 ) -> Result<EpochProducer> {
     let kafka = config.kafka_settings();
     let producer = wait_for("kafka", stop, || {
-        settle(EpochProducer::connect(
-            &kafka,
-            &config.transactional_id(),
-            &EpochTopics {
-                dead_letters: &config.dlq_topic(),
-                changelog: &config.changelog_topic(),
-                source: &config.kafka.source_topic,
-            },
-        ))
+        settle(
+            unfenced
+                .take()
+                .map_or_else(|| unfenced_producer(config), Ok)
+                .and_then(UnfencedProducer::fence),
+        )
     })??;
     // Read through a client that fetches nothing: the member's requests queue behind its
     // long-polling fetch of the lease topic.
@@ -268,6 +279,19 @@ fn fence_and_make_current(
     )?;
     make_state_current(config, rt, &reader, stop, true)?;
     Ok(producer)
+}
+
+/// The job's (or task's) transactional producer, not yet fenced.
+pub(crate) fn unfenced_producer(config: &Config) -> tally_kafka::Result<UnfencedProducer> {
+    UnfencedProducer::create(
+        &config.kafka_settings(),
+        &config.transactional_id(),
+        &EpochTopics {
+            dead_letters: &config.dlq_topic(),
+            changelog: &config.changelog_topic(),
+            source: &config.kafka.source_topic,
+        },
+    )
 }
 
 /// Keeps the state directory if it holds the job's state (the commits are its own, or those of
@@ -818,7 +842,7 @@ fn start_task(
         .spawn(move || -> Result<()> {
             let _ended = ended;
             tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
-            let producer = fence_and_make_current(&config, &rt, &flag)?;
+            let producer = fence_and_make_current(&config, &rt, &flag, None)?;
             crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer))?.run()
         })
         .context("starting a task thread")?;

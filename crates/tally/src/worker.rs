@@ -31,8 +31,8 @@ use tally_core::{
     SeenIdFilter, WithInFlight,
 };
 use tally_kafka::{
-    CommitMark, EpochCommit, EpochProducer, EpochTopics, KafkaSettings, RecordDeleter, Source,
-    StartFrom,
+    CommitMark, EpochCommit, EpochProducer, KafkaSettings, RecordDeleter, Source, StartFrom,
+    UnfencedProducer,
 };
 use tally_state::changelog::{EpochLiveness, RestorePoints};
 use tally_state::{EncodedRecord, StateStore};
@@ -202,8 +202,6 @@ pub const CHANGELOG_TOPIC_CONFIG: &[(&str, &str)] = &[
     ("max.message.bytes", "16777216"),
 ];
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
-/// How long one attempt to reach the brokers may take before it is retried.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where an epoch is in the commit protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -286,7 +284,6 @@ struct Sinks {
     /// The producer is new and no epoch has checked yet whether its transaction committed
     /// before (by a previous process or a failed attempt).
     unverified: bool,
-    kafka: KafkaSettings,
     /// This worker's member of the job's group (it holds the job's lease): it reads the
     /// group's committed offsets and gives the group metadata for the transactions.
     group: Arc<Source>,
@@ -470,15 +467,24 @@ impl Worker {
             &config.kafka.source_topic,
             &config.kafka.consumer_group,
         )?;
+        // The lease proved the settings; the source's client, not yet assigned, has no fetch
+        // for these requests to wait behind, and one connection serves them all (a new client's
+        // first request costs about 0.1 s of connecting).
         let partitions = wait_for("kafka", &shutdown, || {
-            match tally_kafka::check_connection(&kafka, CONNECT_TIMEOUT) {
-                Err(e @ tally_kafka::Error::Refused(_)) => return Ok(Err(e)),
-                Err(e) => return Err(e.to_string()),
-                Ok(()) => {}
-            }
-            source.partitions().map(Ok).map_err(|e| e.to_string())
-        })??;
+            source.partitions().map_err(|e| e.to_string())
+        })?;
+        let own_topics = [config.dlq_topic(), config.changelog_topic()];
+        let in_place = |counts: &BTreeMap<String, usize>| {
+            own_topics
+                .iter()
+                .all(|t| counts.get(t).is_some_and(|&n| n >= partitions.len()))
+        };
         wait_for("kafka", &shutdown, || {
+            match source.partition_counts() {
+                Ok(counts) if in_place(&counts) => return Ok(Ok(())),
+                Ok(_) => {}
+                Err(e) => return Err(e.to_string()),
+            }
             match ensure_own_topics(&config, &kafka, &rt, partitions.len()) {
                 Ok(()) => Ok(Ok(())),
                 // Retrying cannot help: stop and say what to change.
@@ -506,10 +512,9 @@ impl Worker {
             dlq: None,
             fenced,
             unverified: false,
-            kafka,
             group: member,
             offsets: Source::connect(
-                &config.kafka_settings(),
+                &kafka,
                 &config.kafka.source_topic,
                 &config.kafka.consumer_group,
             )?,
@@ -1616,16 +1621,9 @@ impl Sinks {
 
     fn connect_dead_letters(&self) -> Result<EpochProducer, SinkFailure> {
         self.refuse_another_writer()?;
-        let producer = EpochProducer::connect(
-            &self.kafka,
-            &self.config.transactional_id(),
-            &EpochTopics {
-                dead_letters: &self.config.dlq_topic(),
-                changelog: &self.config.changelog_topic(),
-                source: &self.config.kafka.source_topic,
-            },
-        )
-        .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
+        let producer = crate::lease::unfenced_producer(&self.config)
+            .and_then(UnfencedProducer::fence)
+            .map_err(|e| SinkFailure::from(("kafka", e.to_string())))?;
         self.refuse_another_writer()?;
         Ok(producer)
     }
