@@ -4,6 +4,7 @@ Usage: summarize.py DIR EVENTS RUNS, where DIR holds ceiling_rN and rN/{worker.l
 started, restarted, peak_kib, verify} as bench.sh writes them.
 """
 
+import os
 import re
 import statistics
 import sys
@@ -30,6 +31,14 @@ def pct(values, p):
     if not values:
         return float("nan")
     return values[min(len(values) - 1, round((len(values) - 1) * p))]
+
+
+def cpu_seconds(path):
+    """`name=seconds` lines (bench.sh's CPU accounting), or None for a run without them."""
+    if not path.exists():
+        return None
+    pairs = (line.rsplit("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k: float(v) for k, v in pairs}
 
 
 def run(d, r, events):
@@ -86,6 +95,8 @@ def run(d, r, events):
         "changelog_mib": changelog_bytes / 2**20,
         "changelog_restore_s": changelog_restore if changelog_restore is not None else float("nan"),
         "verify": (base / "verify").read_text().strip().replace("\n", "; "),
+        "ceiling_cpu": cpu_seconds(d / f"ceiling_r{r}.cpu"),
+        "cpu": cpu_seconds(base / "cpu"),
     }
 
 
@@ -101,15 +112,40 @@ def main():
               f"{x['pause_p50']:>9.3f}/{x['pause_p99']:<9.3f} {x['cut_p99']:>10.3f} {x['waited']:>6} "
               f"{x['commit_p50']:>9}/{x['commit_p99']:<8} "
               f"{x['restore_s']:>9.2f} {x['rss_mib']:>8.0f} {x['checkpoints']:>6}")
-    med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "verify"}
+    med = {k: statistics.median(x[k] for x in rows) for k in rows[0] if k not in ("verify", "ceiling_cpu", "cpu")}
     print(f"median: ceiling={med['ceiling']:.0f}/s tally={med['tally']:.0f}/s ratio={med['ratio']:.2f} "
           f"pause_p50={med['pause_p50']:.3f}ms pause_p99={med['pause_p99']:.3f}ms cut_p99={med['cut_p99']:.3f}ms "
           f"commit_p50={med['commit_p50']:.0f}ms commit_p99={med['commit_p99']:.0f}ms "
           f"restore={med['restore_s']:.2f}s peak_rss={med['rss_mib']:.0f}MiB")
     print(f"changelog: {med['changelog_mib']:.0f} MiB, {med['changelog_per_state']:.2f}x the state changes' bytes; "
           f"restore from it into an empty directory {med['changelog_restore_s']:.2f}s")
+    cpu_per_record(rows, events, med["ceiling"])
     for i, x in enumerate(rows, 1):
         print(f"run {i}: {x['verify']}")
+
+
+def cpu_per_record(rows, events, ceiling):
+    """Where the CPU of a record goes, medians over runs, against what a ratio of 0.7 leaves."""
+    if any(x["cpu"] is None or x["ceiling_cpu"] is None for x in rows):
+        return
+
+    def us(values):
+        return statistics.median(values) * 1e6 / events
+
+    reader = {k: us([x["ceiling_cpu"][k] for x in rows]) for k in ("consumer", "broker")}
+    threads = sorted({k for x in rows for k in x["cpu"] if k.startswith("thread ")})
+    worker = {k[7:]: us([x["cpu"].get(k, 0.0) for x in rows]) for k in threads}
+    services = {k: us([x["cpu"][k] for x in rows]) for k in ("broker", "clickhouse")}
+    total = sum(worker.values()) + sum(services.values())
+    cores = len(os.sched_getaffinity(0))
+    budget = cores * 1e6 / (0.7 * ceiling)
+    print(f"cpu per record: ceiling {sum(reader.values()):.2f} us (consumer {reader['consumer']:.2f}, "
+          f"broker {reader['broker']:.2f}); tally {total:.2f} us (worker {sum(worker.values()):.2f}, "
+          f"broker {services['broker']:.2f}, clickhouse {services['clickhouse']:.2f})")
+    top = sorted(worker.items(), key=lambda kv: -kv[1])[:6]
+    print("worker threads, us per record: " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+    print(f"at ratio=0.70 a record may cost {budget:.2f} us of CPU in all "
+          f"({cores} cores / (0.7 x the ceiling)); tally's costs {total / budget:.1f}x that")
 
 
 main()

@@ -54,6 +54,12 @@ while (($#)); do
   esac
 done
 
+# cpu_ticks PID -- the CPU time (user + system, clock ticks) a process has used so far; 0 once it
+# is gone. Fields after "pid (comm) ": utime is the 12th, stime the 13th.
+cpu_ticks() { stat_ticks "/proc/$1/stat"; }
+stat_ticks() { awk '{ sub(/.*\) /, ""); print $12 + $13 }' "$1" 2>/dev/null || echo 0; }
+ticks_s() { awk -v t="$1" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz }'; }
+
 # until_consuming PID LOG WHAT -- waits until the worker logs that it consumes, then stops it.
 until_consuming() {
   until grep -q 'resuming partition from checkpoint' "$2"; do
@@ -299,6 +305,31 @@ export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY
 
 manifest="$dir/manifest.json"
 
+# The CPU each run costs, beside its wall time: the broker's and ClickHouse's too, which share
+# the machine's cores with the reader.
+kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse)
+
+# ceiling_run FILE -- one ceiling run; its line in FILE, the CPU it cost in FILE.cpu.
+ceiling_run() {
+  local k0
+  k0=$(cpu_ticks "$kafka_pid")
+  { TIMEFORMAT='%U %S'; time "$ceiling_bin" --config "$config" 2>/dev/null >"$1.out"; } 2>"$1.time"
+  grep '^ceiling' "$1.out" >"$1"
+  { echo "consumer=$(awk '{ printf "%.2f", $1 + $2 }' "$1.time")"
+    echo "broker=$(ticks_s $(( $(cpu_ticks "$kafka_pid") - k0 )))"; } >"$1.cpu"
+}
+
+# cpu_of_catch_up PID K0 C0 -- the worker's CPU per thread name, and the services' since K0/C0.
+cpu_of_catch_up() {
+  local t
+  echo "broker=$(ticks_s $(( $(cpu_ticks "$kafka_pid") - $2 )))"
+  echo "clickhouse=$(ticks_s $(( $(cpu_ticks "$clickhouse_pid") - $3 )))"
+  for t in /proc/"$1"/task/*; do
+    echo "$(tr ' ' _ <"$t/comm") $(stat_ticks "$t/stat")"
+  done |
+    awk -v hz="$(getconf CLK_TCK)" '{ s[$1] += $2 } END { for (k in s) printf "thread %s=%.2f\n", k, s[k] / hz }'
+}
+
 # Per run: its own job (state, group, transactional id), dead-letter topic and database.
 run_env() {
   local id="$topic-$2r$1"
@@ -317,6 +348,8 @@ tally_run() {
   run_env "$r" "${2:-}"
   [ "$shared" = 1 ] && export TALLY_JOB__TASKS="$partitions"
   date -u +%Y-%m-%dT%H:%M:%S.%6NZ >"$dir/r$r/started"
+  local k0 c0
+  k0=$(cpu_ticks "$kafka_pid") c0=$(cpu_ticks "$clickhouse_pid")
   "$bin" run --config "$config" >"$log" 2>&1 &
   pid=$!
   trap "kill -9 $pid 2>/dev/null || true" EXIT
@@ -344,6 +377,7 @@ tally_run() {
     [ "${kib:-0}" -gt "$peak_kib" ] && peak_kib=$kib
   done
   echo "$peak_kib" >"$dir/r$r/peak_kib"
+  cpu_of_catch_up "$pid" "$k0" "$c0" >"$dir/r$r/cpu"
   # The standby goes first: it would take the job over from the stopping worker.
   if [ -n "$standby" ]; then kill -9 "$standby"; wait "$standby" 2>/dev/null || true; fi
   if [ -n "$second" ]; then
@@ -373,7 +407,7 @@ tally_run() {
 
 if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do
-    "$ceiling_bin" --config "$config" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+    ceiling_run "$dir/ceiling_r$r"
     tally_run "$r"
     echo "run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
   done
@@ -391,7 +425,7 @@ for r in $(seq 1 "$repeat"); do
     dir="$top/$label" bin=$this_bin
     [ "$label" = before ] && bin=$compare
     mkdir -p "$dir"
-    "$ceiling_bin" --config "$config" 2>/dev/null | grep '^ceiling' >"$dir/ceiling_r$r"
+    ceiling_run "$dir/ceiling_r$r"
     tally_run "$r" "$label" "$(case $label in standby) echo 1 ;; two) echo 2 ;; *) echo 0 ;; esac)"
     echo "$label run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
   done

@@ -6,6 +6,7 @@
 #   scripts/services.sh restart [kafka|clickhouse]   down + up, keeping data (used by chaos tests)
 #   scripts/services.sh status  [kafka|clickhouse]   exit 0 only if every service answers
 #   scripts/services.sh logs    [-f] [-n N] [kafka|clickhouse]
+#   scripts/services.sh pid     kafka|clickhouse      the PID of a service this script started
 #   scripts/services.sh kafka-cli CLASS [ARGS...]     run a Kafka CLI class, e.g.
 #       scripts/services.sh kafka-cli org.apache.kafka.tools.TopicCommand --bootstrap-server 127.0.0.1:9092 --list
 #
@@ -599,6 +600,10 @@ main() {
       cmd_status $(parse_services "$@")
       ;;
     logs) cmd_logs "$@" ;;
+    pid)
+      [[ $# -eq 1 ]] || usage
+      svc_pid "$(parse_services "$1")"
+      ;;
     kafka-cli)
       [[ $# -ge 1 ]] || usage
       kafka_fetch
