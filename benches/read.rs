@@ -94,6 +94,7 @@ async fn run(args: Args, database: &str) -> Result<()> {
     let answer = scalar(&client, &format!("SELECT count() FROM {ideal}")).await?;
     let versions = scalar(&client, &format!("SELECT count() FROM {db}.{t}_data")).await?;
     let folded = scalar(&client, &format!("SELECT count() FROM {db}.{t}_final")).await?;
+    let published = scalar(&client, &format!("SELECT count() FROM {db}.{t}_live")).await?;
     let end = scalar(
         &client,
         &format!("SELECT toUInt64(max(window_start)) FROM {ideal}"),
@@ -156,10 +157,10 @@ async fn run(args: Args, database: &str) -> Result<()> {
     ];
 
     println!(
-        "history: {:.1} days of windows; answer rows {answer}; data rows {} (folded {folded}, versions {versions}); data rows per answer row {:.3}",
+        "history: {:.1} days of windows; answer rows {answer}; data rows {} (folded {folded}, versions {versions}, published {published}); data rows per answer row {:.3}",
         (end - first) as f64 / 86_400.0,
-        folded + versions,
-        (folded + versions) as f64 / answer.max(1) as f64
+        folded + versions + published,
+        (folded + versions + published) as f64 / answer.max(1) as f64
     );
     println!(
         "enable_optimize_predicate_expression = {pushdown}; {} runs per query",

@@ -19,7 +19,7 @@ import time
 import urllib.parse
 import urllib.request
 
-TABLES = ["data", "commits", "final", "folds"]
+TABLES = ["data", "commits", "final", "folds", "live"]
 
 
 def server_query(url, sql, fmt="TSV"):

@@ -87,6 +87,31 @@ async fn crash_while_folding(point: &str) {
     assert_folded(&job).await;
 }
 
+/// Kills the worker at a step of the publish after its first epoch, then checks that the
+/// restart publishes and the view is exact.
+async fn crash_while_publishing(point: &str) {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_generated(&topic, 2, 15, 3_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[("TALLY_FAULT", point), ("TALLY_FAULT_EPOCH", "1")]);
+    let status =
+        wait_exit(&mut worker, Duration::from_secs(60)).expect("the fault kills the worker");
+    assert_eq!(status.signal(), Some(9), "{point}: log:\n{}", job.log());
+    assert!(job.log().contains(point), "{point} reached");
+    finish_and_check(&job, &manifest).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_publish_stage() {
+    crash_while_publishing("publish_after_stage").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_publish_replace() {
+    crash_while_publishing("publish_after_replace").await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_after_fold_insert() {
     crash_while_folding("fold_after_insert").await;

@@ -62,10 +62,10 @@ class Embedded:
         return result.bytes().decode() if hasattr(result, "bytes") else str(result)
 
 
-def catalog(tally, database, atomic):
+def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8"):
     args = [
         tally, "schema", "--print-sql", "--database", database, "--table", "revenue_agg",
-        "--from", "0", "--to", str(T0 + 600), "--as-of", "0:20,1:8",
+        "--from", str(frm), "--to", str(T0 + 600), "--as-of", as_of,
         "--day", DAY, "--data-partition", str(T0 // 600),
     ]
     if atomic:
@@ -109,7 +109,7 @@ def sample_data(db):
             f"INSERT INTO {t}_commits (batch_id, job, epoch, partitions, from_offsets, to_offsets, watermarks, "
             f"max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at) VALUES "
             f"('it/orders[{ids}]', 'it', {epoch}, {parts}, {frm}, {to}, {wms}, toDateTime({max_ws}), "
-            f"{len(rows[batch])}, 0, 0, 0, toDateTime({T0}))"
+            f"{len(rows[batch])}, {sum(r[5] for r in rows[batch])}, 0, 0, toDateTime({T0}))"
         )
     return statements
 
@@ -154,8 +154,14 @@ class Check:
 
 def scenario(engine, database, check):
     """Runs the scenario on one engine; returns {step name: normalised answer}."""
-    statements = catalog(TALLY, database, atomic=engine.name == "chdb")
+    atomic = engine.name == "chdb"
+    statements = catalog(TALLY, database, atomic)
     by_name = {s["name"]: s["sql"] for s in statements}
+    # Publishes as of every committed batch, from the frontiers before and after the fold.
+    everything = "0:20,1:15"
+    publish_all = [s for s in catalog(TALLY, database, atomic, as_of=everything) if s["name"].startswith("publish.")]
+    publish_after = [s for s in catalog(TALLY, database, atomic, frm=T0 + 600, as_of=everything)
+                     if s["name"].startswith("publish.")]
     answers = {}
 
     def run(name, sql):
@@ -173,6 +179,21 @@ def scenario(engine, database, check):
             run(s["name"], s["sql"])
     for i, sql in enumerate(sample_data(database)):
         run(f"sample.{i}", sql)
+    # Readers see nothing before a publish; a publish as of a cut shows exactly that cut.
+    answers["unpublished.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["unpublished.read.view"] == [],
+               f"{engine.name}: the view before any publish: {answers['unpublished.read.view']}")
+    for s in statements:
+        if s["name"].startswith("publish."):
+            run(s["name"], s["sql"])
+    answers["published_at.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["published_at.read.view"] == normal("\n".join(EXPECTED_VIEW_AT)),
+               f"{engine.name}: view published at 0:20,1:8: {answers['published_at.read.view']}")
+    answers["published_at.read.published"] = normal(run("read.published", by_name["read.published"]))
+    check.that(answers["published_at.read.published"] == ["0\t[0,1]\t[20,8]"],
+               f"{engine.name}: the snapshot's cut: {answers['published_at.read.published']}")
+    for s in publish_all:
+        run(s["name"], s["sql"])
     # Every read before the fold.
     for s in statements:
         if s["name"].startswith("read."):
@@ -203,6 +224,15 @@ def scenario(engine, database, check):
     check.that(answers["after.read.count_final"] == ["3"],
                f"{engine.name}: three windows folded: {answers['after.read.count_final']}")
     answers["after.read.logged_frontiers"] = normal(run("read.logged_frontiers", by_name["read.logged_frontiers"]))
+    # A publish from the new frontier holds only the window still open; the view is the same.
+    for s in publish_after:
+        run(s["name"], s["sql"])
+    answers["republished.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["republished.read.view"] == view_after,
+               f"{engine.name}: publishing from the new frontier changed the view: {answers['republished.read.view']}")
+    answers["republished.live"] = normal(run("live", f"SELECT count() FROM {database}.revenue_agg_live"))
+    check.that(answers["republished.live"] == ["1"],
+               f"{engine.name}: rows published from the new frontier: {answers['republished.live']}")
     # A step that died after inserting folded rows: the repair removes rows at or after the frontier.
     run("leftover", f"INSERT INTO {database}.revenue_agg_final VALUES "
                     f"(toDateTime({T0 + 600}), toDateTime({T0 + 660}), 'c3', 'GBP', 9, 9)")

@@ -68,8 +68,11 @@ fn batch<'a>(
     }
 }
 
+/// Writes a batch and publishes the answer, as the job's read side does after a commit.
 async fn write(sink: &ClickHouseSink, batch: &Batch<'_>) -> WriteOutcome {
-    sink.write_batch(batch, "orders", |_| {}).await.unwrap()
+    let outcome = sink.write_batch(batch, "orders", |_| {}).await.unwrap();
+    sink.publish("writers", |_| {}).await.unwrap();
+    outcome
 }
 
 fn expected(rows: &[(i64, &str, u64, &str)]) -> View {
@@ -215,5 +218,84 @@ async fn a_commit_log_sorted_by_epoch_is_rebuilt_sorted_by_window() {
     let more = [row(0, 1, "c1", 1, "1")];
     write(&sink, &batch(2, &[(0, 5, 6), (1, 3, 3)], &[2, 2], &more)).await;
     assert_eq!(sink.read_view().await.unwrap().len(), 3);
+    common::ch(&format!("DROP DATABASE IF EXISTS {database}")).await;
+}
+
+/// Every batch sets every key to its own number, in two windows either side of a version
+/// partition's boundary (so its rows land as two parts), while readers poll the view: a read
+/// that shows two numbers saw half a batch.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reader_never_sees_half_a_batch() {
+    let database = common::unique("halves");
+    let sink = std::sync::Arc::new(sink(&database).await);
+    // T0 is 14:20, so minute 9 and minute 10 fall in two 10-minute version partitions.
+    let customers: Vec<String> = (0..100).map(|c| format!("c{c}")).collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (sink, stop) = (sink.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut reads, mut halves) = (0u64, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let view = sink.read_view().await.unwrap();
+                    let numbers: std::collections::BTreeSet<u64> =
+                        view.values().map(|(orders, _)| *orders).collect();
+                    reads += 1;
+                    if numbers.len() > 1 {
+                        halves.push(numbers);
+                    }
+                }
+                (reads, halves)
+            })
+        })
+        .collect();
+    for n in 1..=300u64 {
+        let rows: Vec<OutputRow> = [9, 10]
+            .iter()
+            .flat_map(|&minute| customers.iter().map(move |c| row(0, minute, c, n, "1")))
+            .collect();
+        let offsets = [(0, i64::try_from(n - 1).unwrap(), i64::try_from(n).unwrap())];
+        write(&sink, &batch(n, &offsets, &[0], &rows)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut reads = 0;
+    for reader in readers {
+        let (n, halves) = reader.await.unwrap();
+        reads += n;
+        assert!(halves.is_empty(), "reads that saw two batches: {halves:?}");
+    }
+    assert!(reads > 100, "only {reads} reads");
+    common::ch(&format!("DROP DATABASE IF EXISTS {database}")).await;
+}
+
+/// Tables of the layout before publishing: a view that read the versions itself and no live
+/// table. The next start publishes the answer, then swaps in the view that reads it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_view_that_read_the_versions_is_replaced_once_the_answer_is_published() {
+    let database = common::unique("prepublish");
+    let sink = sink(&database).await;
+    let rows = [row(0, 0, "c1", 3, "30"), row(1, 0, "c2", 1, "1")];
+    write(&sink, &batch(1, &[(0, 0, 5), (1, 0, 3)], &[1, 1], &rows)).await;
+    let before = sink.read_view().await.unwrap();
+    assert_eq!(before.len(), 2);
+    let t = format!("{database}.revenue_agg");
+    common::ch(&format!("DROP TABLE {t}")).await;
+    common::ch(&format!("DROP TABLE {t}_live")).await;
+    common::ch(&format!(
+        "CREATE VIEW {t} AS SELECT window_start, window_end, customer_id, currency, \
+         sum(orders) AS orders, toDecimal64(sum(revenue), 4) AS revenue FROM {t}_data \
+         GROUP BY window_start, window_end, customer_id, currency"
+    ))
+    .await;
+    let sink = self::sink(&database).await;
+    assert_eq!(sink.read_view().await.unwrap(), before);
+    let definition: String = common::clickhouse()
+        .query(&format!(
+            "SELECT create_table_query FROM system.tables WHERE database = '{database}' AND name = 'revenue_agg'"
+        ))
+        .fetch_one()
+        .await
+        .unwrap();
+    assert!(definition.contains("revenue_agg_live"), "{definition}");
     common::ch(&format!("DROP DATABASE IF EXISTS {database}")).await;
 }

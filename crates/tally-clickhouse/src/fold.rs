@@ -98,7 +98,7 @@ impl ClickHouseSink {
         schema::latest_frontier(&self.client, &self.names, &self.url).await
     }
 
-    async fn exec(&self, sql: &str) -> Result<()> {
+    pub(crate) async fn exec(&self, sql: &str) -> Result<()> {
         schema::execute(&self.client, sql, &self.url).await
     }
 
@@ -111,6 +111,19 @@ impl ClickHouseSink {
             .fetch_one::<T>()
             .await
             .map_err(self.err(context))
+    }
+
+    /// The newest frontier this process installed at least [`READER_MARGIN`] ago (zero if
+    /// none): no reader still plans a query on a view older than it.
+    pub(crate) fn settled_frontier(&self) -> Frontier {
+        let installed = self
+            .installed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match *installed {
+            Some((f, at)) if at.elapsed() >= READER_MARGIN => f,
+            _ => Frontier::default(),
+        }
     }
 
     /// Records that `frontier` is installed now; returns the newest frontier installed at
@@ -204,7 +217,7 @@ impl ClickHouseSink {
         Ok(true)
     }
 
-    async fn install_view(&self, frontier: Frontier) -> Result<()> {
+    pub(crate) async fn install_view(&self, frontier: Frontier) -> Result<()> {
         let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
         for sql in self.names.install_view_sql(frontier, atomic) {
             self.exec(&sql).await?;

@@ -2,18 +2,21 @@
 //!
 //! Every checkpoint's output is one batch: the full current values of the windows it changed,
 //! each row tagged with its version, the source partition's offset after the batch, written to a
-//! data table, then one row in the commit log. Readers query a view that only looks at versions
-//! present in the commit log and, per window and source partition, takes the value of the
-//! highest version. Hence:
+//! data table, then one row in the commit log. The answer is computed from the versions present
+//! in the commit log, taking per window and source partition the value of the highest version,
+//! and published (`publish`): readers query a view of the published answer and the folded
+//! windows (`fold`), tables that change only by whole parts at once. Hence:
 //! - writing a batch twice equals writing it once (same version, same values; `argMax` picks one);
 //! - versions grow with the partition's offset whoever writes it, so a later writer of a
 //!   partition continues its versions;
-//! - a batch is invisible until its single-row commit-log insert lands, so a reader never sees
-//!   half a batch, however the data insert was split into parts or interrupted;
+//! - a batch is invisible until its single-row commit-log insert lands and a publish after it,
+//!   which reads the commit log before the versions, so a reader never sees half a batch,
+//!   however the data insert was split into parts or interrupted;
 //! - no dedup tokens, transactions or `FINAL` are needed, so it holds on ClickHouse 18.16 and on
 //!   a current server alike.
 
 mod fold;
+mod publish;
 mod schema;
 mod tls;
 
@@ -24,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use tally_core::{Epoch, OutputRow, PartitionId};
 
 pub use fold::{FOLD_STEP_ROWS, FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
+pub use publish::{PublishOutcome, PublishStep, Published};
 pub use schema::{Cut, Frontier, TableNames};
 
 #[derive(Debug, thiserror::Error)]
@@ -255,9 +259,20 @@ impl ClickHouseSink {
         &self.names
     }
 
-    /// Creates the database, tables and view when absent and validates what exists.
+    /// Creates the database, tables and view when absent and validates what exists. A view of
+    /// an earlier layout is replaced, once the answer it showed is published.
     pub async fn ensure_schema(&self) -> Result<()> {
-        schema::ensure(&self.client, &self.names, &self.url).await
+        let ensured = schema::ensure(&self.client, &self.names, &self.url).await?;
+        if ensured.install_view {
+            let published = self.publish("schema", |_| {}).await?;
+            self.install_view(self.frontier().await?).await?;
+            tracing::info!(
+                view = %self.names.view_q(),
+                rows = ?published.rows,
+                "the view reads the published answer now (it read the versions itself)"
+            );
+        }
+        Ok(())
     }
 
     /// Whether the server pushes a WHERE clause on the view down to its tables (on by default
@@ -456,6 +471,22 @@ impl ClickHouseSink {
             .await
     }
 
+    /// The answer the commit log's versions give now, published or not: what the next
+    /// publish shows readers.
+    pub async fn read_committed_answer(
+        &self,
+    ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
+        let frontier = self.frontier().await?;
+        self.collect_rows(
+            &format!(
+                "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM ({})",
+                self.names.answer_sql(frontier, None)
+            ),
+            "reading the committed versions",
+        )
+        .await
+    }
+
     /// The view's rows as readers saw them once the batches up to `cut` were committed.
     /// Folded windows are final, so they read the same at any later cut.
     pub async fn read_view_at(
@@ -536,16 +567,24 @@ impl ClickHouseSink {
     /// What the view shows in total: (orders, revenue as a decimal string, keys shown more
     /// than once).
     pub async fn view_totals(&self) -> Result<(u64, String, u64)> {
-        let view = self.names.view_q();
-        let sql = format!(
-            "SELECT toUInt64(sum(o)), toString(sum(r)), toUInt64(countIf(n > 1)) FROM \
-             (SELECT sum(orders) AS o, sum(revenue) AS r, count() AS n FROM {view} GROUP BY window_start, customer_id, currency)"
-        );
         self.client
-            .query(&sql)
+            .query(&self.names.totals_sql(&self.names.view_q()))
             .fetch_one()
             .await
             .map_err(self.err("summing the view"))
+    }
+
+    /// What the commit log's versions add up to, published or not: (orders, revenue as a
+    /// decimal string, keys more than once). A writer that broke the protocol shows here
+    /// before any publish shows it to readers.
+    pub async fn answer_totals(&self) -> Result<(u64, String, u64)> {
+        let frontier = self.frontier().await?;
+        let answer = format!("({})", self.names.answer_sql(frontier, None));
+        self.client
+            .query(&self.names.totals_sql(&answer))
+            .fetch_one()
+            .await
+            .map_err(self.err("summing the committed versions"))
     }
 }
 

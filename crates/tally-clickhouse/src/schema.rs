@@ -56,6 +56,26 @@ const VIEW_COLUMNS: &[(&str, &str)] = &[
 /// time range, and within it a customer's rows are found by the second key column.
 const FINAL_SORTING_KEY: &str = "window_start, customer_id, currency";
 
+/// The published answer for the windows folding has not reached has the view's columns, then
+/// these: the point of the commit log it was computed at (the same in every row of a snapshot).
+const PUBLISHED_AT_COLUMNS: &[(&str, &str)] = &[
+    ("published_from", "DateTime"),
+    ("cut_partitions", "Array(Int32)"),
+    ("cut_offsets", "Array(Int64)"),
+];
+
+fn live_columns() -> Vec<(&'static str, &'static str)> {
+    VIEW_COLUMNS
+        .iter()
+        .chain(PUBLISHED_AT_COLUMNS)
+        .copied()
+        .collect()
+}
+/// How old a committed batch must be for `tally doctor` to call it unpublished.
+pub(crate) const UNPUBLISHED_AFTER_SECONDS: u32 = 30;
+/// Each publish replaces the table's one partition; its old part is of no use after that.
+const LIVE_SETTINGS: &str = "old_parts_lifetime = 60";
+
 const FOLD_COLUMNS: &[(&str, &str)] = &[
     ("frontier", "DateTime"),
     // Unused since the view prunes batches by window (written as 0); kept so that fold logs
@@ -80,6 +100,8 @@ pub struct TableNames {
     pub folds: String,
     /// Scratch table for rebuilding a partition of `final_rows` after an interrupted fold.
     pub stage: String,
+    /// The published answer from the fold frontier on: what the view reads there.
+    pub live: String,
 }
 
 fn valid_identifier(s: &str) -> bool {
@@ -107,6 +129,7 @@ impl TableNames {
             final_rows: format!("{database}.{view}_final"),
             folds: format!("{database}.{view}_folds"),
             stage: format!("{database}.{view}_fold_stage"),
+            live: format!("{database}.{view}_live"),
         })
     }
 
@@ -120,6 +143,21 @@ impl TableNames {
 
     pub fn commits_q(&self) -> &str {
         &self.commits
+    }
+
+    /// Name prefix of the publishers' stage tables, unqualified.
+    fn live_stage_prefix(&self) -> String {
+        format!("{}_live_stage_", self.view)
+    }
+
+    /// The stage table of one publisher (its writer id, any characters): each builds its
+    /// snapshot in its own, so that a paused one (a zombie) cannot mix its rows into another's.
+    pub(crate) fn live_stage(&self, publisher: &str) -> String {
+        let suffix: String = publisher
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        format!("{}.{}{suffix}", self.database, self.live_stage_prefix())
     }
 
     /// The view being built by a fold step, before it is swapped in.
@@ -152,6 +190,14 @@ impl TableNames {
         format!(
             "CREATE TABLE IF NOT EXISTS {name} ({}) ENGINE = MergeTree PARTITION BY toYYYYMMDD(window_start) ORDER BY ({FINAL_SORTING_KEY})",
             columns_sql(VIEW_COLUMNS)
+        )
+    }
+
+    fn create_live(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({FINAL_SORTING_KEY}) SETTINGS {LIVE_SETTINGS}",
+            self.live,
+            columns_sql(&live_columns())
         )
     }
 
@@ -212,17 +258,99 @@ impl TableNames {
         )
     }
 
-    /// The reader view for a fold frontier: folded rows below it, committed versions from it
-    /// on. The frontier is a literal, so both halves of one SELECT agree on it; a fold step
-    /// installs a new view with one atomic RENAME.
+    /// The reader view for a fold frontier: folded rows below it, the published answer from it
+    /// on. Both tables change only by whole parts added or replaced at once, so a SELECT sees
+    /// every batch whole or not at all. The frontier is a literal, so both halves of one SELECT
+    /// agree on it; a fold step installs a new view with one atomic RENAME.
     pub fn create_view(&self, name: &str, frontier: Frontier) -> String {
         format!(
             "CREATE VIEW IF NOT EXISTS {name} AS \
              SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
-             UNION ALL {versions}",
+             UNION ALL \
+             SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {live} WHERE window_start >= toDateTime({f})",
             final_rows = self.final_rows,
+            live = self.live,
             f = frontier.seconds,
-            versions = self.versions_sql(frontier, None, None),
+        )
+    }
+
+    /// Per source partition, the newest offset of the batches that can hold windows at or
+    /// after `from` (those a snapshot from `from` is built from).
+    pub(crate) fn open_cut_sql(&self, from: Frontier) -> String {
+        format!(
+            "SELECT p, max(o) FROM {} ARRAY JOIN partitions AS p, arrayResize(to_offsets, length(partitions)) AS o \
+             WHERE max_window_start >= toDateTime({}) GROUP BY p ORDER BY p",
+            self.commits, from.seconds
+        )
+    }
+
+    /// Where the published snapshot was computed: (from, partitions, offsets); no row when
+    /// it is empty.
+    pub(crate) fn published_sql(&self) -> String {
+        format!(
+            "SELECT toUInt32(published_from), cut_partitions, cut_offsets FROM {} LIMIT 1",
+            self.live
+        )
+    }
+
+    /// Builds in `stage` the answer for windows from `from` as of the batches up to `cut`.
+    pub(crate) fn stage_snapshot_sql(&self, stage: &str, from: Frontier, cut: &Cut) -> Vec<String> {
+        vec![
+            format!("CREATE TABLE IF NOT EXISTS {stage} AS {}", self.live),
+            format!("TRUNCATE TABLE {stage}"),
+            format!(
+                "INSERT INTO {stage} SELECT window_start, window_end, customer_id, currency, orders, revenue, \
+                 toDateTime({f}), CAST([{partitions}], 'Array(Int32)'), CAST([{offsets}], 'Array(Int64)') FROM ({versions})",
+                f = from.seconds,
+                partitions = cut.partitions_sql(),
+                offsets = cut.offsets_sql(),
+                versions = self.versions_sql(from, None, Some(cut)),
+            ),
+        ]
+    }
+
+    /// Installs a staged snapshot: the live table's one partition replaced at once.
+    pub(crate) fn replace_live_sql(&self, stage: &str) -> [String; 2] {
+        [
+            format!(
+                "ALTER TABLE {} REPLACE PARTITION tuple() FROM {stage}",
+                self.live
+            ),
+            format!("TRUNCATE TABLE {stage}"),
+        ]
+    }
+
+    /// Stage tables of other publishers (unqualified names).
+    pub(crate) fn other_stages_sql(&self, own: &str) -> String {
+        let own = own.rsplit('.').next().unwrap_or(own);
+        format!(
+            "SELECT name FROM system.tables WHERE database = '{}' AND startsWith(name, '{}') AND name != '{own}'",
+            self.database,
+            self.live_stage_prefix()
+        )
+    }
+
+    /// Totals of the batches the published snapshot and the folded rows hold: those wholly
+    /// below the snapshot's `from` (folded) and those up to its cut; and how many batches
+    /// committed over [`UNPUBLISHED_AFTER_SECONDS`] ago are not published yet (a publish
+    /// follows a commit within a second while the job's read side runs). (events, revenue as
+    /// a decimal string, batches.)
+    pub(crate) fn published_totals_sql(&self, from: Frontier, cut: &Cut) -> String {
+        let within = format!(
+            "(max_window_start < toDateTime({f}) OR arrayAll((p, o) -> o <= arrayElement([{offsets}], indexOf([{partitions}], p)), partitions, arrayResize(to_offsets, length(partitions))))",
+            f = from.seconds,
+            partitions = cut.partitions_sql(),
+            offsets = cut.offsets_sql(),
+        );
+        let within = if cut.0.is_empty() {
+            format!("max_window_start < toDateTime({})", from.seconds)
+        } else {
+            within
+        };
+        format!(
+            "SELECT toUInt64(sumIf(e, w)), toString(sumIf(r, w)), toUInt64(countIf(NOT w AND t < now() - {UNPUBLISHED_AFTER_SECONDS})) FROM \
+             (SELECT any(event_count) AS e, any(revenue_sum) AS r, any({within}) AS w, min(committed_at) AS t FROM {} GROUP BY partitions, to_offsets)",
+            self.commits
         )
     }
 
@@ -362,12 +490,29 @@ impl TableNames {
             )
         });
         format!(
-            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM \
-             (SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
-              UNION ALL {versions}){range}",
+            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM ({}){range}",
+            self.answer_sql(frontier, Some(cut))
+        )
+    }
+
+    /// The answer as the commit log has it (up to `cut`, if given): folded rows below the
+    /// frontier, committed versions from it on. What a publish would show.
+    pub(crate) fn answer_sql(&self, frontier: Frontier, cut: Option<&Cut>) -> String {
+        format!(
+            "SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
+             UNION ALL {versions}",
             final_rows = self.final_rows,
             f = frontier.seconds,
-            versions = self.versions_sql(frontier, None, Some(cut)),
+            versions = self.versions_sql(frontier, None, cut),
+        )
+    }
+
+    /// (orders, revenue as a decimal string, keys shown more than once) of rows read from
+    /// `source` (a table, a view, or a parenthesised SELECT).
+    pub(crate) fn totals_sql(&self, source: &str) -> String {
+        format!(
+            "SELECT toUInt64(sum(o)), toString(sum(r)), toUInt64(countIf(n > 1)) FROM \
+             (SELECT sum(orders) AS o, sum(revenue) AS r, count() AS n FROM {source} GROUP BY window_start, customer_id, currency)"
         )
     }
 
@@ -443,7 +588,8 @@ impl TableNames {
 
     /// Every statement tally issues, named, in the order of one fold step from `from` to `to`
     /// (repair of day `day`, fold, log, install, drop of version partition `data_partition`),
-    /// with the reads that verify, reconcile and folding make. For checking the SQL on other
+    /// a publish of the answer from `from` as of `as_of`, with the reads that verify,
+    /// reconcile, publishing and folding make. For checking the SQL on other
     /// server versions: `tally schema --print-sql`.
     pub fn statement_catalog(
         &self,
@@ -472,8 +618,24 @@ impl TableNames {
             ("read.unlogged_days", self.unlogged_days_sql(to.seconds)),
             ("read.partitions", self.partitions_sql(&self.data)),
             ("read.database_engine", self.database_engine_sql()),
+            ("read.open_cut", self.open_cut_sql(from)),
+            ("read.published", self.published_sql()),
+            (
+                "read.published_totals",
+                self.published_totals_sql(from, as_of),
+            ),
         ];
         out.extend(reads.into_iter().map(|(n, s)| (n.to_owned(), s)));
+        // A publish of the answer from `from` as of `as_of`.
+        let stage = self.live_stage("sqlcheck");
+        let publish = self
+            .stage_snapshot_sql(&stage, from, as_of)
+            .into_iter()
+            .chain(self.replace_live_sql(&stage));
+        for (i, sql) in publish.enumerate() {
+            out.push((format!("publish.{i}"), sql));
+        }
+        out.push(("read.other_stages".into(), self.other_stages_sql("x")));
         for (i, sql) in self
             .rebuild_day_sql(day, to.seconds)
             .into_iter()
@@ -517,6 +679,7 @@ impl TableNames {
             self.create_final_like(&self.final_rows),
             self.create_final_like(&self.stage),
             self.create_folds(),
+            self.create_live(),
             self.create_view(&self.view_q(), Frontier::default()),
         ]
     }
@@ -563,6 +726,8 @@ struct TableInfo {
     engine: String,
     #[serde(default)]
     sorting_key: Option<String>,
+    #[serde(default)]
+    create_table_query: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -740,7 +905,14 @@ pub(crate) async fn atomic_database(
     Ok(engines.first().is_some_and(|e| e.engine != "Ordinary"))
 }
 
-pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()> {
+/// What [`ensure`] left to its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ensured {
+    /// The view is of an earlier layout: publish a snapshot, then install the current view.
+    pub install_view: bool,
+}
+
+pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<Ensured> {
     execute(
         client,
         &format!("CREATE DATABASE IF NOT EXISTS {}", names.database),
@@ -748,6 +920,7 @@ pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()
     )
     .await?;
     let short = |suffix: &str| format!("{}{suffix}", names.view);
+    let live = live_columns();
     let tables = [
         (
             names.data.clone(),
@@ -784,6 +957,13 @@ pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()
             FOLD_COLUMNS,
             names.create_folds(),
         ),
+        (
+            names.live.clone(),
+            short("_live"),
+            Some(FINAL_SORTING_KEY),
+            &live[..],
+            names.create_live(),
+        ),
     ];
     let mut problems = Vec::new();
     let mut old_layout = false;
@@ -810,35 +990,37 @@ pub async fn ensure(client: &Client, names: &TableNames, url: &str) -> Result<()
             }
         }
     }
+    let mut install_view = false;
     if problems.is_empty() {
         // Created last: it reads the tables, and its frontier is the fold log's newest.
         let frontier = latest_frontier(client, names, url).await?;
         match inspect(client, url, &names.database, &names.view).await? {
             None => execute(client, &names.create_view(&names.view_q(), frontier), url).await?,
-            // A view of the earlier layout pruned by epoch: the same rows, read by window now.
-            Some(_) if migrated => {
-                for sql in
-                    names.install_view_sql(frontier, atomic_database(client, names, url).await?)
-                {
-                    execute(client, &sql, url).await?;
-                }
-            }
             Some(info) => {
-                problems.extend(check(&names.view_q(), &info, "View", None, VIEW_COLUMNS))
+                problems.extend(check(&names.view_q(), &info, "View", None, VIEW_COLUMNS));
+                // A view of an earlier layout: it read the versions itself (which let a reader
+                // see half a batch), or pruned the commit log by epoch.
+                let reads_live = info
+                    .0
+                    .create_table_query
+                    .as_deref()
+                    .is_none_or(|q| q.contains(&format!("{}_live", names.view)));
+                install_view = migrated || !reads_live;
             }
         }
     }
     if problems.is_empty() {
-        return Ok(());
+        return Ok(Ensured { install_view });
     }
     let drop_all = format!(
-        "DROP TABLE {v}; DROP TABLE {d}; DROP TABLE {c}; DROP TABLE IF EXISTS {f}; DROP TABLE IF EXISTS {s}; DROP TABLE IF EXISTS {l}",
+        "DROP TABLE {v}; DROP TABLE {d}; DROP TABLE {c}; DROP TABLE IF EXISTS {f}; DROP TABLE IF EXISTS {s}; DROP TABLE IF EXISTS {l}; DROP TABLE IF EXISTS {p}",
         v = names.view_q(),
         d = names.data,
         c = names.commits,
         f = names.final_rows,
         s = names.stage,
         l = names.folds,
+        p = names.live,
     );
     if old_layout {
         return Err(SinkError::Schema(format!(
@@ -876,6 +1058,7 @@ mod tests {
             TableInfo {
                 engine: "ReplacingMergeTree".into(),
                 sorting_key: Some("epoch".into()),
+                create_table_query: None,
             },
             vec![ColumnInfo {
                 name: "version".into(),
@@ -913,21 +1096,45 @@ mod tests {
         };
         let sql = names.create_view("tally.r__next", frontier);
         assert!(sql.contains("FROM tally.r_final WHERE window_start < toDateTime(1790000400)"));
-        assert!(sql.contains("WHERE window_start >= toDateTime(1790000400)"));
-        // Batches are pruned by the newest window they hold, not by a writer's epoch.
+        assert!(sql.contains("FROM tally.r_live WHERE window_start >= toDateTime(1790000400)"));
+        // Readers read published rows only: no versions, no commit log in their SELECT.
         assert!(
-            sql.contains("WHERE max_window_start >= toDateTime(1790000400))"),
+            !sql.contains("r_data") && !sql.contains("r_commits"),
             "{sql}"
         );
-        assert!(!sql.contains("epoch"), "{sql}");
-        // The folded range must not read versions, nor the version range folded rows.
-        assert_eq!(sql.matches("toDateTime(1790000400)").count(), 3);
+        assert_eq!(sql.matches("toDateTime(1790000400)").count(), 2);
         let swap = names.install_view_sql(frontier, true);
         assert_eq!(swap[3], "EXCHANGE TABLES tally.r AND tally.r__next");
         let swap = names.install_view_sql(frontier, false);
         assert_eq!(
             swap[3],
             "RENAME TABLE tally.r TO tally.r__old, tally.r__next TO tally.r"
+        );
+    }
+
+    #[test]
+    fn a_publish_reads_committed_versions_as_of_its_cut_from_its_frontier() {
+        let names = TableNames::new("tally", "r").unwrap_or_else(|e| unreachable!("{e}"));
+        let from = Frontier {
+            seconds: 1_790_000_400,
+        };
+        let cut = Cut([(0, 20), (1, 8)].into_iter().collect());
+        let stage = names.live_stage("1796-0f3a");
+        assert_eq!(stage, "tally.r_live_stage_1796_0f3a");
+        let sql = names.stage_snapshot_sql(&stage, from, &cut).join("; ");
+        // Batches are pruned by the newest window they hold, not by a writer's epoch, and the
+        // cut is a literal: the versions are read after it was fixed.
+        assert!(
+            sql.contains("WHERE max_window_start >= toDateTime(1790000400))"),
+            "{sql}"
+        );
+        assert!(sql.contains("indexOf([0, 1]"), "{sql}");
+        assert!(sql.contains("arrayElement([20, 8]"), "{sql}");
+        assert!(!sql.contains("epoch"), "{sql}");
+        let [replace, _] = names.replace_live_sql(&stage);
+        assert_eq!(
+            replace,
+            "ALTER TABLE tally.r_live REPLACE PARTITION tuple() FROM tally.r_live_stage_1796_0f3a"
         );
     }
 

@@ -316,6 +316,38 @@ impl Folded<'_> {
     }
 }
 
+/// A publish of the answer the view reads from the fold frontier on.
+pub struct Published<'a> {
+    pub result: &'a Result<tally_clickhouse::PublishOutcome, tally_clickhouse::SinkError>,
+    pub duration: Duration,
+}
+
+impl Published<'_> {
+    pub fn emit(&self) {
+        match self.result {
+            Ok(outcome) => {
+                if let Some(rows) = outcome.rows {
+                    tracing::debug!(
+                        rows,
+                        from = %tally_core::time::format_ms(i64::from(outcome.from.seconds) * 1000),
+                        cut = ?outcome.cut.0,
+                        millis = self.duration.as_millis() as u64,
+                        "published"
+                    );
+                    counter!("tally_publishes_total").increment(1);
+                    gauge!("tally_published_rows").set(rows as f64);
+                    histogram!("tally_publish_duration_seconds")
+                        .record(self.duration.as_secs_f64());
+                }
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "publishing the answer failed; the view shows the one before until a retry succeeds");
+                counter!("tally_publish_failures_total").increment(1);
+            }
+        }
+    }
+}
+
 /// Records on the broker that tally has not consumed yet, per partition.
 pub struct LagMeasured {
     pub partition: tally_core::PartitionId,

@@ -18,6 +18,10 @@ pub enum FaultPoint {
     FoldAfterInsert,
     FoldAfterLog,
     FoldAfterInstall,
+    /// A snapshot of the answer is built in the publisher's stage table, not yet installed.
+    PublishAfterStage,
+    /// The snapshot is installed; the stage table is not emptied yet.
+    PublishAfterReplace,
     /// The epoch's Kafka transaction is aborted, not committed, and the epoch goes on as if it
     /// had committed; the kill comes once it is marked committed. Stands for a committed
     /// transaction that Kafka undid afterwards (a hanging one aborted by hand).
@@ -25,7 +29,7 @@ pub enum FaultPoint {
 }
 
 impl FaultPoint {
-    pub const ALL: [FaultPoint; 10] = [
+    pub const ALL: [FaultPoint; 12] = [
         FaultPoint::AfterPreCommit,
         FaultPoint::TwoInFlight,
         FaultPoint::AfterDeadLetterCommit,
@@ -35,6 +39,8 @@ impl FaultPoint {
         FaultPoint::FoldAfterInsert,
         FaultPoint::FoldAfterLog,
         FaultPoint::FoldAfterInstall,
+        FaultPoint::PublishAfterStage,
+        FaultPoint::PublishAfterReplace,
         FaultPoint::KafkaCommitLost,
     ];
 
@@ -49,6 +55,8 @@ impl FaultPoint {
             FaultPoint::FoldAfterInsert => "fold_after_insert",
             FaultPoint::FoldAfterLog => "fold_after_log",
             FaultPoint::FoldAfterInstall => "fold_after_install",
+            FaultPoint::PublishAfterStage => "publish_after_stage",
+            FaultPoint::PublishAfterReplace => "publish_after_replace",
             FaultPoint::KafkaCommitLost => "kafka_commit_lost",
         }
     }

@@ -396,6 +396,12 @@ fn real_main(cli: Cli) -> Result<()> {
                     }
                     caught_up = !outcome.behind;
                 }
+                // From the frontier installed above: the published answer holds only the
+                // windows still open.
+                let published = sink.publish("fold", |_| {}).await?;
+                if let Some(rows) = published.rows {
+                    println!("publish: {rows} rows of windows not folded yet");
+                }
                 anyhow::Ok(())
             })
         }

@@ -131,6 +131,25 @@ pub async fn loadgen(config: &Config, opts: LoadOptions) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// Orders counted more than once, and orders missing, summed over keys.
+fn miscounted(
+    expected: &BTreeMap<ViewKey, ViewTotals>,
+    found: &BTreeMap<ViewKey, ViewTotals>,
+) -> (u64, u64) {
+    let (mut over, mut lost) = (0u64, 0u64);
+    for (k, e) in expected {
+        let f = found.get(k).map_or(0, |f| f.0);
+        over += f.saturating_sub(e.0);
+        lost += e.0.saturating_sub(f);
+    }
+    over += found
+        .iter()
+        .filter(|(k, _)| !expected.contains_key(*k))
+        .map(|(_, f)| f.0)
+        .sum::<u64>();
+    (over, lost)
+}
+
 /// Differences between what a sink should hold and what it holds.
 #[derive(Debug, Default)]
 pub struct RowDiff {
@@ -221,13 +240,18 @@ pub fn read_dead_letters(config: &Config) -> Result<BTreeMap<(i32, i64), Vec<Str
     Ok(out)
 }
 
-/// Compares the view and the dead-letter topic with a manifest. Returns whether they match.
+/// Compares the view, the committed versions (what the next publish shows) and the dead-letter
+/// topic with a manifest. Returns whether they all match.
 pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
     let manifest = Manifest::load(manifest_path)
         .with_context(|| format!("reading {}", manifest_path.display()))?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let found = sink.read_view().await?;
     let diff = RowDiff::compare(&manifest.rows, &found);
+    // What the next publish will show: a writer that broke the protocol shows here first.
+    let committed = sink.read_committed_answer().await?;
+    let unpublished = RowDiff::compare(&found, &committed);
+    let committed_diff = RowDiff::compare(&manifest.rows, &committed);
     let dead = read_dead_letters(config)?;
     let mut dl_missing = Vec::new();
     let mut dl_wrong_reason = Vec::new();
@@ -292,26 +316,27 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
         dl_wrong_reason.len()
     );
     diff.print_first(10);
+    if !unpublished.is_empty() {
+        println!(
+            "the committed versions differ from the view in {} rows (not published yet, or written outside the protocol); against the manifest they have missing {}, extra {}, different {}",
+            unpublished.missing.len() + unpublished.extra.len() + unpublished.different.len(),
+            committed_diff.missing.len(),
+            committed_diff.extra.len(),
+            committed_diff.different.len()
+        );
+        committed_diff.print_first(10);
+    }
     for (p, o) in dl_missing.iter().take(10) {
         println!("  dead letter missing  {p}/{o}");
     }
     for (p, o) in dl_repeated.iter().take(10) {
         println!("  dead letter repeated {p}/{o}");
     }
-    // Orders counted more than once, and orders missing, summed over keys.
-    let mut over_counted = 0u64;
-    let mut lost = 0u64;
-    for (k, e) in &manifest.rows {
-        let f = found.get(k).map_or(0, |f| f.0);
-        over_counted += f.saturating_sub(e.0);
-        lost += e.0.saturating_sub(f);
-    }
-    over_counted += diff
-        .extra
-        .iter()
-        .filter_map(|k| found.get(k))
-        .map(|f| f.0)
-        .sum::<u64>();
+    // Orders counted more than once, and orders missing: in the view, or in what the next
+    // publish shows it, whichever is worse.
+    let (seen_over, seen_lost) = miscounted(&manifest.rows, &found);
+    let (next_over, next_lost) = miscounted(&manifest.rows, &committed);
+    let (over_counted, lost) = (seen_over.max(next_over), seen_lost.max(next_lost));
     println!(
         "verify-summary rows_expected={} rows_found={} orders_expected={} orders_found={found_orders} over_counted={over_counted} lost={lost} dl_expected={} dl_found={dead_total} dl_repeated={} dl_missing={}",
         manifest.rows.len(),
@@ -322,6 +347,7 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
         dl_missing.len()
     );
     let ok = diff.is_empty()
+        && committed_diff.is_empty()
         && dl_missing.is_empty()
         && dl_repeated.is_empty()
         && dl_extra.is_empty()

@@ -24,7 +24,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, WriteOutcome, WriteStep};
+use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, PublishStep, WriteOutcome, WriteStep};
 use tally_core::seen_filter::{FilterBuilder, id_hash};
 use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
@@ -42,7 +42,7 @@ use crate::background::Background;
 use crate::config::{self, Config};
 use crate::events::{
     BarrierPause, ChangelogTruncated, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes,
-    EpochRecovered, Folded, LagMeasured, PartitionsAdded, SinkRetry,
+    EpochRecovered, Folded, LagMeasured, PartitionsAdded, Published, SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
@@ -296,6 +296,8 @@ struct Sinks {
     /// Where a restore of each partition may start reading the changelog.
     restore_points: RestorePoints,
     truncator: ChangelogTruncator,
+    /// Told of every epoch committed: the read side publishes it.
+    committed: Arc<tokio::sync::Notify>,
 }
 
 /// Truncates the changelog below the committed restore points, at most every
@@ -360,9 +362,11 @@ impl ChangelogTruncator {
     }
 }
 
-/// Fold steps, on a thread of their own: a step can take seconds (it moves every final
-/// window's versions), and commits must not wait for it. Every step is driven by the commit
-/// log alone and leaves the view whole, so it needs no coordination with the commits.
+/// The read side, on a thread of its own: publishes the answer after commits (the view reads
+/// it) and runs fold steps. Either can take seconds (a step moves every final window's
+/// versions), and commits must not wait for them. Both are driven by the commit log alone and
+/// leave the view whole, so they need no coordination with the commits. One per job: the
+/// worker running its first task.
 struct Folder {
     config: Config,
     rt: Handle,
@@ -373,33 +377,64 @@ struct Folder {
     /// Set when the worker stops: ends a wait for ClickHouse.
     stop: Arc<AtomicBool>,
     pressure: Arc<CommitPressure>,
+    /// Notified when this worker committed an epoch: publish now.
+    committed: Arc<tokio::sync::Notify>,
 }
 
-/// The running fold thread. Dropping it stops and joins the thread: a step in progress is
+/// How often the publisher looks at the commit log for batches other workers committed.
+const PUBLISH_POLL: Duration = Duration::from_millis(500);
+/// While the committer is behind (a catch-up), publishes are at least this far apart: the
+/// commit path has the cores first, and the view shows the catch-up's progress meanwhile.
+const PRESSED_PUBLISH_GAP: Duration = Duration::from_secs(5);
+/// How long a stop waits for its last publish.
+const FINAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the read-side thread is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadSide {
+    Run,
+    /// Stop at once: a step in progress is abandoned (the next start repairs it).
+    Abandon,
+    /// Publish what was committed, then stop: a worker that stops cleanly leaves the view
+    /// showing every epoch it committed.
+    PublishAndStop,
+}
+
+/// The running read-side thread. Dropping it stops and joins the thread: a step in progress is
 /// abandoned at its next await (the next start repairs it, as after a crash), so a stop never
-/// waits for a long step and no fold request outlives the worker's runtime.
+/// waits for a long step and no request outlives the worker's runtime.
 struct FoldThread {
-    stop_tx: tokio::sync::watch::Sender<bool>,
+    signal: tokio::sync::watch::Sender<ReadSide>,
     _thread: Background,
 }
 
 impl FoldThread {
     fn start(folder: Folder) -> Result<FoldThread> {
         let stop = folder.stop.clone();
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let thread = Background::spawn("tally-fold", stop, move || folder.run(stop_rx))?;
+        let (signal, signal_rx) = tokio::sync::watch::channel(ReadSide::Run);
+        let thread = Background::spawn("tally-fold", stop, move || folder.run(signal_rx))?;
         Ok(FoldThread {
-            stop_tx,
+            signal,
             _thread: thread,
         })
+    }
+
+    /// Publishes once more (bounded by [`FINAL_PUBLISH_TIMEOUT`]) and joins the thread.
+    fn publish_and_stop(self) {
+        self.signal.send_replace(ReadSide::PublishAndStop);
     }
 }
 
 impl Drop for FoldThread {
     /// Wakes a step waiting in the runtime; the thread's guard then sets the flag and joins.
     fn drop(&mut self) {
-        // Fails only if the thread already ended.
-        let _ = self.stop_tx.send(true);
+        self.signal.send_if_modified(|s| {
+            let run = *s == ReadSide::Run;
+            if run {
+                *s = ReadSide::Abandon;
+            }
+            run
+        });
     }
 }
 
@@ -522,6 +557,7 @@ impl Worker {
             readiness: readiness.clone(),
             restore_points: store.restore_points()?,
             truncator,
+            committed: Arc::new(tokio::sync::Notify::new()),
         };
         Ok(Worker {
             consumer: Consumer {
@@ -553,12 +589,10 @@ impl Worker {
         sinks.recover()?;
         // Fence any earlier instance now, not at the first checkpoint.
         sinks.ensure_producer()?;
-        // Fold at once (which also repairs a step a crash interrupted), then every interval.
-        // The view is whole at every step, so consumption need not wait for it.
-        // One folder per job: the worker running its first task.
-        let _folding = if consumer.config.clickhouse.fold_interval.0 > 0
-            && consumer.config.job.task.is_none_or(|t| t == 0)
-        {
+        // Publish and fold at once (which also repairs a step a crash interrupted), then after
+        // commits and every interval. The view is whole at every step, so consumption need not
+        // wait for it. One read side per job: the worker running its first task.
+        let read_side = if consumer.config.job.task.is_none_or(|t| t == 0) {
             Some(FoldThread::start(Folder {
                 config: consumer.config.clone(),
                 rt: sinks.rt.clone(),
@@ -567,6 +601,7 @@ impl Worker {
                 partitions: consumer.topic_partitions.clone(),
                 stop: Arc::new(AtomicBool::new(false)),
                 pressure: consumer.pressure.clone(),
+                committed: sinks.committed.clone(),
             })?)
         } else {
             None
@@ -630,6 +665,11 @@ impl Worker {
             (Ok(stop), Ok(())) => Ok(stop),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         };
+        if outcome.is_ok()
+            && let Some(read_side) = read_side
+        {
+            read_side.publish_and_stop();
+        }
         if outcome.is_ok()
             && let Err(e) = consumer.store.flush()
         {
@@ -1133,48 +1173,87 @@ fn start_partition_discovery(
 type AddedPartitions = Vec<(PartitionId, i64)>;
 
 impl Folder {
-    /// Runs a fold step now and then every `fold_interval` (at once while folding is behind and
-    /// the committer is not), until `stop` changes. Folding only tidies what readers read (the
-    /// view's result is the same before and after), so a failed step is logged and retried at
-    /// the next.
-    fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) {
+    /// Publishes after every commit of this worker and every [`PUBLISH_POLL`] (others'
+    /// commits), and runs a fold step now and then every `fold_interval` (at once while
+    /// folding is behind and the committer is not), until told to stop. A failed publish or
+    /// step is logged and retried: the view stays whole meanwhile, only less fresh or slower.
+    fn run(self, mut signal: tokio::sync::watch::Receiver<ReadSide>) {
         // A connection of its own (made here, off the start path): the fold frontier it
-        // installs is the folder's state, not the sink's.
+        // installs is this thread's state, not the sink's.
         let sink = match connect_clickhouse(&self.config, &self.rt, &self.stop) {
             Ok(sink) => sink,
             // A stop while ClickHouse was unreachable, or a refused connection, which the
             // sink thread reports too.
             Err(e) => {
                 if !self.stop.load(Ordering::SeqCst) {
-                    tracing::warn!(error = %format!("{e:#}"), "the fold thread cannot connect to clickhouse; folding is off until the next start");
+                    tracing::warn!(error = %format!("{e:#}"), "the fold thread cannot connect to clickhouse; publishing and folding are off until the next start");
                 }
                 return;
             }
         };
+        let publisher = self.store.writer_id().to_owned();
+        let folding = self.config.clickhouse.fold_interval.0 > 0;
         let interval = self.config.clickhouse.fold_interval.as_duration();
         self.rt.block_on(async {
+            match sink.drop_other_stages(&publisher).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(tables = n, "dropped the stage tables of earlier publishers"),
+                Err(e) => tracing::warn!(error = %e, "could not drop the stage tables of earlier publishers"),
+            }
             // Whether the last wait was the interval because the committer was behind.
             let mut yielding = false;
+            // The first step installs the logged frontier (repairing an interrupted step).
+            let mut next_fold = folding.then(Instant::now);
+            let mut last_publish: Option<Instant> = None;
             loop {
-                let behind = tokio::select! {
-                    behind = self.step(&sink) => behind,
-                    _ = stop.changed() => return,
-                };
-                let wait = next_fold_wait(behind, self.pressure.within(interval), interval);
-                if (behind && !wait.is_zero()) != yielding {
-                    yielding = !yielding;
-                    if yielding {
-                        tracing::info!(
-                            "folding is behind, and so is the committer: fold steps keep to the interval meanwhile"
-                        );
-                    } else {
-                        tracing::info!("fold steps no longer wait for the committer");
+                if next_fold.is_some_and(|at| at <= Instant::now()) {
+                    let behind = tokio::select! {
+                        behind = self.step(&sink) => behind,
+                        _ = signal.changed() => break,
+                    };
+                    let wait = next_fold_wait(behind, self.pressure.within(interval), interval);
+                    if (behind && !wait.is_zero()) != yielding {
+                        yielding = !yielding;
+                        if yielding {
+                            tracing::info!(
+                                "folding is behind, and so is the committer: fold steps keep to the interval meanwhile"
+                            );
+                        } else {
+                            tracing::info!("fold steps no longer wait for the committer");
+                        }
                     }
+                    next_fold = Some(Instant::now() + wait);
                 }
-                // A change, or the sender gone: either way, stop.
-                if tokio::time::timeout(wait, stop.changed()).await.is_ok() {
-                    return;
+                let gap = if self.pressure.within(PRESSED_PUBLISH_GAP) {
+                    PRESSED_PUBLISH_GAP
+                } else {
+                    Duration::ZERO
+                };
+                let publish_at = last_publish.map_or_else(Instant::now, |t| t + gap);
+                if publish_at <= Instant::now() {
+                    tokio::select! {
+                        () = self.publish(&sink, &publisher) => {},
+                        _ = signal.changed() => break,
+                    }
+                    last_publish = Some(Instant::now());
                 }
+                let mut wake = Instant::now() + PUBLISH_POLL;
+                if let Some(at) = next_fold {
+                    wake = wake.min(at);
+                }
+                tokio::select! {
+                    () = self.committed.notified() => {},
+                    () = tokio::time::sleep_until(wake.into()) => {},
+                    // A change, or the sender gone: either way, stop.
+                    _ = signal.changed() => break,
+                }
+            }
+            if *signal.borrow() == ReadSide::PublishAndStop
+                && tokio::time::timeout(FINAL_PUBLISH_TIMEOUT, self.publish(&sink, &publisher))
+                    .await
+                    .is_err()
+            {
+                tracing::warn!("the last publish before the stop timed out; the next start publishes");
             }
         });
     }
@@ -1183,8 +1262,7 @@ impl Folder {
     async fn step(&self, sink: &ClickHouseSink) -> bool {
         let started = Instant::now();
         let fault = self.fault;
-        // Fault points of a step are keyed by the newest epoch of the local state.
-        let epoch = self.store.meta().map_or(Epoch(0), |m| m.epoch);
+        let epoch = self.local_epoch();
         let hook = move |step: FoldStep| {
             let point = match step {
                 FoldStep::Inserted => FaultPoint::FoldAfterInsert,
@@ -1201,6 +1279,31 @@ impl Folder {
         }
         .emit();
         result.is_ok_and(|outcome| outcome.behind)
+    }
+
+    /// Publishes the answer if the commit log moved since the last publish.
+    async fn publish(&self, sink: &ClickHouseSink, publisher: &str) {
+        let started = Instant::now();
+        let fault = self.fault;
+        let epoch = self.local_epoch();
+        let hook = move |step: PublishStep| {
+            let point = match step {
+                PublishStep::Staged => FaultPoint::PublishAfterStage,
+                PublishStep::Replaced => FaultPoint::PublishAfterReplace,
+            };
+            fault.hit(point, epoch);
+        };
+        let result = sink.publish(publisher, hook).await;
+        Published {
+            result: &result,
+            duration: started.elapsed(),
+        }
+        .emit();
+    }
+
+    /// Fault points of the read side are keyed by the newest epoch of the local state.
+    fn local_epoch(&self) -> Epoch {
+        self.store.meta().map_or(Epoch(0), |m| m.epoch)
     }
 }
 
@@ -1396,6 +1499,7 @@ impl Sinks {
         let started = Instant::now();
         self.store.mark_committed(epoch)?;
         self.phases.mark_committed = started.elapsed();
+        self.committed.notify_one();
         Ok(())
     }
 
