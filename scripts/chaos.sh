@@ -7,6 +7,7 @@
 #   scripts/chaos.sh --events 10000000 --rate 40000 --kills 100 --restarts 3   the big run
 #   scripts/chaos.sh --workers 3 --zombies 2 --leaves 2   replicas: one runs the job, the others stand by
 #   scripts/chaos.sh --workers 3 --tasks 4 --zombies 2 --leaves 2   the workers share the job's tasks
+#   scripts/chaos.sh --workers 3 --fold-kills 3   kills timed to fall inside a fold step
 #
 # Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
 #          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
@@ -16,13 +17,14 @@
 #          running the job)  --zombies Z (SIGSTOP the running worker past the session timeout,
 #          then SIGCONT it)  --leaves L (SIGTERM a random worker and start it again)
 #          --tasks T (job.tasks: the workers share T tasks; kills and zombies hit a worker running
-#          tasks, whose tasks move to the others)
+#          tasks, whose tasks move to the others)  --fold-kills F (SIGKILL the read side's holder
+#          while the server runs its fold step's insert, and start it again at once)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
-workers=1 zombies=0 leaves=0 tasks=1
+workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -37,6 +39,7 @@ while (($#)); do
     --zombies) zombies=$2; shift 2 ;;
     --leaves) leaves=$2; shift 2 ;;
     --tasks) tasks=$2; shift 2 ;;
+    --fold-kills) fold_kills=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -79,6 +82,10 @@ config=config/revenue_agg.toml
 # The verify and probe tools read the first worker's settings; they touch no state directory.
 export TALLY_JOB__STATE_DIR="$dir/state-0"
 
+# ClickHouse over HTTP, for what the run counts and where it aims its fold kills.
+chq() { curl -sS "${TALLY_CLICKHOUSE__URL:-http://127.0.0.1:8123}/" --data-binary "$1"; }
+table=${TALLY_CLICKHOUSE__TABLE:-revenue_agg}
+
 # Worker i: its own state directory and log; pids[i], and where its log was when it started.
 pids=() log_at=()
 worker_log() { echo "$dir/worker-$1.log"; }
@@ -120,15 +127,16 @@ for ((w = 0; w < workers; w++)); do start_worker "$w"; done
 probe_pid=$!
 
 # Spread kills and service restarts over the load's duration.
-total_events=$(( kills + 2 * restarts + zombies + leaves ))
+total_events=$(( kills + 2 * restarts + zombies + leaves + fold_kills ))
 actions=()
 for ((i = 0; i < kills; i++)); do actions+=(kill); done
 for ((i = 0; i < restarts; i++)); do actions+=(clickhouse kafka); done
 for ((i = 0; i < zombies; i++)); do actions+=(zombie); done
 for ((i = 0; i < leaves; i++)); do actions+=(leave); done
+for ((i = 0; i < fold_kills; i++)); do actions+=(foldkill); done
 for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${actions[i]}; actions[i]=${actions[j]}; actions[j]=$t; done
 gap_ms=$(( duration * 1000 / (total_events + 1) ))
-done_kills=0 done_ch=0 done_kafka=0 done_zombies=0 done_leaves=0 zombie_exits=0
+done_kills=0 done_ch=0 done_kafka=0 done_zombies=0 done_leaves=0 zombie_exits=0 done_fold_kills=0 read_side_back=""
 for action in "${actions[@]}"; do
   # A random moment: on average one gap apart, anywhere from half a gap to one and a half.
   sleep_ms=$(( gap_ms / 2 + RANDOM % (gap_ms > 1 ? gap_ms : 1) ))
@@ -157,6 +165,25 @@ for action in "${actions[@]}"; do
       wait "${pids[w]}" 2>/dev/null || true
       done_leaves=$((done_leaves + 1))
       start_worker "$w" ;;
+    foldkill)
+      # Wait for a fold step's insert on the server, find the worker holding the read side (its
+      # pid is in the generation's lease), SIGKILL it mid-insert and start it again at once.
+      until_s=$(( $(date +%s) + 120 ))
+      until [ "$(chq "SELECT count() FROM system.processes WHERE query LIKE 'INSERT INTO ${run}__${table}__read%.fold%'" 2>/dev/null || echo 0)" -gt 0 ] \
+            || [ "$(date +%s)" -ge "$until_s" ]; do sleep 0.05; done
+      gen=$(chq "SELECT max(generation) FROM ${run}.${table}_read_side" 2>/dev/null || echo 0)
+      holder_pid=$(chq "SELECT holder FROM ${run}__${table}__read${gen}.lease" 2>/dev/null | sed -n 's/^tally run@[^:]*:\([0-9]*\):.*/\1/p')
+      for ((w = 0; w < workers; w++)); do
+        [ "${pids[w]}" = "$holder_pid" ] || continue
+        killed_at=$(date +%s%N)
+        kill -9 "${pids[w]}" 2>/dev/null || true
+        wait "${pids[w]}" 2>/dev/null || true
+        start_worker "$w"
+        done_fold_kills=$((done_fold_kills + 1))
+        # Until a later generation holds the read side: publishing resumed.
+        until [ "$(chq "SELECT max(generation) FROM ${run}.${table}_read_side" 2>/dev/null || echo 0)" -gt "$gen" ]; do sleep 0.1; done
+        read_side_back="$read_side_back $(( ($(date +%s%N) - killed_at) / 1000000 ))"
+      done ;;
     clickhouse) scripts/services.sh restart clickhouse >&2; done_ch=$((done_ch + 1)) ;;
     kafka) scripts/services.sh restart kafka >&2; done_kafka=$((done_kafka + 1)) ;;
   esac
@@ -239,11 +266,19 @@ probe=$(grep '^probe-summary' "$dir/probe.txt" || true)
 pfield() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$probe"; }
 folds=$(cat "$dir"/worker-*.log | grep -c 'fold step frontier=' || true)
 printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(cat "$dir"/worker-*.log | grep 'fold step frontier=' | grep -vc 'folded_rows=0' || true))"
+printf '%-40s %s\n' "fold kills (holder SIGKILLed mid-insert)" "$done_fold_kills${read_side_back:+ (read side back after ms:$read_side_back)}"
+printf '%-40s %s\n' "publishes (the live table's blocks)" "$(chq "SELECT max(max_block_number) FROM system.parts WHERE database = '$run' AND table = '${table}_live'" 2>/dev/null || echo '?')"
+printf '%-40s %s\n' "read side generations (claims)" "$(chq "SELECT countIf(event = 'claimed') FROM ${run}.${table}_read_side" 2>/dev/null || echo '?')"
+twice=$(chq "SELECT (SELECT count() - uniqExact(window_start, customer_id, currency) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, customer_id, currency) FROM ${run}.${table}_live)" 2>/dev/null || echo '?')
+printf '%-40s %s\n' "keys twice in the folded or live table (must be 0)" "$twice"
 printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view" "$(pfield reads)" "$(pfield errors)"
 printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"
 printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
 printf '%-40s %s\n' "reader saw a count go down (must be 0)" "$(pfield decreased)"
 printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
+if [ "$twice" != 0 ]; then
+  echo "chaos: FAILED (a key is twice in a table readers read)"; exit 1
+fi
 if [ "$probe_status" -ne 0 ]; then
   echo "chaos: FAILED (the reader saw an inconsistent view)"; cat "$dir/probe.txt"; exit 1
 fi

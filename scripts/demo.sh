@@ -15,6 +15,7 @@ run="demo_$(date +%s)"
 dir=".state/demo/$run"
 mkdir -p "$dir"
 # Each demo run gets its own topic, tables and state so reruns start clean.
+export TALLY_JOB__NAME="$run"
 export TALLY_JOB__STATE_DIR="$dir/state"
 export TALLY_KAFKA__SOURCE_TOPIC="orders_$run"
 export TALLY_KAFKA__CONSUMER_GROUP="tally-$run"

@@ -215,7 +215,8 @@ async fn a_committed_epoch_that_kafka_lost_is_sent_again() {
     assert!(ok, "{out}");
     let state = |job: &Job| {
         let store =
-            tally_state::StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+            tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
+                .unwrap();
         let meta = store.meta().unwrap();
         (
             store.windows().unwrap(),
@@ -289,4 +290,117 @@ async fn crash_mid_clickhouse_insert_never_shows_half_a_batch() {
         "a reader never sees half a batch"
     );
     finish_and_check(&job, &manifest).await;
+}
+
+/// A committed epoch that Kafka undid, with the state directory that made it lost: a worker on
+/// a directory restored from the changelog (which lacks the epoch) makes the epoch again from
+/// the source, checks it against ClickHouse's record of it, and sends its transaction again:
+/// dead letters exactly once, the view exact, nothing counted twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_epoch_kafka_undid_is_made_again_without_the_directory_that_made_it() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let job = Job::new(&topic, "");
+    let manifest = second_run_killed_at(&job, "kafka_commit_lost").await;
+    // The machine of `job` is gone; another one restores the job from the changelog.
+    let replica = job.replica();
+    let (ok, out) = tally_command(&replica, "restore", &[]);
+    assert!(ok, "{out}");
+    let before = replica.log().len();
+    let mut worker = replica.spawn(&[]);
+    replica.wait_until_consuming(before).await;
+    let view = wait_for_view(&replica, &manifest, CATCH_UP).await;
+    assert_stops_exact(&replica, &mut worker, &view, &manifest);
+    assert!(
+        replica.log().contains("made it again from the source"),
+        "log:\n{}",
+        replica.log()
+    );
+    assert_accounting(&replica, manifest.produced);
+}
+
+/// The same, with the epoch's source records deleted meanwhile: it cannot be made again, and
+/// the worker stops saying what was lost and what to run.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_undone_epoch_that_cannot_be_made_again_stops_the_worker_saying_what_was_lost() {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let job = Job::new(&topic, "");
+    second_run_killed_at(&job, "kafka_commit_lost").await;
+    let replica = job.replica();
+    let (ok, out) = tally_command(&replica, "restore", &[]);
+    assert!(ok, "{out}");
+    // Retention takes the source records of the undone epoch.
+    let ends = tally_kafka::topic_extent(
+        &tally_kafka::KafkaSettings {
+            brokers: BROKERS.into(),
+            client: Default::default(),
+        },
+        &topic,
+    )
+    .unwrap();
+    let deleter = tally_kafka::RecordDeleter::connect(&tally_kafka::KafkaSettings {
+        brokers: BROKERS.into(),
+        client: Default::default(),
+    })
+    .unwrap();
+    deleter
+        .delete_before(
+            &topic,
+            &ends.iter().map(|(p, (_, high))| (*p, *high)).collect(),
+        )
+        .await
+        .unwrap();
+    let before = replica.log().len();
+    let mut worker = replica.spawn(&[]);
+    let status = wait_exit(&mut worker, Duration::from_secs(90)).expect("the worker stops");
+    assert!(!status.success());
+    let log = &replica.log()[before..];
+    let error = log
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_else(|| panic!("no error line; log:\n{log}"));
+    eprintln!("{error}");
+    assert!(error.contains("that Kafka no longer holds"), "{error}");
+    assert!(error.contains("What is lost"), "{error}");
+    assert!(
+        error.contains("Run the worker whose state directory committed it"),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_after_fold_stage() {
+    crash_while_folding("fold_after_stage").await;
+}
+
+/// Killed while the server runs the step's (or the publish's) insert, which the server then
+/// finishes on its own into a stage table nothing reads; enough versions for the insert to be
+/// seen running.
+async fn crash_during_insert(point: &str) {
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    let manifest = produce_spaced(&topic, 2, 17, 20_000, 1_000).await;
+    let job = Job::new(&topic, "");
+    let mut worker = job.spawn(&[
+        ("TALLY_FAULT", point),
+        ("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s"),
+    ]);
+    let status =
+        wait_exit(&mut worker, Duration::from_secs(120)).expect("the fault kills the worker");
+    assert_eq!(status.signal(), Some(9), "{point}: log:\n{}", job.log());
+    assert!(job.log().contains(point), "{point} reached");
+    finish_and_check(&job, &manifest).await;
+    assert_folded(&job).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_during_fold_insert() {
+    crash_during_insert("fold_during_insert").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_during_publish_insert() {
+    crash_during_insert("publish_during_insert").await;
 }

@@ -10,14 +10,6 @@ use std::time::Duration;
 
 use common::*;
 
-async fn count(sql: &str) -> u64 {
-    clickhouse()
-        .query(sql)
-        .fetch_one()
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-}
-
 /// Runs the job to the end of `manifest`, with a fold step every second, while `tally probe`
 /// polls the view. Steps are bounded to a few hundred versions, so that a backlog folds in
 /// many steps. Returns the probe's output.
@@ -87,19 +79,19 @@ async fn final_windows_fold_to_one_row_and_readers_never_see_a_fold_half_done() 
     assert_folded(&job).await;
 
     let (db, t) = (&job.database, &job.table);
-    let frontier = count(&format!(
+    let frontier = ch_count(&format!(
         "SELECT toUInt64(max(frontier)) FROM {db}.{t}_folds"
     ))
     .await;
     // With steps of about 300 versions the backlog folds a share of a partition at a time
     // (8 steps here; 2 without the bound).
-    let steps = count(&format!(
+    let steps = ch_count(&format!(
         "SELECT count() FROM {db}.{t}_folds WHERE folded_rows > 0"
     ))
     .await;
     assert!(steps >= 5, "the backlog folds in bounded steps: {steps}");
     let answer_rows = manifest.rows.len() as u64;
-    let folded = count(&format!("SELECT count() FROM {db}.{t}_final")).await;
+    let folded = ch_count(&format!("SELECT count() FROM {db}.{t}_final")).await;
     let expected_folded = manifest
         .rows
         .keys()
@@ -110,13 +102,13 @@ async fn final_windows_fold_to_one_row_and_readers_never_see_a_fold_half_done() 
         "every window before the frontier is folded exactly once"
     );
     // Versions of folded windows are gone, but for the 10-minute partition the frontier is in.
-    let stale = count(&format!(
+    let stale = ch_count(&format!(
         "SELECT count() FROM {db}.{t}_data WHERE toUInt32(window_start) < {}",
         frontier - frontier % 600
     ))
     .await;
     assert_eq!(stale, 0, "replaced versions were dropped");
-    let versions = count(&format!("SELECT count() FROM {db}.{t}_data")).await;
+    let versions = ch_count(&format!("SELECT count() FROM {db}.{t}_data")).await;
     assert!(
         folded + versions < 3 * answer_rows,
         "storage is near the answer: {folded} folded + {versions} versions for {answer_rows} rows"
@@ -149,22 +141,22 @@ async fn retention_drops_folded_days_older_than_it() {
     let mut days = 0;
     while std::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        days = count(&format!(
+        days = ch_count(&format!(
             "SELECT uniqExact(toYYYYMMDD(window_start)) FROM {db}.{t}_final"
         ))
         .await;
-        let folds = count(&format!("SELECT count() FROM {db}.{t}_folds")).await;
+        let folds = ch_count(&format!("SELECT count() FROM {db}.{t}_folds")).await;
         if folds >= 1 && days <= 2 && days > 0 {
             break;
         }
     }
     sigterm(&worker);
     assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
-    let frontier = count(&format!(
+    let frontier = ch_count(&format!(
         "SELECT toUInt64(max(frontier)) FROM {db}.{t}_folds"
     ))
     .await;
-    let oldest = count(&format!(
+    let oldest = ch_count(&format!(
         "SELECT toUInt64(min(window_start)) FROM {db}.{t}_final"
     ))
     .await;

@@ -222,7 +222,8 @@ async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
 
     // A checkpoint whose accounting does not balance.
     {
-        let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+        let store =
+            StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic)).unwrap();
         let meta = store.meta().unwrap();
         let mut partitions = meta.partitions.clone();
         for c in partitions.values_mut() {
@@ -439,4 +440,150 @@ async fn an_open_transaction_on_the_groups_offsets_is_named_and_waited_out() {
     let view = wait_for_view(&job, &manifest, Duration::from_secs(120)).await;
     assert_stops_exact(&job, &mut worker, &view, &manifest);
     assert_accounting(&job, manifest.produced);
+}
+
+/// Runs `sql` (an ALTER … DELETE) and waits for its mutation.
+async fn mutate(database: &str, sql: &str) {
+    ch(sql).await;
+    wait_mutations(database).await;
+}
+
+/// The row of `hop` and the evidence line under it.
+fn hop_text(report: &str, hop: &str) -> String {
+    let mut lines = report.lines().skip_while(|l| !l.contains(hop));
+    format!(
+        "{}\n{}",
+        lines.next().unwrap_or(""),
+        lines.next().unwrap_or("")
+    )
+}
+
+/// What `doctor` did not see before: the changelog a takeover restores from, the read side not
+/// publishing, a row of the published answer that no publish wrote, the newest commit-log row
+/// of a partition deleted behind tally's back, and a key twice (FAIL rows, not a stop).
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_sees_the_changelog_the_read_side_and_rows_changed_behind_tally_s_back() {
+    let topic = unique("orders");
+    create_topic(&topic, 1).await;
+    // One event a second: most windows final, and folded.
+    let manifest = produce_spaced(&topic, 1, 61, 2_000, 1_000).await;
+    let job = Job::new(&topic, "");
+    let before = job.log().len();
+    let mut worker = job.spawn(&[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s")]);
+    job.wait_until_consuming(before).await;
+    let view = wait_for_view(&job, &manifest, Duration::from_secs(60)).await;
+    let (db, t) = (&job.database, &job.table);
+    let until = Instant::now() + Duration::from_secs(60);
+    while ch_count(&format!("SELECT count() FROM {db}.{t}_final")).await == 0 {
+        assert!(
+            Instant::now() < until,
+            "nothing folded; log:\n{}",
+            job.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_stops_exact(&job, &mut worker, &view, &manifest);
+
+    let (ok, report) = doctor(&job);
+    assert!(ok, "{report}");
+    let restorable = hop_text(&report, "Processed → Restorable");
+    assert!(restorable.starts_with("PASS"), "{report}");
+    assert!(restorable.contains("restored from"), "{restorable}");
+    let queryable = hop_text(&report, "Written → Queryable");
+    assert!(queryable.contains("read side"), "{queryable}");
+
+    // A row of the published answer that no publish wrote (another snapshot's point).
+    ch(&format!(
+        "INSERT INTO {db}.{t}_live SELECT window_start, window_end, 'intruder', currency, orders, revenue, published_from, [9], [9] FROM {db}.{t}_live LIMIT 1"
+    ))
+    .await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    let queryable = hop_text(&report, "Written → Queryable");
+    assert!(
+        queryable.starts_with("FAIL") && queryable.contains("a row no publish wrote"),
+        "{report}"
+    );
+    mutate(
+        db,
+        &format!("ALTER TABLE {db}.{t}_live DELETE WHERE customer_id = 'intruder'"),
+    )
+    .await;
+
+    // A batch committed an hour ago that no publish shows: nothing publishes.
+    ch(&format!(
+        "INSERT INTO {db}.{t}_commits SELECT 'unpublished', job, 999, partitions, to_offsets, arrayMap(o -> o + 1, to_offsets), watermarks, max_window_start, 0, 0, 0, 0, now() - 3600 FROM {db}.{t}_commits ORDER BY epoch DESC LIMIT 1"
+    ))
+    .await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    let queryable = hop_text(&report, "Written → Queryable");
+    assert!(
+        queryable.starts_with("FAIL") && queryable.contains("are not published: nothing publishes"),
+        "{report}"
+    );
+    mutate(
+        db,
+        &format!("ALTER TABLE {db}.{t}_commits DELETE WHERE batch_id = 'unpublished'"),
+    )
+    .await;
+
+    // A key twice in the view: FAIL rows, the report whole.
+    ch(&format!(
+        "INSERT INTO {db}.{t}_final SELECT * FROM {db}.{t}_final LIMIT 1"
+    ))
+    .await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert!(
+        hop_text(&report, "Written → Queryable").contains("more than once in the view"),
+        "{report}"
+    );
+    assert_eq!(
+        status_of(&report, "Queryable → Reported"),
+        "FAIL",
+        "{report}"
+    );
+    mutate(
+        db,
+        &format!(
+            "ALTER TABLE {db}.{t}_final DELETE WHERE (window_start, customer_id) IN (SELECT window_start, customer_id FROM {db}.{t}_final GROUP BY window_start, customer_id, currency HAVING count() > 1)"
+        ),
+    )
+    .await;
+
+    // The newest commit-log row deleted behind tally's back: Kafka's offsets say it existed.
+    mutate(
+        db,
+        &format!(
+            "ALTER TABLE {db}.{t}_commits DELETE WHERE epoch = (SELECT max(epoch) FROM {db}.{t}_commits)"
+        ),
+    )
+    .await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    let written = hop_text(&report, "Processed → Written");
+    assert!(
+        written.starts_with("FAIL") && written.contains("deleted behind tally's back"),
+        "{report}"
+    );
+
+    // The changelog truncated past the committed state: a takeover elsewhere could not restore.
+    let changelog = format!("tally-{topic}-changelog");
+    let end = tally_kafka::topic_extent(
+        &tally_kafka::KafkaSettings {
+            brokers: BROKERS.into(),
+            client: Default::default(),
+        },
+        &changelog,
+    )
+    .unwrap()[&0]
+        .1;
+    delete_records_before(&changelog, end).await;
+    let (_, report) = doctor(&job);
+    let restorable = hop_text(&report, "Processed → Restorable");
+    assert!(
+        restorable.starts_with("FAIL") && restorable.contains("does not restore"),
+        "{report}"
+    );
 }

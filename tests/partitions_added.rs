@@ -72,12 +72,7 @@ async fn partitions_added_while_running_and_while_stopped_are_consumed_exactly()
     };
     produce_into(&topic, &first[..2_000], &mut manifest).await;
     let job = Job::new(&topic, "");
-    // Discovery every second rather than the default, to keep the test short.
-    let config = std::fs::read_to_string(&job.config).unwrap().replace(
-        "consumer_group =",
-        "partition_discovery_interval = \"1s\"\nconsumer_group =",
-    );
-    write_file(&job.config, &config);
+    discover_partitions_every_second(&job);
 
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
@@ -116,4 +111,91 @@ async fn partitions_added_while_running_and_while_stopped_are_consumed_exactly()
     );
     let (ok, out) = doctor(&job);
     assert!(ok, "doctor after the partitions were added:\n{out}");
+}
+
+/// A hand-made order of `partition` at event time `t_ms`: (record, what it is).
+fn order(
+    partition: i32,
+    id: &str,
+    t_ms: i64,
+    kind: tally::loadgen::Kind,
+) -> tally::loadgen::GeneratedRecord {
+    let value = format!(
+        r#"{{"event_id":"{id}","customer_id":"cust-new","currency":"EUR","amount":"1.5","event_time":{t_ms}}}"#
+    );
+    let contributes = (kind == tally::loadgen::Kind::Valid).then(|| {
+        (
+            t_ms.div_euclid(60_000) * 60_000,
+            "cust-new".to_owned(),
+            "EUR".to_owned(),
+            15_000,
+        )
+    });
+    tally::loadgen::GeneratedRecord {
+        partition,
+        key: b"cust-new".to_vec(),
+        value: value.into_bytes(),
+        kind,
+        contributes,
+    }
+}
+
+/// A partition added after the job folded: its events in windows the job had made final (and
+/// folded) are dead-lettered as late, not counted where no reader ever sees them; its later
+/// events are aggregated. View and dead-letter topic equal the truth.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_added_partition_s_events_in_windows_already_folded_are_late_not_lost() {
+    use tally::loadgen::Kind;
+    let topic = unique("orders");
+    create_topic(&topic, 2).await;
+    // One event per second and partition: 25 minutes of event time, most windows final.
+    let mut manifest = produce_spaced(&topic, 2, 35, 3_000, 1_000).await;
+    let start = spec(35, 2).start_ms;
+    let newest = start + 3_000 * 1_000 / 2;
+    let job = Job::new(&topic, "");
+    discover_partitions_every_second(&job);
+    let before = job.log().len();
+    let mut worker = job.spawn(&[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s")]);
+    job.wait_until_consuming(before).await;
+    wait_for_view(&job, &manifest, CATCH_UP).await;
+    // Folded past the old events' windows.
+    let folded = format!(
+        "SELECT toUInt64(max(frontier)) FROM {}.{}_folds",
+        job.database, job.table
+    );
+    let until = std::time::Instant::now() + CATCH_UP;
+    loop {
+        let frontier = ch_count(&folded).await;
+        if frontier * 1_000 > u64::try_from(start + 600_000).unwrap() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no fold; log:\n{}",
+            job.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    let grown = job.log().len();
+    add_partitions(&topic, 3).await;
+    job.wait_for_log(grown, "partitions added to the source topic", CATCH_UP)
+        .await;
+    let records = [
+        // In windows folded long ago: late for the job whichever partition carries them.
+        order(2, "old-1", start + 60_000, Kind::Late),
+        order(2, "old-2", start + 300_500, Kind::Late),
+        // Newer than anything the job saw: aggregated.
+        order(2, "new-1", newest + 30_000, Kind::Valid),
+        order(2, "new-2", newest + 31_000, Kind::Valid),
+    ];
+    produce_into(&topic, &records, &mut manifest).await;
+    let view = wait_for_view(&job, &manifest, CATCH_UP).await;
+    assert_stops_exact(&job, &mut worker, &view, &manifest);
+    assert_accounting(&job, manifest.produced);
+    assert!(
+        job.log().contains("already final for the job are late"),
+        "log:\n{}",
+        job.log()
+    );
 }

@@ -24,23 +24,6 @@ fn text(o: &Output) -> String {
     )
 }
 
-async fn wait_mutations(database: &str) {
-    for _ in 0..100 {
-        let pending: u64 = clickhouse()
-            .query(&format!(
-                "SELECT count() FROM system.mutations WHERE database = '{database}' AND is_done = 0"
-            ))
-            .fetch_one()
-            .await
-            .unwrap();
-        if pending == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("mutation did not finish");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn verify_and_reconcile_catch_a_wrong_sink() {
     let topic = unique("orders");
@@ -210,4 +193,72 @@ fn check_config_names_a_misspelled_key_and_a_negative_window() {
         "{}",
         text(&out)
     );
+}
+
+/// The README's load test as written, with the shipped job file (its 1 MiB `max_record_bytes`
+/// included): loadgen must produce only records a default broker takes, and the job then
+/// verifies exactly. Only the names are the test's own, so that it shares nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_readme_load_test_runs_as_written() {
+    let run = unique("readme");
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("m.json");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../config/revenue_agg.toml");
+    let names = [
+        ("TALLY_JOB__NAME", run.clone()),
+        (
+            "TALLY_JOB__STATE_DIR",
+            dir.path().join("state").display().to_string(),
+        ),
+        ("TALLY_KAFKA__SOURCE_TOPIC", run.clone()),
+        ("TALLY_KAFKA__CONSUMER_GROUP", format!("tally-{run}")),
+        ("TALLY_CLICKHOUSE__DATABASE", run.clone()),
+        ("TALLY_METRICS__ADDRESS", String::new()),
+        ("TALLY_JOB__CHECKPOINT_INTERVAL", "1s".into()),
+    ];
+    let tally_with = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(args)
+            .envs(names.iter().map(|(k, v)| (k, v)))
+            .output()
+            .expect("run tally")
+    };
+    let m = manifest.to_str().unwrap();
+    let out = tally_with(&[
+        "loadgen",
+        "--config",
+        config,
+        "--events",
+        "20000",
+        "--manifest",
+        m,
+    ]);
+    assert!(out.status.success(), "loadgen: {}", text(&out));
+    let log = std::fs::File::create(dir.path().join("tally.log")).unwrap();
+    let mut worker = common::Worker(
+        Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(["run", "--config", config])
+            .envs(names.iter().map(|(k, v)| (k, v)))
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let mut verified = None;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let out = tally_with(&["verify", "--config", config, "--manifest", m]);
+        if out.status.success() {
+            verified = Some(text(&out));
+            break;
+        }
+    }
+    sigterm(&worker);
+    assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
+    let verified = verified.unwrap_or_else(|| {
+        panic!(
+            "verify never passed; log:\n{}",
+            std::fs::read_to_string(dir.path().join("tally.log")).unwrap_or_default()
+        )
+    });
+    assert!(verified.contains("over_counted=0 lost=0"), "{verified}");
 }

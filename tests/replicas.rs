@@ -243,7 +243,7 @@ struct State {
 }
 
 fn state_of(job: &Job) -> State {
-    let store = StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+    let store = StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic)).unwrap();
     State {
         windows: store.windows().unwrap(),
         seen: store.seen_entries().unwrap(),

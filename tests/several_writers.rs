@@ -9,7 +9,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tally_clickhouse::{Batch, ClickHouseSink, Cut, FoldRules, SinkSettings, WriteOutcome};
+use tally_clickhouse::{
+    Batch, ClickHouseSink, Cut, FoldRules, ReadLease, SinkSettings, WriteOutcome,
+};
 use tally_core::{Amount, Epoch, OutputRow, WindowAgg, WindowKey};
 
 /// 2026-09-21 14:20:00 UTC.
@@ -68,10 +70,15 @@ fn batch<'a>(
     }
 }
 
+/// The job's read side, as the worker holding it claims it: a generation of its own.
+async fn read_side(sink: &ClickHouseSink) -> ReadLease {
+    sink.claim_read_side("writers").await.unwrap().unwrap()
+}
+
 /// Writes a batch and publishes the answer, as the job's read side does after a commit.
-async fn write(sink: &ClickHouseSink, batch: &Batch<'_>) -> WriteOutcome {
+async fn write(sink: &ClickHouseSink, lease: &ReadLease, batch: &Batch<'_>) -> WriteOutcome {
     let outcome = sink.write_batch(batch, "orders", |_| {}).await.unwrap();
-    sink.publish("writers", |_| {}).await.unwrap();
+    sink.publish(lease, |_| {}, false).await.unwrap();
     outcome
 }
 
@@ -94,28 +101,44 @@ fn expected(rows: &[(i64, &str, u64, &str)]) -> View {
 async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between_them() {
     let database = common::unique("writers");
     let sink = sink(&database).await;
+    let lease = read_side(&sink).await;
 
     // Writer A runs partitions 0 and 1, writer B partition 2; both number epochs from 1.
     let a1 = [row(0, 0, "c1", 3, "30"), row(1, 0, "c1", 2, "2")];
     let b1 = [row(2, 0, "c2", 1, "1.5")];
     let a2 = [row(0, 0, "c1", 5, "50"), row(1, 1, "c3", 1, "1")];
     assert_eq!(
-        write(&sink, &batch(1, &[(0, 0, 10), (1, 0, 8)], &[1, 1], &a1)).await,
+        write(
+            &sink,
+            &lease,
+            &batch(1, &[(0, 0, 10), (1, 0, 8)], &[1, 1], &a1)
+        )
+        .await,
         WriteOutcome::Written
     );
     assert_eq!(
-        write(&sink, &batch(1, &[(2, 0, 4)], &[1], &b1)).await,
+        write(&sink, &lease, &batch(1, &[(2, 0, 4)], &[1], &b1)).await,
         WriteOutcome::Written,
         "a second writer's epoch 1 is another batch, not a copy of the first writer's"
     );
-    write(&sink, &batch(2, &[(0, 10, 20), (1, 8, 12)], &[2, 2], &a2)).await;
+    write(
+        &sink,
+        &lease,
+        &batch(2, &[(0, 10, 20), (1, 8, 12)], &[2, 2], &a2),
+    )
+    .await;
 
     // Partition 1 moves to B, which continues its offsets (and so its versions) in its own
     // epoch 2; A keeps partition 0.
     let b2 = [row(1, 1, "c3", 4, "4"), row(2, 1, "c2", 2, "3")];
-    write(&sink, &batch(2, &[(1, 12, 15), (2, 4, 9)], &[3, 3], &b2)).await;
+    write(
+        &sink,
+        &lease,
+        &batch(2, &[(1, 12, 15), (2, 4, 9)], &[3, 3], &b2),
+    )
+    .await;
     let a3 = [row(0, 2, "c1", 1, "1")];
-    write(&sink, &batch(3, &[(0, 20, 25)], &[4], &a3)).await;
+    write(&sink, &lease, &batch(3, &[(0, 20, 25)], &[4], &a3)).await;
 
     let want = expected(&[
         (0, "c1", 7, "52"),
@@ -129,7 +152,12 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
     // A zombie (A after it lost partition 1) writes its last batch of the partition again:
     // the same batch, already committed whoever wrote it, under any epoch.
     assert_eq!(
-        write(&sink, &batch(9, &[(0, 10, 20), (1, 8, 12)], &[2, 2], &a2)).await,
+        write(
+            &sink,
+            &lease,
+            &batch(9, &[(0, 10, 20), (1, 8, 12)], &[2, 2], &a2)
+        )
+        .await,
         WriteOutcome::AlreadyCommitted
     );
     let batches = sink.committed_batches().await.unwrap();
@@ -150,7 +178,7 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
     // A late batch that is no copy (two histories of partition 1) cannot change the view,
     // being older than what readers see, and the chain check names it.
     let stale = [row(1, 1, "c3", 99, "99")];
-    write(&sink, &batch(3, &[(1, 8, 11)], &[2], &stale)).await;
+    write(&sink, &lease, &batch(3, &[(1, 8, 11)], &[2], &stale)).await;
     assert_eq!(sink.read_view().await.unwrap(), want);
     let gaps = tally::prove::commit_log_gaps(&sink.committed_batches().await.unwrap());
     assert!(
@@ -166,13 +194,13 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
         retention_ms: None,
         step_rows: tally_clickhouse::FOLD_STEP_ROWS,
     };
-    let outcome = sink.fold(rules, 4, |_| {}).await.unwrap();
+    let outcome = sink.fold(&lease, rules, 4, |_| {}, false).await.unwrap();
     assert_eq!(
         outcome.frontier.seconds, 0,
         "a fourth partition has no watermark yet"
     );
     // Lowest watermark: partition 1 and 2 at minute 3 -> windows ending by minute 2 are final.
-    let outcome = sink.fold(rules, 3, |_| {}).await.unwrap();
+    let outcome = sink.fold(&lease, rules, 3, |_| {}, false).await.unwrap();
     assert_eq!(
         i64::from(outcome.frontier.seconds) * 1000,
         T0 + 2 * MINUTE,
@@ -187,8 +215,14 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
 async fn a_commit_log_sorted_by_epoch_is_rebuilt_sorted_by_window() {
     let database = common::unique("legacy");
     let sink = sink(&database).await;
+    let lease = read_side(&sink).await;
     let rows = [row(0, 0, "c1", 3, "30"), row(1, 0, "c2", 1, "1")];
-    write(&sink, &batch(1, &[(0, 0, 5), (1, 0, 3)], &[1, 1], &rows)).await;
+    write(
+        &sink,
+        &lease,
+        &batch(1, &[(0, 0, 5), (1, 0, 3)], &[1, 1], &rows),
+    )
+    .await;
     let before = sink.read_view().await.unwrap();
     // The earlier layout: the same columns, sorted by epoch.
     let commits = format!("{database}.revenue_agg_commits");
@@ -216,7 +250,12 @@ async fn a_commit_log_sorted_by_epoch_is_rebuilt_sorted_by_window() {
     assert_eq!(sink.committed_batches().await.unwrap().len(), 1);
     // And the job goes on writing into it.
     let more = [row(0, 1, "c1", 1, "1")];
-    write(&sink, &batch(2, &[(0, 5, 6), (1, 3, 3)], &[2, 2], &more)).await;
+    write(
+        &sink,
+        &lease,
+        &batch(2, &[(0, 5, 6), (1, 3, 3)], &[2, 2], &more),
+    )
+    .await;
     assert_eq!(sink.read_view().await.unwrap().len(), 3);
     common::ch(&format!("DROP DATABASE IF EXISTS {database}")).await;
 }
@@ -228,6 +267,7 @@ async fn a_commit_log_sorted_by_epoch_is_rebuilt_sorted_by_window() {
 async fn a_reader_never_sees_half_a_batch() {
     let database = common::unique("halves");
     let sink = std::sync::Arc::new(sink(&database).await);
+    let lease = read_side(&sink).await;
     // T0 is 14:20, so minute 9 and minute 10 fall in two 10-minute version partitions.
     let customers: Vec<String> = (0..100).map(|c| format!("c{c}")).collect();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -255,7 +295,7 @@ async fn a_reader_never_sees_half_a_batch() {
             .flat_map(|&minute| customers.iter().map(move |c| row(0, minute, c, n, "1")))
             .collect();
         let offsets = [(0, i64::try_from(n - 1).unwrap(), i64::try_from(n).unwrap())];
-        write(&sink, &batch(n, &offsets, &[0], &rows)).await;
+        write(&sink, &lease, &batch(n, &offsets, &[0], &rows)).await;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut reads = 0;
@@ -269,13 +309,20 @@ async fn a_reader_never_sees_half_a_batch() {
 }
 
 /// Tables of the layout before publishing: a view that read the versions itself and no live
-/// table. The next start publishes the answer, then swaps in the view that reads it.
+/// table. The read side's next holder publishes the answer, then swaps in the view that reads
+/// it; until then the view of the earlier layout stays.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_view_that_read_the_versions_is_replaced_once_the_answer_is_published() {
     let database = common::unique("prepublish");
     let sink = sink(&database).await;
+    let lease = read_side(&sink).await;
     let rows = [row(0, 0, "c1", 3, "30"), row(1, 0, "c2", 1, "1")];
-    write(&sink, &batch(1, &[(0, 0, 5), (1, 0, 3)], &[1, 1], &rows)).await;
+    write(
+        &sink,
+        &lease,
+        &batch(1, &[(0, 0, 5), (1, 0, 3)], &[1, 1], &rows),
+    )
+    .await;
     let before = sink.read_view().await.unwrap();
     assert_eq!(before.len(), 2);
     let t = format!("{database}.revenue_agg");
@@ -288,6 +335,10 @@ async fn a_view_that_read_the_versions_is_replaced_once_the_answer_is_published(
     ))
     .await;
     let sink = self::sink(&database).await;
+    assert_eq!(sink.read_view().await.unwrap(), before);
+    let lease = read_side(&sink).await;
+    sink.publish(&lease, |_| {}, false).await.unwrap();
+    sink.install_logged_view(&lease).await.unwrap();
     assert_eq!(sink.read_view().await.unwrap(), before);
     let definition: String = common::clickhouse()
         .query(&format!(

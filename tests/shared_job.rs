@@ -44,9 +44,11 @@ fn assert_tasks_account_for(workers: &[&Job], produced: u64) {
             .filter_map(|w| {
                 let dir = w.state_dir().join(format!("task-{task}"));
                 dir.exists().then(|| {
-                    let store =
-                        tally_state::StateStore::open(&dir, &format!("it@{}#task-{task}", w.topic))
-                            .unwrap();
+                    let store = tally_state::StateStore::open(
+                        &dir,
+                        &format!("{}@{}#task-{task}", w.name, w.topic),
+                    )
+                    .unwrap();
                     store.meta()
                 })?
             })
@@ -81,8 +83,11 @@ fn task_state(worker: &Job, task: i32) -> Option<TaskState> {
     if !dir.exists() {
         return None;
     }
-    let store =
-        tally_state::StateStore::open(&dir, &format!("it@{}#task-{task}", worker.topic)).unwrap();
+    let store = tally_state::StateStore::open(
+        &dir,
+        &format!("{}@{}#task-{task}", worker.name, worker.topic),
+    )
+    .unwrap();
     let meta = store.meta()?;
     Some((
         store.windows().unwrap(),

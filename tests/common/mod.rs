@@ -188,6 +188,8 @@ pub fn assert_view_eq(
 }
 
 pub struct Job {
+    /// The job's name, unique per test job: a name is a job's identity on the cluster.
+    pub name: String,
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
     pub topic: String,
@@ -199,12 +201,13 @@ impl Job {
     pub fn new(topic: &str, extra: &str) -> Job {
         let dir = tempfile::tempdir().expect("tempdir");
         let database = unique("tally_it");
+        let name = unique("it");
         let table = "revenue_agg".to_string();
         let config = dir.path().join("job.toml");
         let text = format!(
             r#"
 [job]
-name = "it"
+name = "{name}"
 state_dir = "{state}"
 checkpoint_interval = "1s"
 max_record_bytes = 4096
@@ -225,6 +228,7 @@ address = ""
         );
         std::fs::write(&config, text).expect("write config");
         Job {
+            name,
             dir,
             config,
             topic: topic.into(),
@@ -246,6 +250,7 @@ address = ""
         let config = dir.path().join("job.toml");
         std::fs::write(&config, text).expect("write config");
         Job {
+            name: self.name.clone(),
             dir,
             config,
             topic: self.topic.clone(),
@@ -260,7 +265,7 @@ address = ""
             .append(true)
             .open(self.dir.path().join("tally.log"))
             .expect("log file");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tally"));
+        let mut cmd = Command::new(worker_binary());
         cmd.arg("run")
             .arg("--config")
             .arg(&self.config)
@@ -316,6 +321,13 @@ address = ""
     pub fn dlq_topic(&self) -> String {
         format!("{}.dlq", self.topic)
     }
+}
+
+/// The `tally` that `Job::spawn` runs: this build's, or the one `TALLY_TEST_WORKER_BIN` names
+/// (to show a test failing on an earlier build).
+pub fn worker_binary() -> PathBuf {
+    std::env::var_os("TALLY_TEST_WORKER_BIN")
+        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tally")), PathBuf::from)
 }
 
 /// A `tally run` process that is SIGKILLed when dropped, so a test that fails (panics) leaves
@@ -472,7 +484,8 @@ pub fn assert_stops_exact(
 /// the partitions it holds.
 pub fn assert_accounting(job: &Job, produced: u64) -> usize {
     let store =
-        tally_state::StateStore::open(&job.state_dir(), &format!("it@{}", job.topic)).unwrap();
+        tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
+            .unwrap();
     let meta = store.meta().expect("a checkpoint");
     assert_eq!(meta.status, tally_state::EpochStatus::Committed);
     let mut consumed = 0;
@@ -592,6 +605,40 @@ pub async fn ch(sql: &str) {
         .execute()
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// A count from the local ClickHouse, or fails the test with the query.
+pub async fn ch_count(sql: &str) -> u64 {
+    clickhouse()
+        .query(sql)
+        .fetch_one()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// Waits until `database` has no mutation (`ALTER … DELETE`) left to run.
+pub async fn wait_mutations(database: &str) {
+    for _ in 0..100 {
+        let pending = ch_count(&format!(
+            "SELECT count() FROM system.mutations WHERE database = '{database}' AND is_done = 0"
+        ))
+        .await;
+        if pending == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("mutation did not finish");
+}
+
+/// Adds `partition_discovery_interval = "1s"` to `job`'s file: discovery every second rather
+/// than the default, to keep a test short.
+pub fn discover_partitions_every_second(job: &Job) {
+    let config = std::fs::read_to_string(&job.config).unwrap().replace(
+        "consumer_group =",
+        "partition_discovery_interval = \"1s\"\nconsumer_group =",
+    );
+    write_file(&job.config, &config);
 }
 
 pub fn write_file(path: &Path, text: &str) {

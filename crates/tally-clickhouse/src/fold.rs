@@ -1,21 +1,28 @@
 //! Folding: final windows move from the version table to one row each in the folded table.
 //!
 //! A window is final once its end + allowed lateness is at or below the committed watermark of
-//! every source partition: no later record can change it. The fold frontier `F` is the newest
-//! window start below which every window is final. One step, each part idempotent:
+//! every source partition the job knows: no later record can change it. The fold frontier `F`
+//! is the newest window start below which every window is final. One step, run by the read
+//! side's holder under its [`ReadLease`] (every statement that changes what readers see names a
+//! table of the lease's database, so none of an earlier holder's lands after this one's fence),
+//! each part idempotent:
 //! 1. drop rows at or after the logged frontier from the folded table (leftovers of a step that
 //!    died before logging; readers never saw them, the view reads folded rows below `F` only);
-//! 2. insert the folded rows of `[F_old, F_new)`, computed by the server from committed versions.
-//!    `F_new` is the frontier the watermarks allow, but no further than about
-//!    [`FoldRules::step_rows`] versions (whole version partitions, or a share of one larger
-//!    than that): however far behind folding is, a step groups a bounded number of rows (after
-//!    a backlog, the whole range at once exceeded the server's memory limit, as did every
+//! 2. build the folded rows of `[F_old, F_new)` in a stage table of the step's own, computed by
+//!    the server from committed versions. An insert the server finishes after its client died
+//!    lands there and nowhere else. `F_new` is the frontier the watermarks allow, but no further
+//!    than about [`FoldRules::step_rows`] versions (whole version partitions, or a share of one
+//!    larger than that): however far behind folding is, a step groups a bounded number of rows
+//!    (after a backlog, the whole range at once exceeded the server's memory limit, as did every
 //!    retry), and the next step follows at once;
-//! 3. log `F_new` in the fold log;
-//! 4. install the view with `F_new` as a literal (created under a temporary name, then swapped
-//!    in atomically), so each SELECT reads folded rows below one frontier and versions from the
-//!    same one: never both, never neither;
-//! 5. drop version partitions entirely below a frontier that this process installed at least
+//! 3. attach the stage's day partitions to the folded table (rows at or after `F`: unread);
+//! 4. log `F_new` in the fold log, with `INSERT … SELECT` from the lease's table and only if no
+//!    source partition was registered since the step counted them (a partition added meanwhile
+//!    holds the frontier back; the next step repairs);
+//! 5. install the view with `F_new` as a literal (built in the lease's database, then swapped in
+//!    atomically), so each SELECT reads folded rows below one frontier and the published answer
+//!    from the same one: never both, never neither;
+//! 6. drop version partitions entirely below a frontier that this process installed at least
 //!    [`READER_MARGIN`] ago (so no reader still plans a query on an older view), and folded
 //!    partitions past the retention.
 //!
@@ -23,6 +30,7 @@
 
 use serde::Deserialize;
 
+use crate::read_side::ReadLease;
 use crate::schema::{self, DATA_PARTITION_SECONDS, Frontier};
 use crate::{ClickHouseSink, Result};
 
@@ -48,11 +56,16 @@ pub struct FoldRules {
 /// Where a fault-injection hook may stop a fold step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FoldStep {
-    /// Folded rows are inserted; the fold log does not have the new frontier.
+    /// The server runs the step's insert into its stage table (reported only when asked for).
+    Inserting,
+    /// The folded rows are in the step's stage table; none is in the folded table.
+    Staged,
+    /// Folded rows are attached to the folded table; the fold log does not have the new frontier.
     Inserted,
     /// The new frontier is logged; the view still reads the old one.
     Logged,
-    /// The view reads the new frontier; replaced versions are not dropped yet.
+    /// The view reads the new frontier; replaced versions are not dropped yet (reported only
+    /// when the step moved the frontier).
     Installed,
 }
 
@@ -102,7 +115,7 @@ impl ClickHouseSink {
         schema::execute(&self.client, sql, &self.url).await
     }
 
-    async fn fetch<T>(&self, sql: &str, context: &str) -> Result<T>
+    pub(crate) async fn fetch<T>(&self, sql: &str, context: &str) -> Result<T>
     where
         T: clickhouse::Row + for<'b> clickhouse::RowRead<Value<'b> = T> + 'static,
     {
@@ -167,6 +180,7 @@ impl ClickHouseSink {
         rules: FoldRules,
         partitions: usize,
     ) -> Result<Option<u32>> {
+        let partitions = partitions.max(self.registered_partitions().await?);
         let logged = self.frontier().await?;
         Ok(self
             .committed_watermark(logged.seconds, partitions)
@@ -191,8 +205,9 @@ impl ClickHouseSink {
     }
 
     /// Removes folded rows at or after `from`: they belong to a step that did not log its
-    /// frontier, and no view reads them.
-    async fn drop_unlogged_folds(&self, from: u32) -> Result<bool> {
+    /// frontier, and no view reads them. Each day is rebuilt in the lease's repair table and
+    /// swapped in whole.
+    async fn drop_unlogged_folds(&self, lease: &ReadLease, from: u32) -> Result<bool> {
         let leftovers: u64 = self
             .fetch(
                 &self.names.count_final_sql(Some(from)),
@@ -210,19 +225,90 @@ impl ClickHouseSink {
         )
         .await?;
         for day in days {
-            for sql in self.names.rebuild_day_sql(&day.partition, from) {
-                self.exec(&sql).await?;
+            for sql in self
+                .names
+                .rebuild_day_sql(&lease.repair_stage(), &day.partition, from)
+            {
+                self.exec_fenced(lease, &sql).await?;
             }
         }
         Ok(true)
     }
 
-    pub(crate) async fn install_view(&self, frontier: Frontier) -> Result<()> {
+    /// Swaps in the view for `frontier`, built in the lease's database.
+    pub(crate) async fn install_view(&self, lease: &ReadLease, frontier: Frontier) -> Result<()> {
         let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
-        for sql in self.names.install_view_sql(frontier, atomic) {
-            self.exec(&sql).await?;
+        for sql in self
+            .names
+            .install_view_sql(frontier, atomic, lease.database())
+        {
+            self.exec_fenced(lease, &sql).await?;
         }
         Ok(())
+    }
+
+    /// How many source partitions the job has registered (see
+    /// [`register_partitions`](Self::register_partitions)).
+    pub async fn registered_partitions(&self) -> Result<usize> {
+        let n: u64 = self
+            .fetch(
+                &self.names.registered_count_sql(),
+                "reading the registered partitions",
+            )
+            .await?;
+        Ok(usize::try_from(n).unwrap_or(usize::MAX))
+    }
+
+    /// Registers the source topic's `partitions` before any of their records is consumed:
+    /// from then on folding waits for a committed watermark from each, and a fold step that
+    /// counted the partitions before logs no frontier. The first registration (a new job, or
+    /// one started by a release before the registry) takes them as the job's own; any later
+    /// one was added to the topic while the job ran. Returns the added ones (ever registered
+    /// so), which start at [`joining_watermark`](Self::joining_watermark).
+    pub async fn register_partitions(
+        &self,
+        partitions: &[tally_core::PartitionId],
+    ) -> Result<std::collections::BTreeSet<tally_core::PartitionId>> {
+        let known: Vec<(i32, u8)> = self
+            .client
+            .query(&self.names.registered_sql())
+            .fetch_all()
+            .await
+            .map_err(self.err("reading the registered partitions"))?;
+        let missing: Vec<i32> = partitions
+            .iter()
+            .copied()
+            .filter(|p| !known.iter().any(|(k, _)| k == p))
+            .collect();
+        if !missing.is_empty() {
+            self.exec(&self.names.register_sql(&missing, !known.is_empty()))
+                .await?;
+        }
+        let mut added: std::collections::BTreeSet<i32> = known
+            .iter()
+            .filter(|(_, added)| *added > 0)
+            .map(|(p, _)| *p)
+            .collect();
+        if !known.is_empty() {
+            added.extend(missing);
+        }
+        Ok(added)
+    }
+
+    /// The watermark a source partition that joins the job now starts at (ms): no fold step
+    /// can have logged, or can log without counting it, a frontier past the one this
+    /// watermark closes. It is the newest committed watermark of any partition (every frontier
+    /// follows the lowest), so the partition's events in windows already final for the job's
+    /// most advanced partition are late; `None` before any watermark was committed. Call after
+    /// [`register_partitions`](Self::register_partitions).
+    pub async fn joining_watermark(&self) -> Result<Option<i64>> {
+        let (w, n): (i64, u64) = self
+            .fetch(
+                &self.names.newest_watermark_sql(),
+                "reading committed watermarks",
+            )
+            .await?;
+        Ok((n > 0 && w != i64::MIN).then_some(w))
     }
 
     async fn partitions_of(&self, qualified: &str) -> Result<Vec<(String, u64)>> {
@@ -289,21 +375,29 @@ impl ClickHouseSink {
         Ok(dropped)
     }
 
-    /// One fold step (see the module docs) for a job of `partitions` source partitions. Safe
-    /// to rerun after a crash at any point; one folder per job at a time.
+    /// One fold step (see the module docs) for a job of `partitions` source partitions (or
+    /// more, if more are registered), under `lease`. Safe to rerun after a crash at any point;
+    /// an earlier holder's step cannot land after it. `watch_insert`: report
+    /// [`FoldStep::Inserting`] once the server runs the step's insert (for crash tests).
     pub async fn fold(
         &self,
+        lease: &ReadLease,
         rules: FoldRules,
         partitions: usize,
         fault: impl Fn(FoldStep),
+        watch_insert: bool,
     ) -> Result<FoldOutcome> {
+        self.settle_failed(lease).await?;
+        // Counted before the watermarks are read: the log below is refused if it grew since.
+        let registered = self.registered_partitions().await?;
         let logged = self.frontier().await?;
-        let repaired = self.drop_unlogged_folds(logged.seconds).await?;
+        let repaired = self.drop_unlogged_folds(lease, logged.seconds).await?;
         let mut outcome = FoldOutcome {
             frontier: logged,
             repaired,
             ..FoldOutcome::default()
         };
+        let partitions = partitions.max(registered);
         if let Some(watermark) = self.committed_watermark(logged.seconds, partitions).await?
             && let Ok(allowed) = u32::try_from(rules.frontier_ms(watermark).div_euclid(1000))
             && allowed > logged.seconds
@@ -312,23 +406,52 @@ impl ClickHouseSink {
             let seconds = step_end(logged.seconds, allowed, &versions, rules.step_rows);
             outcome.behind = seconds < allowed;
             let next = Frontier { seconds };
-            self.exec(&self.names.fold_insert_sql(logged, seconds))
+            let stage = lease.fold_stage();
+            self.exec_fenced(
+                lease,
+                &format!("CREATE TABLE {stage} AS {}", self.names.final_rows),
+            )
+            .await?;
+            let insert = self.names.fold_insert_sql(&stage, logged, seconds);
+            self.exec_fenced_watched(lease, &insert, watch_insert, || fault(FoldStep::Inserting))
                 .await?;
-            // The repair above left no rows at or after the logged frontier: these are all new.
-            outcome.folded_rows = self
-                .fetch(
-                    &self.names.count_final_sql(Some(logged.seconds)),
-                    "counting folded rows",
+            fault(FoldStep::Staged);
+            let rows: u64 = self
+                .fetch_fenced(lease, &format!("SELECT count() FROM {stage}"))
+                .await?;
+            let days: Vec<u32> = self
+                .fetch_all_fenced(
+                    lease,
+                    &format!("SELECT DISTINCT toUInt32(toYYYYMMDD(window_start)) FROM {stage}"),
                 )
                 .await?;
+            // The repair above left no rows at or after the logged frontier: these are all new.
+            for day in days {
+                self.exec_fenced(lease, &self.names.attach_day_sql(day, &stage))
+                    .await?;
+            }
             fault(FoldStep::Inserted);
-            self.exec(&self.names.fold_log_sql(next, outcome.folded_rows))
+            self.exec_fenced(
+                lease,
+                &self
+                    .names
+                    .fold_log_sql(next, rows, &lease.lease_table(), registered),
+            )
+            .await?;
+            self.exec_fenced(lease, &format!("DROP TABLE IF EXISTS {stage}"))
                 .await?;
-            fault(FoldStep::Logged);
-            outcome.frontier = next;
+            if self.frontier().await? == next {
+                outcome.frontier = next;
+                outcome.folded_rows = rows;
+                fault(FoldStep::Logged);
+            } else {
+                // A partition was registered since the count: the folded rows stay unlogged
+                // (the next step removes them) and the frontier waits for its watermark.
+                outcome.behind = true;
+            }
         }
-        // Another folder got further meanwhile (the job's previous folder, woken from a pause
-        // before it noticed it lost its task): its view stays, and this step stops here.
+        // Another folder got further meanwhile (an earlier holder's step that landed before
+        // this lease's fence): its view stays, and this step stops here.
         let newest = self.frontier().await?;
         if newest.seconds > outcome.frontier.seconds {
             outcome.frontier = newest;
@@ -336,8 +459,10 @@ impl ClickHouseSink {
         }
         // Install unconditionally: the logged frontier may not be installed yet (a step that
         // died after logging), and reinstalling the same one is harmless.
-        self.install_view(outcome.frontier).await?;
-        fault(FoldStep::Installed);
+        self.install_view(lease, outcome.frontier).await?;
+        if outcome.frontier != logged {
+            fault(FoldStep::Installed);
+        }
         let settled = self.note_installed(outcome.frontier);
         outcome.dropped_partitions = self.drop_folded_versions(settled.seconds).await?;
         if let Some(retention) = rules.retention_ms {
@@ -345,6 +470,15 @@ impl ClickHouseSink {
             outcome.dropped_partitions += self.drop_retained(below).await?;
         }
         Ok(outcome)
+    }
+
+    /// Installs the view of the logged frontier under `lease` (a new holder's first act, also
+    /// replacing a view of an earlier layout).
+    pub async fn install_logged_view(&self, lease: &ReadLease) -> Result<Frontier> {
+        let frontier = self.frontier().await?;
+        self.install_view(lease, frontier).await?;
+        self.note_installed(frontier);
+        Ok(frontier)
     }
 }
 

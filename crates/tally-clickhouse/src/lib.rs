@@ -17,6 +17,7 @@
 
 mod fold;
 mod publish;
+mod read_side;
 mod schema;
 mod tls;
 
@@ -28,6 +29,7 @@ use tally_core::{Epoch, OutputRow, PartitionId};
 
 pub use fold::{FOLD_STEP_ROWS, FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
 pub use publish::{PublishOutcome, PublishStep, Published};
+pub use read_side::{ReadLease, ReadSideHolder};
 pub use schema::{Cut, Frontier, TableNames};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +44,10 @@ pub enum SinkError {
     Schema(String),
     #[error("clickhouse: {0}")]
     Refused(String),
+    /// A later generation of the read side dropped this one's database: it holds the read
+    /// side no more, and the server refused its statement.
+    #[error("clickhouse: read side generation {generation} was fenced by a later one: {detail}")]
+    Fenced { generation: u64, detail: String },
 }
 
 pub type Result<T, E = SinkError> = std::result::Result<T, E>;
@@ -260,16 +266,14 @@ impl ClickHouseSink {
     }
 
     /// Creates the database, tables and view when absent and validates what exists. A view of
-    /// an earlier layout is replaced, once the answer it showed is published.
+    /// an earlier layout stays until the read side's next holder has published and installs
+    /// the current one (it showed the right answer, only read more to get it).
     pub async fn ensure_schema(&self) -> Result<()> {
         let ensured = schema::ensure(&self.client, &self.names, &self.url).await?;
         if ensured.install_view {
-            let published = self.publish("schema", |_| {}).await?;
-            self.install_view(self.frontier().await?).await?;
             tracing::info!(
                 view = %self.names.view_q(),
-                rows = ?published.rows,
-                "the view reads the published answer now (it read the versions itself)"
+                "the view is of an earlier layout (it reads the versions itself): the read side replaces it once it has published"
             );
         }
         Ok(())
@@ -464,7 +468,60 @@ pub struct CommittedBatch {
     pub to_offsets: Vec<i64>,
 }
 
+/// What the commit log recorded of one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchTotals {
+    pub rows: u64,
+    pub events: u64,
+    /// Revenue in 10^-4 units.
+    pub revenue_units: i128,
+    pub dead_letters: u64,
+}
+
+/// A decimal as ClickHouse prints it, in 10^-4 units.
+fn decimal_units(text: &str) -> Option<i128> {
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
+    if fraction.len() > 4 {
+        return None;
+    }
+    let units = whole.parse::<i128>().ok()?.checked_mul(10_000)?
+        + format!("{fraction:0<4}").parse::<i128>().ok()?;
+    Some(if negative { -units } else { units })
+}
+
 impl ClickHouseSink {
+    /// What the commit log recorded of the batch that ends `partitions` at `to_offsets`.
+    pub async fn batch_totals(
+        &self,
+        partitions: &[PartitionId],
+        to_offsets: &[i64],
+    ) -> Result<Option<BatchTotals>> {
+        let rows: Vec<(u64, u64, String, u64)> = self
+            .client
+            .query(&self.names.batch_totals_sql(partitions, to_offsets))
+            .fetch_all()
+            .await
+            .map_err(self.err("reading the commit log"))?;
+        rows.into_iter()
+            .next()
+            .map(|(rows, events, revenue, dead_letters)| {
+                let revenue_units = decimal_units(&revenue).ok_or_else(|| {
+                    SinkError::Schema(format!("commit log revenue {revenue:?} is not a decimal"))
+                })?;
+                Ok(BatchTotals {
+                    rows,
+                    events,
+                    revenue_units,
+                    dead_letters,
+                })
+            })
+            .transpose()
+    }
+
     /// Every row of the reader view, exactly as a plain `SELECT` sees it.
     pub async fn read_view(&self) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         self.collect_rows(&self.names.read_view_sql(), "reading the view")
@@ -478,10 +535,7 @@ impl ClickHouseSink {
     ) -> Result<std::collections::BTreeMap<ViewKey, ViewTotals>> {
         let frontier = self.frontier().await?;
         self.collect_rows(
-            &format!(
-                "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM ({})",
-                self.names.answer_sql(frontier, None)
-            ),
+            &self.names.read_answer_sql(frontier, None, None),
             "reading the committed versions",
         )
         .await
@@ -599,5 +653,19 @@ impl Cut {
             }
         }
         Cut(cut)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decimal_units;
+
+    #[test]
+    fn decimals_read_back_in_units() {
+        assert_eq!(decimal_units("12.5"), Some(125_000));
+        assert_eq!(decimal_units("-0.0001"), Some(-1));
+        assert_eq!(decimal_units("7"), Some(70_000));
+        assert_eq!(decimal_units("1.23456"), None);
+        assert_eq!(decimal_units("x"), None);
     }
 }

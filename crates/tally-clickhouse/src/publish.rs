@@ -10,9 +10,12 @@
 //! is written after them). One step, each part repeatable:
 //! 1. read the cut: per source partition, the newest committed offset of the batches that can
 //!    hold windows at or after `from` (or the snapshot's before, if that is newer);
-//! 2. build the answer from `from` as of that cut in the publisher's own stage table;
-//! 3. unless the live table already holds a later cut (another publisher got further), replace
-//!    its one partition with the stage's: readers see the old snapshot or the new one, whole.
+//! 2. build the answer from `from` as of that cut in a stage table of the read side's
+//!    [`ReadLease`] (an insert the server finishes after its client died, or after a later
+//!    holder took over, lands there and nowhere else);
+//! 3. unless the live table already holds a later cut, replace its one partition with the
+//!    stage's (`REPLACE PARTITION … FROM` the lease's table, refused once a later holder fenced
+//!    this one): readers see the old snapshot or the new one, whole.
 //!
 //! `from` is never above the frontier of a view a reader may still use: the frontier of the
 //! snapshot before (safe then, and views only move forward), or one this process installed at
@@ -20,12 +23,15 @@
 
 use serde::Deserialize;
 
-use crate::schema::{self, Cut, Frontier};
+use crate::read_side::ReadLease;
+use crate::schema::{Cut, Frontier};
 use crate::{ClickHouseSink, Result};
 
 /// Where a fault-injection hook may stop a publish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PublishStep {
+    /// The server runs the publish's insert into its stage table (reported only when asked).
+    Inserting,
     /// The snapshot is built in the stage table; the live table still holds the one before.
     Staged,
     /// The live table holds the new snapshot; the stage table is not emptied yet.
@@ -55,11 +61,6 @@ struct PublishedRow {
     from: u32,
     partitions: Vec<i32>,
     offsets: Vec<i64>,
-}
-
-#[derive(Debug, Deserialize)]
-struct NameRow {
-    name: String,
 }
 
 /// Whether `newer` is at least as far as `older` on every partition both name: a publish of
@@ -96,36 +97,16 @@ impl ClickHouseSink {
         Ok(Cut(rows.into_iter().collect()))
     }
 
-    /// Drops the stage tables of other publishers: left by processes that stopped publishing,
-    /// or in use by a paused one, whose publish then fails, as it should.
-    pub async fn drop_other_stages(&self, publisher: &str) -> Result<u64> {
-        let own = self.names.live_stage(publisher);
-        let others: Vec<NameRow> = schema::json_rows(
-            &self.client,
-            &self.names.other_stages_sql(&own),
-            &self.url,
-            "listing stage tables",
-        )
-        .await?;
-        for t in &others {
-            schema::execute(
-                &self.client,
-                &format!("DROP TABLE IF EXISTS {}.{}", self.names.database, t.name),
-                &self.url,
-            )
-            .await?;
-        }
-        Ok(others.len() as u64)
-    }
-
     /// Publishes the answer as of the commit log's newest batches, if they changed (see the
-    /// module docs). Safe to rerun after a crash at any point; `publisher` names the stage
-    /// table (the writer id: one per process that publishes).
+    /// module docs), under `lease`. Safe to rerun after a crash at any point. `watch_insert`:
+    /// report [`PublishStep::Inserting`] once the server runs the insert (for crash tests).
     pub async fn publish(
         &self,
-        publisher: &str,
+        lease: &ReadLease,
         fault: impl Fn(PublishStep),
+        watch_insert: bool,
     ) -> Result<PublishOutcome> {
+        self.settle_failed(lease).await?;
         let before = self.published().await?;
         let from = Frontier {
             seconds: before
@@ -154,10 +135,16 @@ impl ClickHouseSink {
                 rows: None,
             });
         }
-        let stage = self.names.live_stage(publisher);
-        for sql in self.names.stage_snapshot_sql(&stage, from, &cut) {
-            self.exec(&sql).await?;
-        }
+        let stage = lease.publish_stage();
+        let [create, truncate, insert] =
+            <[String; 3]>::try_from(self.names.stage_snapshot_sql(&stage, from, &cut))
+                .map_err(|_| crate::SinkError::Schema("publish statements".into()))?;
+        self.exec_fenced(lease, &create).await?;
+        self.exec_fenced(lease, &truncate).await?;
+        self.exec_fenced_watched(lease, &insert, watch_insert, || {
+            fault(PublishStep::Inserting)
+        })
+        .await?;
         fault(PublishStep::Staged);
         // Just before the replace, the window in which a paused publisher could put an older
         // snapshot back is as short as it gets.
@@ -171,15 +158,12 @@ impl ClickHouseSink {
             });
         }
         let rows: u64 = self
-            .client
-            .query(&format!("SELECT count() FROM {stage}"))
-            .fetch_one()
-            .await
-            .map_err(self.err("counting the staged snapshot"))?;
+            .fetch_fenced(lease, &format!("SELECT count() FROM {stage}"))
+            .await?;
         let [replace, empty] = self.names.replace_live_sql(&stage);
-        self.exec(&replace).await?;
+        self.exec_fenced(lease, &replace).await?;
         fault(PublishStep::Replaced);
-        self.exec(&empty).await?;
+        self.exec_fenced(lease, &empty).await?;
         Ok(PublishOutcome {
             cut,
             from,
@@ -187,22 +171,38 @@ impl ClickHouseSink {
         })
     }
 
-    /// Totals of what the view shows by the commit log (events, revenue as a decimal string),
-    /// and how many batches committed half a minute ago or earlier it does not hold yet.
-    pub async fn published_totals(&self) -> Result<(u64, String, u64)> {
-        let published = self.published().await?.unwrap_or(Published {
-            from: Frontier::default(),
-            cut: Cut::default(),
+    /// Totals of what the snapshot `published` (from [`published`](Self::published)) shows by
+    /// the commit log (events, revenue as a decimal string), and how many batches committed
+    /// `unpublished_after` ago or earlier it does not hold yet.
+    pub async fn published_totals(
+        &self,
+        published: Option<&Published>,
+        unpublished_after: std::time::Duration,
+    ) -> Result<(u64, String, u64)> {
+        let (from, cut) = published.map_or((Frontier::default(), Cut::default()), |p| {
+            (p.from, p.cut.clone())
         });
         self.client
-            .query(
-                &self
-                    .names
-                    .published_totals_sql(published.from, &published.cut),
-            )
+            .query(&self.names.published_totals_sql(
+                from,
+                &cut,
+                u32::try_from(unpublished_after.as_secs()).unwrap_or(u32::MAX),
+            ))
             .fetch_one()
             .await
             .map_err(self.err("summing the published batches"))
+    }
+}
+
+impl ClickHouseSink {
+    /// (rows, distinct snapshot points) of the live table: more than one point means a row
+    /// that no publish wrote.
+    pub async fn live_points(&self) -> Result<(u64, u64)> {
+        self.client
+            .query(&self.names.live_points_sql())
+            .fetch_one()
+            .await
+            .map_err(self.err("reading the published snapshot"))
     }
 }
 

@@ -71,8 +71,6 @@ fn live_columns() -> Vec<(&'static str, &'static str)> {
         .copied()
         .collect()
 }
-/// How old a committed batch must be for `tally doctor` to call it unpublished.
-pub(crate) const UNPUBLISHED_AFTER_SECONDS: u32 = 30;
 /// Each publish replaces the table's one partition; its old part is of no use after that.
 const LIVE_SETTINGS: &str = "old_parts_lifetime = 60";
 
@@ -86,6 +84,22 @@ const FOLD_COLUMNS: &[(&str, &str)] = &[
 ];
 const FOLD_SORTING_KEY: &str = "frontier";
 
+/// The read side's generations: one row per claim and release (`read_side`).
+pub(crate) const READ_SIDE_COLUMNS: &[(&str, &str)] = &[
+    ("generation", "UInt64"),
+    ("holder", "String"),
+    ("event", "String"),
+    ("at", "DateTime"),
+];
+
+/// The registry of the job's source partitions: those of the topic when the job first ran
+/// (`added` 0), and those added to it since (1).
+const PARTITION_COLUMNS: &[(&str, &str)] = &[
+    ("partition", "Int32"),
+    ("added", "UInt8"),
+    ("registered_at", "DateTime"),
+];
+
 /// Names of a job's objects, derived from the view name. Identifiers are validated so they
 /// can be spliced into SQL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,10 +112,10 @@ pub struct TableNames {
     pub final_rows: String,
     /// One row per fold step: the frontier below which windows are read from `final_rows`.
     pub folds: String,
-    /// Scratch table for rebuilding a partition of `final_rows` after an interrupted fold.
-    pub stage: String,
     /// The published answer from the fold frontier on: what the view reads there.
     pub live: String,
+    /// The source partitions the job knows: folding waits for a watermark from each.
+    pub partitions: String,
 }
 
 fn valid_identifier(s: &str) -> bool {
@@ -128,8 +142,8 @@ impl TableNames {
             commits: format!("{database}.{view}_commits"),
             final_rows: format!("{database}.{view}_final"),
             folds: format!("{database}.{view}_folds"),
-            stage: format!("{database}.{view}_fold_stage"),
             live: format!("{database}.{view}_live"),
+            partitions: format!("{database}.{view}_partitions"),
         })
     }
 
@@ -143,31 +157,6 @@ impl TableNames {
 
     pub fn commits_q(&self) -> &str {
         &self.commits
-    }
-
-    /// Name prefix of the publishers' stage tables, unqualified.
-    fn live_stage_prefix(&self) -> String {
-        format!("{}_live_stage_", self.view)
-    }
-
-    /// The stage table of one publisher (its writer id, any characters): each builds its
-    /// snapshot in its own, so that a paused one (a zombie) cannot mix its rows into another's.
-    pub(crate) fn live_stage(&self, publisher: &str) -> String {
-        let suffix: String = publisher
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        format!("{}.{}{suffix}", self.database, self.live_stage_prefix())
-    }
-
-    /// The view being built by a fold step, before it is swapped in.
-    pub(crate) fn next_view_q(&self) -> String {
-        format!("{}.{}__next", self.database, self.view)
-    }
-
-    /// The previous view right after a swap, until it is dropped.
-    pub(crate) fn old_view_q(&self) -> String {
-        format!("{}.{}__old", self.database, self.view)
     }
 
     fn create_data(&self) -> String {
@@ -198,6 +187,46 @@ impl TableNames {
             "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({FINAL_SORTING_KEY}) SETTINGS {LIVE_SETTINGS}",
             self.live,
             columns_sql(&live_columns())
+        )
+    }
+
+    fn create_partitions(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY partition",
+            self.partitions,
+            columns_sql(PARTITION_COLUMNS)
+        )
+    }
+
+    pub(crate) fn registered_count_sql(&self) -> String {
+        format!("SELECT uniqExact(partition) FROM {}", self.partitions)
+    }
+
+    /// (partition, added) of every registered partition.
+    pub(crate) fn registered_sql(&self) -> String {
+        format!(
+            "SELECT partition, max(added) FROM {} GROUP BY partition ORDER BY partition",
+            self.partitions
+        )
+    }
+
+    pub(crate) fn register_sql(&self, partitions: &[PartitionId], added: bool) -> String {
+        let rows: Vec<String> = partitions
+            .iter()
+            .map(|p| format!("({p}, {}, now())", u8::from(added)))
+            .collect();
+        format!(
+            "INSERT INTO {} (partition, added, registered_at) VALUES {}",
+            self.partitions,
+            rows.join(", ")
+        )
+    }
+
+    /// The newest watermark any partition committed, and how many partitions committed one.
+    pub(crate) fn newest_watermark_sql(&self) -> String {
+        format!(
+            "SELECT toInt64(max(pw)) AS newest, uniqExact(p) AS n FROM {} ARRAY JOIN partitions AS p, arrayResize(watermarks, length(partitions), toInt64(-9223372036854775808)) AS pw WHERE pw != toInt64(-9223372036854775808)",
+            self.commits
         )
     }
 
@@ -320,22 +349,17 @@ impl TableNames {
         ]
     }
 
-    /// Stage tables of other publishers (unqualified names).
-    pub(crate) fn other_stages_sql(&self, own: &str) -> String {
-        let own = own.rsplit('.').next().unwrap_or(own);
-        format!(
-            "SELECT name FROM system.tables WHERE database = '{}' AND startsWith(name, '{}') AND name != '{own}'",
-            self.database,
-            self.live_stage_prefix()
-        )
-    }
-
     /// Totals of the batches the published snapshot and the folded rows hold: those wholly
     /// below the snapshot's `from` (folded) and those up to its cut; and how many batches
     /// committed over [`UNPUBLISHED_AFTER_SECONDS`] ago are not published yet (a publish
     /// follows a commit within a second while the job's read side runs). (events, revenue as
     /// a decimal string, batches.)
-    pub(crate) fn published_totals_sql(&self, from: Frontier, cut: &Cut) -> String {
+    pub(crate) fn published_totals_sql(
+        &self,
+        from: Frontier,
+        cut: &Cut,
+        unpublished_after_seconds: u32,
+    ) -> String {
         let within = format!(
             "(max_window_start < toDateTime({f}) OR arrayAll((p, o) -> o <= arrayElement([{offsets}], indexOf([{partitions}], p)), partitions, arrayResize(to_offsets, length(partitions))))",
             f = from.seconds,
@@ -348,9 +372,18 @@ impl TableNames {
             within
         };
         format!(
-            "SELECT toUInt64(sumIf(e, w)), toString(sumIf(r, w)), toUInt64(countIf(NOT w AND t < now() - {UNPUBLISHED_AFTER_SECONDS})) FROM \
+            "SELECT toUInt64(sumIf(e, w)), toString(sumIf(r, w)), toUInt64(countIf(NOT w AND t < now() - {unpublished_after_seconds})) FROM \
              (SELECT any(event_count) AS e, any(revenue_sum) AS r, any({within}) AS w, min(committed_at) AS t FROM {} GROUP BY partitions, to_offsets)",
             self.commits
+        )
+    }
+
+    /// (rows, distinct snapshot points) of the live table: a publish writes every row of a
+    /// snapshot with its one point, so two points mean a row no publish wrote.
+    pub(crate) fn live_points_sql(&self) -> String {
+        format!(
+            "SELECT count(), uniqExact(published_from, cut_partitions, cut_offsets) FROM {}",
+            self.live
         )
     }
 
@@ -393,10 +426,12 @@ impl TableNames {
         )
     }
 
-    /// Rebuilds day partition `day` of the folded table with only its rows before `from`.
-    pub(crate) fn rebuild_day_sql(&self, day: &str, from: u32) -> Vec<String> {
-        let (stage, final_rows) = (&self.stage, &self.final_rows);
+    /// Rebuilds day partition `day` of the folded table with only its rows before `from`, in
+    /// `stage` (a table of the read side's lease).
+    pub(crate) fn rebuild_day_sql(&self, stage: &str, day: &str, from: u32) -> Vec<String> {
+        let final_rows = &self.final_rows;
         vec![
+            format!("CREATE TABLE IF NOT EXISTS {stage} AS {final_rows}"),
             format!("TRUNCATE TABLE {stage}"),
             format!(
                 "INSERT INTO {stage} SELECT * FROM {final_rows} WHERE toYYYYMMDD(window_start) = {day} AND window_start < toDateTime({from})"
@@ -407,32 +442,54 @@ impl TableNames {
         ]
     }
 
-    /// Folds the windows in `[from, to)` into the folded table.
-    pub(crate) fn fold_insert_sql(&self, from: Frontier, to_seconds: u32) -> String {
+    /// Folds the windows in `[from, to)` into `stage` (shaped as the folded table).
+    pub(crate) fn fold_insert_sql(&self, stage: &str, from: Frontier, to_seconds: u32) -> String {
         format!(
-            "INSERT INTO {} {}",
-            self.final_rows,
+            "INSERT INTO {stage} {}",
             self.versions_sql(from, Some(to_seconds), None)
         )
     }
 
-    pub(crate) fn fold_log_sql(&self, frontier: Frontier, folded_rows: u64) -> String {
+    /// Moves day `day` of a fold step's stage table into the folded table.
+    pub(crate) fn attach_day_sql(&self, day: u32, stage: &str) -> String {
         format!(
-            "INSERT INTO {} (frontier, first_epoch, folded_rows, folded_at) VALUES (toDateTime({}), 0, {folded_rows}, now())",
-            self.folds, frontier.seconds
+            "ALTER TABLE {} ATTACH PARTITION {day} FROM {stage}",
+            self.final_rows
         )
     }
 
-    /// Swaps in the view for `frontier`, so that a reader sees either the old view or the new
-    /// one and never no view: EXCHANGE on Atomic databases (current servers), where a
-    /// multi-table RENAME is not atomic; a two-table RENAME on Ordinary ones (18.16), where it is.
-    /// Leftovers of an interrupted swap are dropped first.
+    /// Logs `frontier`: one row selected from the read side's `lease_table` (fenced with it),
+    /// and only while the job has at most `registered` partitions registered.
+    pub(crate) fn fold_log_sql(
+        &self,
+        frontier: Frontier,
+        folded_rows: u64,
+        lease_table: &str,
+        registered: usize,
+    ) -> String {
+        format!(
+            "INSERT INTO {} (frontier, first_epoch, folded_rows, folded_at) SELECT toDateTime({}), 0, {folded_rows}, now() FROM {lease_table} \
+             WHERE (SELECT uniqExact(partition) FROM {}) <= {registered}",
+            self.folds, frontier.seconds, self.partitions
+        )
+    }
+
+    /// Swaps in the view for `frontier`, built in the read side's `lease_database`, so that a
+    /// reader sees either the old view or the new one and never no view: EXCHANGE on Atomic
+    /// databases (current servers), where a multi-table RENAME is not atomic; a two-table
+    /// RENAME on Ordinary ones (18.16), where it is. Leftovers of an interrupted swap are
+    /// dropped first.
     pub(crate) fn install_view_sql(
         &self,
         frontier: Frontier,
         atomic_database: bool,
+        lease_database: &str,
     ) -> Vec<String> {
-        let (view, next, old) = (self.view_q(), self.next_view_q(), self.old_view_q());
+        let view = self.view_q();
+        let (next, old) = (
+            format!("{lease_database}.next_view"),
+            format!("{lease_database}.old_view"),
+        );
         let mut sql = vec![
             format!("DROP TABLE IF EXISTS {old}"),
             format!("DROP TABLE IF EXISTS {next}"),
@@ -484,6 +541,17 @@ impl TableNames {
         cut: &Cut,
         window_range: Option<(u32, u32)>,
     ) -> String {
+        self.read_answer_sql(frontier, Some(cut), window_range)
+    }
+
+    /// The answer's rows as read back (see [`answer_sql`](Self::answer_sql)), for windows
+    /// starting in `[from_seconds, to_seconds]` when given.
+    pub(crate) fn read_answer_sql(
+        &self,
+        frontier: Frontier,
+        cut: Option<&Cut>,
+        window_range: Option<(u32, u32)>,
+    ) -> String {
         let range = window_range.map_or(String::new(), |(from, to)| {
             format!(
                 " WHERE window_start >= toDateTime({from}) AND window_start <= toDateTime({to})"
@@ -491,7 +559,7 @@ impl TableNames {
         });
         format!(
             "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM ({}){range}",
-            self.answer_sql(frontier, Some(cut))
+            self.answer_sql(frontier, cut)
         )
     }
 
@@ -542,6 +610,22 @@ impl TableNames {
         )
     }
 
+    /// (rows, events, revenue as a decimal string, dead letters) the commit log recorded of the
+    /// batch ending `partitions` at `to_offsets`.
+    pub(crate) fn batch_totals_sql(
+        &self,
+        partitions: &[PartitionId],
+        to_offsets: &[i64],
+    ) -> String {
+        format!(
+            "SELECT any(row_count), any(event_count), toString(any(revenue_sum)), any(dead_letters) FROM {} \
+             WHERE partitions = [{}] AND to_offsets = [{}] GROUP BY partitions, to_offsets",
+            self.commits,
+            join(partitions),
+            join(to_offsets),
+        )
+    }
+
     /// Per source partition, the newest offset the commit log holds.
     pub(crate) fn committed_offsets_sql(&self) -> String {
         format!(
@@ -586,11 +670,11 @@ impl TableNames {
         sql
     }
 
-    /// Every statement tally issues, named, in the order of one fold step from `from` to `to`
-    /// (repair of day `day`, fold, log, install, drop of version partition `data_partition`),
-    /// a publish of the answer from `from` as of `as_of`, with the reads that verify,
-    /// reconcile, publishing and folding make. For checking the SQL on other
-    /// server versions: `tally schema --print-sql`.
+    /// Every statement tally issues, named: the read side's claim of generation 1, one fold
+    /// step from `from` to `to` (repair of day `day`, fold, log, install, drop of version
+    /// partition `data_partition`), a publish of the answer from `from` as of `as_of`, the
+    /// reads that verify, reconcile, publishing and folding make, and the release. For
+    /// checking the SQL on other server versions: `tally schema --print-sql`.
     pub fn statement_catalog(
         &self,
         from: Frontier,
@@ -603,6 +687,17 @@ impl TableNames {
         let mut out: Vec<(String, String)> = Vec::new();
         for (i, sql) in self.create_statements().into_iter().enumerate() {
             out.push((format!("create.{i}"), sql));
+        }
+        let lease_db = self.generation_database(1);
+        let claim = std::iter::once(format!("CREATE DATABASE {lease_db}"))
+            .chain(self.claim_sql(1, "sqlcheck"))
+            .chain([
+                self.kill_others_sql(1),
+                self.register_sql(&[0, 1], false),
+                self.beat_sql(1),
+            ]);
+        for (i, sql) in claim.enumerate() {
+            out.push((format!("claim.{i}"), sql));
         }
         let reads = [
             ("read.view", self.read_view_sql()),
@@ -622,12 +717,25 @@ impl TableNames {
             ("read.published", self.published_sql()),
             (
                 "read.published_totals",
-                self.published_totals_sql(from, as_of),
+                self.published_totals_sql(from, as_of, 30),
             ),
+            ("read.generations", self.generations_sql()),
+            ("read.beat_age", self.beat_age_sql(1)),
+            ("read.holder", self.holder_sql(1)),
+            ("read.others_running", self.others_running_sql(1)),
+            ("read.legacy_read_tables", self.legacy_read_tables_sql()),
+            ("read.registered_count", self.registered_count_sql()),
+            ("read.registered", self.registered_sql()),
+            ("read.newest_watermark", self.newest_watermark_sql()),
+            (
+                "read.batch_totals",
+                self.batch_totals_sql(&[0, 1], &[10, 8]),
+            ),
+            ("read.live_points", self.live_points_sql()),
         ];
         out.extend(reads.into_iter().map(|(n, s)| (n.to_owned(), s)));
         // A publish of the answer from `from` as of `as_of`.
-        let stage = self.live_stage("sqlcheck");
+        let stage = format!("{lease_db}.live_0");
         let publish = self
             .stage_snapshot_sql(&stage, from, as_of)
             .into_iter()
@@ -635,9 +743,8 @@ impl TableNames {
         for (i, sql) in publish.enumerate() {
             out.push((format!("publish.{i}"), sql));
         }
-        out.push(("read.other_stages".into(), self.other_stages_sql("x")));
         for (i, sql) in self
-            .rebuild_day_sql(day, to.seconds)
+            .rebuild_day_sql(&format!("{lease_db}.repair"), day, to.seconds)
             .into_iter()
             .enumerate()
         {
@@ -650,10 +757,30 @@ impl TableNames {
         {
             out.push((format!("migrate.{i}"), sql));
         }
-        out.push(("fold.insert".into(), self.fold_insert_sql(from, to.seconds)));
-        out.push(("fold.log".into(), self.fold_log_sql(to, 0)));
+        let fold_stage = format!("{lease_db}.fold_0");
+        let day_number: u32 = day.parse().unwrap_or(0);
+        let fold = [
+            (
+                "fold.stage",
+                format!("CREATE TABLE {fold_stage} AS {}", self.final_rows),
+            ),
+            (
+                "fold.insert",
+                self.fold_insert_sql(&fold_stage, from, to.seconds),
+            ),
+            ("fold.attach", self.attach_day_sql(day_number, &fold_stage)),
+            (
+                "fold.log",
+                self.fold_log_sql(to, 0, &format!("{lease_db}.lease"), 2),
+            ),
+            (
+                "fold.drop_stage",
+                format!("DROP TABLE IF EXISTS {fold_stage}"),
+            ),
+        ];
+        out.extend(fold.into_iter().map(|(n, s)| (n.to_owned(), s)));
         for (i, sql) in self
-            .install_view_sql(to, atomic_database)
+            .install_view_sql(to, atomic_database, &lease_db)
             .into_iter()
             .enumerate()
         {
@@ -667,6 +794,9 @@ impl TableNames {
             "drop.retained".into(),
             self.drop_partition_sql(&self.final_rows, day),
         ));
+        for (i, sql) in self.release_sql(1).into_iter().enumerate() {
+            out.push((format!("release.{i}"), sql));
+        }
         out
     }
 
@@ -677,9 +807,10 @@ impl TableNames {
             self.create_data(),
             self.create_commits(),
             self.create_final_like(&self.final_rows),
-            self.create_final_like(&self.stage),
             self.create_folds(),
             self.create_live(),
+            self.create_partitions(),
+            self.create_read_side_log(),
             self.create_view(&self.view_q(), Frontier::default()),
         ]
     }
@@ -705,6 +836,11 @@ impl Cut {
     }
 }
 
+/// A string literal for SQL.
+pub(crate) fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
 fn join<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
     items
         .into_iter()
@@ -713,7 +849,7 @@ fn join<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
         .join(", ")
 }
 
-fn columns_sql(columns: &[(&str, &str)]) -> String {
+pub(crate) fn columns_sql(columns: &[(&str, &str)]) -> String {
     columns
         .iter()
         .map(|(n, t)| format!("{n} {t}"))
@@ -944,11 +1080,18 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
             names.create_final_like(&names.final_rows),
         ),
         (
-            names.stage.clone(),
-            short("_fold_stage"),
-            Some(FINAL_SORTING_KEY),
-            VIEW_COLUMNS,
-            names.create_final_like(&names.stage),
+            names.partitions.clone(),
+            short("_partitions"),
+            Some("partition"),
+            PARTITION_COLUMNS,
+            names.create_partitions(),
+        ),
+        (
+            names.read_side_log(),
+            short("_read_side"),
+            Some("generation, at"),
+            READ_SIDE_COLUMNS,
+            names.create_read_side_log(),
         ),
         (
             names.folds.clone(),
@@ -1013,14 +1156,16 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
         return Ok(Ensured { install_view });
     }
     let drop_all = format!(
-        "DROP TABLE {v}; DROP TABLE {d}; DROP TABLE {c}; DROP TABLE IF EXISTS {f}; DROP TABLE IF EXISTS {s}; DROP TABLE IF EXISTS {l}; DROP TABLE IF EXISTS {p}",
+        "DROP TABLE {v}; DROP TABLE {d}; DROP TABLE {c}; DROP TABLE IF EXISTS {f}; DROP TABLE IF EXISTS {l}; DROP TABLE IF EXISTS {p}; DROP TABLE IF EXISTS {r}; DROP TABLE IF EXISTS {g}; DROP TABLE IF EXISTS {j}",
         v = names.view_q(),
         d = names.data,
         c = names.commits,
         f = names.final_rows,
-        s = names.stage,
         l = names.folds,
         p = names.live,
+        r = names.partitions,
+        g = names.read_side_log(),
+        j = names.identity(),
     );
     if old_layout {
         return Err(SinkError::Schema(format!(
@@ -1103,12 +1248,20 @@ mod tests {
             "{sql}"
         );
         assert_eq!(sql.matches("toDateTime(1790000400)").count(), 2);
-        let swap = names.install_view_sql(frontier, true);
-        assert_eq!(swap[3], "EXCHANGE TABLES tally.r AND tally.r__next");
-        let swap = names.install_view_sql(frontier, false);
+        // The view is built in the read side's generation database: a fenced holder cannot.
+        let swap = names.install_view_sql(frontier, true, "tally__r__read4");
+        assert_eq!(
+            swap[2],
+            names.create_view("tally__r__read4.next_view", frontier)
+        );
         assert_eq!(
             swap[3],
-            "RENAME TABLE tally.r TO tally.r__old, tally.r__next TO tally.r"
+            "EXCHANGE TABLES tally.r AND tally__r__read4.next_view"
+        );
+        let swap = names.install_view_sql(frontier, false, "tally__r__read4");
+        assert_eq!(
+            swap[3],
+            "RENAME TABLE tally.r TO tally__r__read4.old_view, tally__r__read4.next_view TO tally.r"
         );
     }
 
@@ -1119,8 +1272,7 @@ mod tests {
             seconds: 1_790_000_400,
         };
         let cut = Cut([(0, 20), (1, 8)].into_iter().collect());
-        let stage = names.live_stage("1796-0f3a");
-        assert_eq!(stage, "tally.r_live_stage_1796_0f3a");
+        let stage = "tally__r__read3.live_0".to_string();
         let sql = names.stage_snapshot_sql(&stage, from, &cut).join("; ");
         // Batches are pruned by the newest window they hold, not by a writer's epoch, and the
         // cut is a literal: the versions are read after it was fixed.
@@ -1134,7 +1286,7 @@ mod tests {
         let [replace, _] = names.replace_live_sql(&stage);
         assert_eq!(
             replace,
-            "ALTER TABLE tally.r_live REPLACE PARTITION tuple() FROM tally.r_live_stage_1796_0f3a"
+            "ALTER TABLE tally.r_live REPLACE PARTITION tuple() FROM tally__r__read3.live_0"
         );
     }
 

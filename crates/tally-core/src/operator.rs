@@ -227,6 +227,25 @@ impl RevenueOperator {
         self.new_filter(partition);
     }
 
+    /// Adds a partition that joins a running job (added to its topic), starting at `offset`
+    /// with its watermark at `watermark_ms`: its events in windows that close at that watermark
+    /// are late, as they would be on the job's other partitions, which may have folded them.
+    pub fn add_joining_partition(
+        &mut self,
+        partition: PartitionId,
+        offset: Offset,
+        watermark_ms: i64,
+    ) {
+        self.add_partition(partition, offset);
+        if let Some(state) = self.partitions.get_mut(&partition)
+            && state.watermark.max_event_time_ms.is_none()
+        {
+            state
+                .watermark
+                .observe(watermark_ms.saturating_add(self.config.out_of_orderness_ms));
+        }
+    }
+
     /// A partition with no checkpoint has nothing in the store: its filter is complete at once.
     fn new_filter(&mut self, partition: PartitionId) {
         let ids = SeenIdFilter::new(self.config.dedup_horizon_ms, self.seen_filter_capacity);
@@ -829,6 +848,43 @@ mod tests {
             },
         );
         assert_eq!(outcome, Outcome::Duplicate);
+    }
+
+    #[test]
+    fn a_joining_partition_starts_at_the_job_s_watermark() {
+        let store = MemStore::default();
+        let mut op = operator();
+        op.add_joining_partition(0, 0, 240_000);
+        // Window [60_000, 120_000): end + lateness (60 s) = 180_000 <= 240_000: late, although
+        // the partition saw no event before.
+        assert_eq!(
+            feed(&mut op, &store, 0, &order("a", "1", 119_999)),
+            Outcome::DeadLettered(PoisonReason::Late)
+        );
+        // Window [180_000, 240_000): end + lateness = 300_000 > 240_000: aggregated.
+        assert_eq!(
+            feed(&mut op, &store, 1, &order("b", "1", 190_000)),
+            Outcome::Aggregated
+        );
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: op.current_epoch(),
+            is_final: false,
+        });
+        assert_eq!(
+            (
+                cp.partitions[&0].epoch.late,
+                cp.partitions[&0].epoch.aggregated
+            ),
+            (1, 1)
+        );
+        // Its watermark is checkpointed: a restart resumes with it.
+        assert_eq!(cp.partitions[&0].watermark.current(5_000), Some(240_000));
+        // A partition that is already in the job keeps its own watermark.
+        op.add_joining_partition(0, 2, 10_000_000);
+        assert_eq!(
+            feed(&mut op, &store, 2, &order("c", "1", 200_000)),
+            Outcome::Aggregated
+        );
     }
 
     #[test]

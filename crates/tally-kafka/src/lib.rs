@@ -3,6 +3,7 @@
 //! records and commits the group's offsets, the changelog reader, and topic administration.
 
 mod reader;
+pub mod registry;
 mod source;
 mod transaction;
 

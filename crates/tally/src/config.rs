@@ -179,6 +179,9 @@ fn default_state_memory_mib() -> u64 {
 fn default_session_timeout() -> Millis {
     Millis(10_000)
 }
+fn default_registry_topic() -> String {
+    "tally-jobs".into()
+}
 fn default_partition_discovery_interval() -> Millis {
     Millis(30_000)
 }
@@ -208,6 +211,10 @@ pub struct KafkaConfig {
     /// a state directory from it. Default: `<consumer_group>-changelog`.
     #[serde(default)]
     pub changelog_topic: Option<String>,
+    /// The registry of jobs: each job records its rules and what it owns there, so that no two
+    /// jobs share a group, changelog topic, transactional id or table. One per cluster.
+    #[serde(default = "default_registry_topic")]
+    pub registry_topic: String,
     /// Replication factor of the topics tally creates (the dead-letter topic). Default: the
     /// broker's `default.replication.factor`.
     #[serde(default)]
@@ -614,6 +621,10 @@ impl Config {
             .changelog_topic
             .clone()
             .unwrap_or_else(|| format!("{}-changelog", self.kafka.consumer_group))
+    }
+
+    pub fn registry_topic(&self) -> String {
+        self.kafka.registry_topic.clone()
     }
 
     /// The one-partition topic whose assignment in the job's group says which worker runs it.

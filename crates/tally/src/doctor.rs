@@ -69,7 +69,11 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         to_ms: None,
         customer: None,
     };
-    let r = prove::reconcile(config, &filter, false).await?;
+    // A view that cannot be read back (a key twice) is a FAIL row, not the end of the report.
+    let reconciled = prove::reconcile(config, &filter, false).await;
+    let source_duplicates = reconciled
+        .as_ref()
+        .map_or_else(|_| "?".to_owned(), |r| r.source_duplicates.to_string());
     // Produced → Accepted: can the cluster lose a record it acknowledged?
     let durability = tally_kafka::topic_durability(&kafka, topic).await?;
     let min_isr = durability.min_insync_replicas.unwrap_or(1);
@@ -88,8 +92,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 "; with acks=all a record is acknowledged once on one broker, and that broker's loss loses it".into()
             }
         ) + &format!(
-            "; {} committed records repeat an event id seen before (re-sent by a producer; tally counts and drops them)",
-            r.source_duplicates
+            "; {source_duplicates} committed records repeat an event id seen before (re-sent by a producer; tally counts and drops them)"
         ),
     ));
 
@@ -130,7 +133,18 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
 
     // Persisted → Processed: the checkpoint accounts for every offset consumed, once, and one
     // writer (state directory) commits the job.
-    let marks = crate::lease::job_commit_marks(config)?;
+    let committed = {
+        let reader = tally_kafka::Source::connect(
+            &kafka,
+            &config.kafka.source_topic,
+            &config.kafka.consumer_group,
+        )?;
+        crate::lease::committed_offsets(&reader, config)?
+    };
+    let marks: BTreeMap<i32, tally_kafka::CommitMark> = committed
+        .iter()
+        .map(|(p, (_, m))| (*p, m.clone()))
+        .collect();
     let writers: std::collections::BTreeSet<&str> =
         marks.values().filter_map(|m| m.writer.as_deref()).collect();
     rows.push(match tally_state::StateStore::open(&config.job.state_dir, &config.state_identity()) {
@@ -166,6 +180,20 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                         store.writer_id()
                     )),
                     Err(e) => broken.push(e.to_string()),
+                }
+                // The group's offsets are the checkpoint's, once the checkpoint's epoch committed.
+                for (p, (offset, mark)) in &committed {
+                    if mark.epoch == meta.epoch
+                        && meta.status == tally_state::EpochStatus::Committed
+                        && mark.writer.as_deref() == Some(store.writer_id())
+                        && let Some(c) = meta.partitions.get(p)
+                        && c.next_offset != *offset
+                    {
+                        broken.push(format!(
+                            "partition {p}: the group committed offset {offset} at epoch {}, the checkpoint of that epoch says {}",
+                            mark.epoch, c.next_offset
+                        ));
+                    }
                 }
                 for (p, c) in &meta.partitions {
                     let first = ranges.get(p).map_or(c.next_offset, |r| r.0);
@@ -215,6 +243,10 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         ),
     });
 
+    // The state survives its directory: each task's changelog restores the group's committed
+    // epoch (a dry run into a scratch directory, as a takeover elsewhere would).
+    rows.push(restorable(config).await);
+
     // Processed → Written: the commit log is one contiguous chain; the DLQ matches it.
     let gaps = prove::commit_log_gaps(&batches);
     let (events, committed_revenue, committed_dead) = sink.commit_totals().await?;
@@ -228,6 +260,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         d.brokers > 1 && (d.replication_factor < 2 || d.min_insync_replicas.unwrap_or(1) < 2)
     });
     let mut problems = gaps.clone();
+    problems.extend(commits_missing(config, &sink, &committed).await?);
     if in_dlq as u64 != committed_dead {
         problems.push(format!(
             "the dead-letter topic holds {in_dlq} committed records, the commit log counts {committed_dead}"
@@ -276,10 +309,15 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     // Written → Queryable: the view shows each key once, and exactly what was committed.
     // The view and the commit log's totals for its snapshot, read again if a publish came
     // between them.
+    let unpublished_after = config.job.session_timeout.as_duration() + Duration::from_secs(30);
     let mut attempts = 0;
     let ((orders, revenue, doubled), (published_events, published_revenue, unpublished)) = loop {
         let published = sink.published().await?;
-        let totals = (sink.view_totals().await?, sink.published_totals().await?);
+        let totals = (
+            sink.view_totals().await?,
+            sink.published_totals(published.as_ref(), unpublished_after)
+                .await?,
+        );
         attempts += 1;
         if attempts == 3 || sink.published().await? == published {
             break totals;
@@ -296,6 +334,20 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         });
     if doubled > 0 {
         problems.push(format!("{doubled} keys appear more than once in the view"));
+    }
+    let (live_rows, live_points) = sink.live_points().await?;
+    if live_points > 1 {
+        problems.push(format!(
+            "the published answer {} holds rows of {live_points} snapshots among its {live_rows}: a row no publish wrote",
+            sink.names().view_q()
+        ));
+    }
+    let read_side = describe_read_side(&sink).await;
+    if unpublished > 0 {
+        problems.push(format!(
+            "{unpublished} batches committed more than {}s ago are not published: nothing publishes ({read_side})",
+            unpublished_after.as_secs()
+        ));
     }
     let compare_totals = config.clickhouse.retention.is_none();
     // The view shows what was published: the commit log's batches up to the snapshot's cut.
@@ -329,25 +381,18 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         "no key twice, view totals = commit log totals, publishing and folding keep up",
         if !problems.is_empty() {
             Status::Fail
-        } else if folding_late || !compare_totals || unpublished > 0 {
+        } else if folding_late || !compare_totals {
             Status::Warn
         } else {
             Status::Pass
         },
         if problems.is_empty() {
             format!(
-                "{orders} orders, {revenue} revenue {}{}; {} s of final windows not folded yet{}",
+                "{orders} orders, {revenue} revenue {}; {read_side}; {} s of final windows not folded yet{}",
                 if compare_totals {
                     "= commit log"
                 } else {
                     "(retention on: totals not compared)"
-                },
-                if unpublished > 0 {
-                    format!(
-                        "; {unpublished} committed batches not published yet ({events} orders / {committed_revenue} in all): is the job's first task running?"
-                    )
-                } else {
-                    String::new()
                 },
                 behind,
                 if folding_late {
@@ -361,24 +406,149 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
     ));
 
-    rows.push(row(
-        "Queryable → Reported",
-        "the numbers readers see equal a recomputation from the source",
-        if r.mismatched == 0 {
-            Status::Pass
-        } else {
-            Status::Fail
-        },
-        format!(
-            "windows of the last {}s: {} keys, {} differ; orders ratio {:.6}, revenue ratio {:.6}",
-            since.as_secs(),
-            r.keys,
-            r.mismatched,
-            r.orders_ratio(),
-            r.revenue_ratio()
+    rows.push(match &reconciled {
+        Ok(r) => row(
+            "Queryable → Reported",
+            "the numbers readers see equal a recomputation from the source",
+            if r.mismatched == 0 {
+                Status::Pass
+            } else {
+                Status::Fail
+            },
+            format!(
+                "windows of the last {}s: {} keys, {} differ; orders ratio {:.6}, revenue ratio {:.6}",
+                since.as_secs(),
+                r.keys,
+                r.mismatched,
+                r.orders_ratio(),
+                r.revenue_ratio()
+            ),
         ),
-    ));
+        Err(e) => row(
+            "Queryable → Reported",
+            "the numbers readers see equal a recomputation from the source",
+            Status::Fail,
+            format!("the reconciliation could not compare: {e:#}"),
+        ),
+    });
     Ok(rows)
+}
+
+/// Who holds the read side, and how recently it beat.
+async fn describe_read_side(sink: &ClickHouseSink) -> String {
+    match sink.read_side_holder().await {
+        Ok(tally_clickhouse::ReadSideHolder::Vacant) => "no worker holds the read side".into(),
+        Ok(tally_clickhouse::ReadSideHolder::Held {
+            generation,
+            holder,
+            beat_age,
+        }) => format!(
+            "read side generation {generation} held by {}, {}",
+            holder.as_deref().unwrap_or("?"),
+            beat_age.map_or("not beating yet".into(), |a| format!("beat {a}s ago"))
+        ),
+        Err(e) => format!("the read side's holder cannot be read: {e}"),
+    }
+}
+
+/// Partitions whose offsets the group committed past the commit log's newest batch: a batch
+/// in flight (Kafka commits first) is written within a few seconds, so a gap that stays was
+/// deleted behind tally's back (or the worker cannot write to ClickHouse).
+async fn commits_missing(
+    config: &Config,
+    sink: &ClickHouseSink,
+    committed: &BTreeMap<i32, (i64, tally_kafka::CommitMark)>,
+) -> Result<Vec<String>> {
+    let settle = (config.job.checkpoint_interval.as_duration() * 2)
+        .min(Duration::from_secs(10))
+        .max(Duration::from_secs(2));
+    let mut missing = Vec::new();
+    for attempt in 0..2 {
+        let in_clickhouse = sink.committed_offsets().await?;
+        missing = committed
+            .iter()
+            .filter(|(p, (offset, _))| in_clickhouse.get(p).copied().unwrap_or(0) < *offset)
+            .map(|(p, (offset, mark))| {
+                format!(
+                    "the group committed partition {p} up to offset {offset} (epoch {}), the commit log only to {}: its newest batches were deleted behind tally's back, or the worker cannot write them",
+                    mark.epoch,
+                    in_clickhouse.get(p).copied().unwrap_or(0)
+                )
+            })
+            .collect();
+        if missing.is_empty() || attempt == 1 {
+            break;
+        }
+        tokio::time::sleep(settle).await;
+    }
+    Ok(missing)
+}
+
+/// Restores each task's state from the changelog into a scratch directory, as a worker taking
+/// the task over on another machine would, and checks it reaches the group's committed epoch.
+async fn restorable(config: &Config) -> Row {
+    let invariant = "each task's changelog restores the group's committed epoch (a takeover elsewhere loses nothing)";
+    let tasks: Vec<Option<u32>> = if config.tasks() > 1 {
+        (0..config.tasks()).map(Some).collect()
+    } else {
+        vec![None]
+    };
+    let mut evidence = Vec::new();
+    let mut failed = false;
+    for task in tasks {
+        let config = config.clone();
+        let checked = tokio::task::spawn_blocking(move || -> Result<Option<String>> {
+            let scratch = tempfile::tempdir()?;
+            let mut config = match task {
+                Some(t) => config.for_task(t),
+                None => config,
+            };
+            config.job.state_dir = scratch.path().join("state");
+            let rt = tokio::runtime::Handle::current();
+            let marks = crate::lease::job_commit_marks(&config)?;
+            if marks.is_empty() {
+                return Ok(None);
+            }
+            let restored = crate::restore::restore(&config, &rt, &marks, None, false)?;
+            Ok(Some(format!(
+                "{}epoch {} of writer {} ({} records, {} ms)",
+                task.map_or(String::new(), |t| format!("task {t}: ")),
+                restored.epoch,
+                restored.writer,
+                restored.records,
+                restored.duration.as_millis()
+            )))
+        })
+        .await;
+        match checked {
+            Ok(Ok(Some(line))) => evidence.push(line),
+            Ok(Ok(None)) => evidence.push(format!(
+                "{}nothing committed yet",
+                task.map_or(String::new(), |t| format!("task {t}: "))
+            )),
+            Ok(Err(e)) => {
+                failed = true;
+                evidence.push(format!(
+                    "{}the changelog does not restore the committed state: {e:#}",
+                    task.map_or(String::new(), |t| format!("task {t}: "))
+                ));
+            }
+            Err(e) => {
+                failed = true;
+                evidence.push(format!("the restore check stopped: {e}"));
+            }
+        }
+    }
+    row(
+        "Processed → Restorable",
+        invariant,
+        if failed { Status::Fail } else { Status::Pass },
+        format!(
+            "restored from {}: {}",
+            config.changelog_topic(),
+            evidence.join("; ")
+        ),
+    )
 }
 
 pub fn print(rows: &[Row], json: bool) {

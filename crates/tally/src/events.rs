@@ -409,14 +409,14 @@ impl MemoryMeasured {
 /// Partitions added to the source topic while the worker ran: consumed from their earliest
 /// offsets, since every record in them arrived after the job started.
 pub struct PartitionsAdded<'a> {
-    /// Each new partition with the offset it starts at.
-    pub added: &'a [(tally_core::PartitionId, i64)],
+    /// Each new partition with the offset it starts at and the watermark it joins at.
+    pub added: &'a [(tally_core::PartitionId, i64, Option<i64>)],
     pub partitions: usize,
 }
 
 impl PartitionsAdded<'_> {
     pub fn emit(&self) {
-        tracing::info!(added = ?self.added, partitions = self.partitions, "partitions added to the source topic; consuming them from their earliest offsets");
+        tracing::info!(added = ?self.added, partitions = self.partitions, "partitions added to the source topic; consuming them from their earliest offsets (their events in windows already final for the job are late)");
         counter!("tally_source_partitions_added_total").increment(self.added.len() as u64);
         gauge!("tally_source_partitions").set(self.partitions as f64);
     }
@@ -474,6 +474,73 @@ impl TasksPlaced<'_> {
             gauge!("tally_task_running", &label).set(if running { 1.0 } else { 0.0 });
             let standby = self.standbys.contains(&task);
             gauge!("tally_task_standby", &label).set(if standby { 1.0 } else { 0.0 });
+        }
+    }
+}
+
+/// A committed epoch that Kafka undid, made again from the source (`crate::undone`).
+pub struct EpochRemade<'a> {
+    pub epoch: Epoch,
+    pub partitions: &'a [tally_core::PartitionId],
+    pub dead_letters: usize,
+}
+
+impl EpochRemade<'_> {
+    pub fn emit(&self) {
+        tracing::warn!(
+            epoch = %self.epoch,
+            partitions = ?self.partitions,
+            dead_letters = self.dead_letters,
+            "ClickHouse holds an epoch whose Kafka transaction was undone, and this state directory was restored without it: made it again from the source, matching ClickHouse's record of it, and sending its transaction again"
+        );
+        counter!("tally_epochs_remade_total").increment(1);
+    }
+}
+
+/// This process's read side claimed, lost or released the job's read side.
+pub enum ReadSideChanged<'a> {
+    /// The agent started, not holding the read side.
+    Watching,
+    Claimed {
+        generation: u64,
+        holder: &'a str,
+    },
+    /// A later generation fenced this one.
+    Lost {
+        generation: u64,
+        error: &'a tally_clickhouse::SinkError,
+    },
+    Released {
+        generation: u64,
+    },
+}
+
+impl ReadSideChanged<'_> {
+    pub fn emit(&self) {
+        match self {
+            ReadSideChanged::Watching => {
+                tracing::debug!("watching the read side");
+                gauge!("tally_read_side_held").set(0.0);
+            }
+            ReadSideChanged::Claimed { generation, holder } => {
+                tracing::info!(
+                    generation,
+                    holder,
+                    "holding the read side: publishing and folding"
+                );
+                counter!("tally_read_side_claims_total").increment(1);
+                gauge!("tally_read_side_held").set(1.0);
+                gauge!("tally_read_side_generation").set(*generation as f64);
+            }
+            ReadSideChanged::Lost { generation, error } => {
+                tracing::warn!(generation, error = %error, "lost the read side to a later generation (this process was silent past job.session_timeout, or `tally fold` took it): standing by");
+                counter!("tally_read_side_losses_total").increment(1);
+                gauge!("tally_read_side_held").set(0.0);
+            }
+            ReadSideChanged::Released { generation } => {
+                tracing::info!(generation, "released the read side");
+                gauge!("tally_read_side_held").set(0.0);
+            }
         }
     }
 }

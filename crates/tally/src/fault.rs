@@ -15,9 +15,15 @@ pub enum FaultPoint {
     MidClickHouseInsert,
     AfterClickHouseInsert,
     DuringRestore,
+    /// The server runs a fold step's insert into its stage table (seen in `system.processes`).
+    FoldDuringInsert,
+    /// A fold step's rows are in its stage table; none is attached to the folded table.
+    FoldAfterStage,
     FoldAfterInsert,
     FoldAfterLog,
     FoldAfterInstall,
+    /// The server runs a publish's insert into its stage table.
+    PublishDuringInsert,
     /// A snapshot of the answer is built in the publisher's stage table, not yet installed.
     PublishAfterStage,
     /// The snapshot is installed; the stage table is not emptied yet.
@@ -29,16 +35,19 @@ pub enum FaultPoint {
 }
 
 impl FaultPoint {
-    pub const ALL: [FaultPoint; 12] = [
+    pub const ALL: [FaultPoint; 15] = [
         FaultPoint::AfterPreCommit,
         FaultPoint::TwoInFlight,
         FaultPoint::AfterDeadLetterCommit,
         FaultPoint::MidClickHouseInsert,
         FaultPoint::AfterClickHouseInsert,
         FaultPoint::DuringRestore,
+        FaultPoint::FoldDuringInsert,
+        FaultPoint::FoldAfterStage,
         FaultPoint::FoldAfterInsert,
         FaultPoint::FoldAfterLog,
         FaultPoint::FoldAfterInstall,
+        FaultPoint::PublishDuringInsert,
         FaultPoint::PublishAfterStage,
         FaultPoint::PublishAfterReplace,
         FaultPoint::KafkaCommitLost,
@@ -52,9 +61,12 @@ impl FaultPoint {
             FaultPoint::MidClickHouseInsert => "mid_clickhouse_insert",
             FaultPoint::AfterClickHouseInsert => "after_clickhouse_insert",
             FaultPoint::DuringRestore => "during_restore",
+            FaultPoint::FoldDuringInsert => "fold_during_insert",
+            FaultPoint::FoldAfterStage => "fold_after_stage",
             FaultPoint::FoldAfterInsert => "fold_after_insert",
             FaultPoint::FoldAfterLog => "fold_after_log",
             FaultPoint::FoldAfterInstall => "fold_after_install",
+            FaultPoint::PublishDuringInsert => "publish_during_insert",
             FaultPoint::PublishAfterStage => "publish_after_stage",
             FaultPoint::PublishAfterReplace => "publish_after_replace",
             FaultPoint::KafkaCommitLost => "kafka_commit_lost",
@@ -103,6 +115,11 @@ impl FaultPlan {
     /// Whether the plan targets this point (and epoch).
     pub fn targets(&self, point: FaultPoint, epoch: Epoch) -> bool {
         self.point == Some(point) && self.epoch.is_none_or(|e| e == epoch)
+    }
+
+    /// Whether the plan names this point, at any epoch.
+    pub fn names(&self, point: FaultPoint) -> bool {
+        self.point == Some(point)
     }
 
     /// Kills the process if the plan targets this point (and epoch).

@@ -120,6 +120,17 @@ pub fn job_commit_marks(config: &Config) -> Result<BTreeMap<PartitionId, CommitM
 /// The group's committed offsets of the source partitions `config` runs, each with the mark of
 /// its transaction.
 pub fn commit_marks(member: &Source, config: &Config) -> Result<BTreeMap<PartitionId, CommitMark>> {
+    Ok(committed_offsets(member, config)?
+        .into_iter()
+        .map(|(p, (_, mark))| (p, mark))
+        .collect())
+}
+
+/// [`commit_marks`] with each partition's committed offset.
+pub fn committed_offsets(
+    member: &Source,
+    config: &Config,
+) -> Result<BTreeMap<PartitionId, (i64, CommitMark)>> {
     let partitions: Vec<PartitionId> = member
         .partitions()?
         .into_iter()
@@ -138,7 +149,7 @@ pub fn commit_marks(member: &Source, config: &Config) -> Result<BTreeMap<Partiti
     })?;
     Ok(committed
         .into_iter()
-        .filter_map(|(p, (_, metadata))| Some((p, CommitMark::parse(&metadata)?)))
+        .filter_map(|(p, (offset, metadata))| Some((p, (offset?, CommitMark::parse(&metadata)?))))
         .collect())
 }
 
@@ -616,6 +627,7 @@ pub fn share(
     rt: &Handle,
     shutdown: &Arc<AtomicBool>,
     readiness: &Arc<Readiness>,
+    signals: &crate::read_side::CommitSignals,
 ) -> Result<()> {
     let lease_topic = config.lease_topic();
     let tasks = config.tasks();
@@ -738,7 +750,7 @@ pub fn share(
             // Its standby round in progress ends first: the directory is then between two
             // committed epochs.
             drop(standbys.remove(&task));
-            let run = start_task(config, rt, &member, task)?;
+            let run = start_task(config, rt, &member, task, signals.clone())?;
             draining
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -830,6 +842,7 @@ fn start_task(
     rt: &Handle,
     member: &Arc<Source>,
     task: u32,
+    signals: crate::read_side::CommitSignals,
 ) -> Result<RunningTask> {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicBool::new(false));
@@ -843,7 +856,8 @@ fn start_task(
             let _ended = ended;
             tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
             let producer = fence_and_make_current(&config, &rt, &flag, None)?;
-            crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer))?.run()
+            crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer), signals)?
+                .run()
         })
         .context("starting a task thread")?;
     Ok(RunningTask {

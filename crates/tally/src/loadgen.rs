@@ -31,7 +31,8 @@ pub struct LoadSpec {
     /// alike (as real time does), however unevenly records fall on partitions.
     pub start_ms: i64,
     pub step_ms: i64,
-    /// Records larger than this are generated for the `too_large` reason.
+    /// Records larger than this are generated for the `too_large` reason, unless no default
+    /// Kafka client and broker would take such a record (see [`MAX_GENERATED_RECORD_BYTES`]).
     pub max_record_bytes: u64,
 }
 
@@ -72,11 +73,25 @@ pub struct Generator {
     emitted: i64,
 }
 
-/// Every reason a record can be poison for on its own (`late` depends on the stream).
-fn poison_reasons() -> impl Iterator<Item = PoisonReason> {
-    PoisonReason::ALL
-        .into_iter()
-        .filter(|r| *r != PoisonReason::Late)
+/// The largest record loadgen produces: a default client sends at most 1,000,000 bytes of
+/// message (librdkafka's `message.max.bytes`; a broker takes 1,048,588 by default), less room
+/// for the key, headers and framing. With `job.max_record_bytes` at or above it, no record a
+/// default cluster accepts is too large for the job, so none is generated.
+pub const MAX_GENERATED_RECORD_BYTES: u64 = 999_000;
+
+/// Every reason a record can be poison for on its own (`late` depends on the stream), and
+/// `too_large` only if such a record fits what Kafka takes.
+fn poison_reasons(max_record_bytes: u64) -> impl Iterator<Item = PoisonReason> {
+    PoisonReason::ALL.into_iter().filter(move |r| {
+        *r != PoisonReason::Late
+            && (*r != PoisonReason::TooLarge || generates_too_large(max_record_bytes))
+    })
+}
+
+/// Whether a record over `max_record_bytes` (with its JSON around the padding) still fits
+/// [`MAX_GENERATED_RECORD_BYTES`].
+pub fn generates_too_large(max_record_bytes: u64) -> bool {
+    max_record_bytes.saturating_add(256) <= MAX_GENERATED_RECORD_BYTES
 }
 
 impl Generator {
@@ -144,8 +159,9 @@ impl Generator {
             };
         }
         if r >= dup_cut && r < poison_cut {
-            let kinds = poison_reasons().count();
-            let reason = poison_reasons()
+            let max = self.spec.max_record_bytes;
+            let kinds = poison_reasons(max).count();
+            let reason = poison_reasons(max)
                 .nth(self.poison_turn % kinds)
                 .unwrap_or(PoisonReason::InvalidJson);
             self.poison_turn += 1;

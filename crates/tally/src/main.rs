@@ -75,10 +75,17 @@ enum Command {
         #[arg(long, default_value = "1h")]
         since: String,
     },
-    /// Fold final windows now, then drop the versions they replace. The worker does this every
-    /// clickhouse.fold_interval; run this only while no worker of the job folds (stopped, or
-    /// fold_interval = "0s"): two fold steps at once would fold the same windows twice.
+    /// Fold final windows now, then drop the versions they replace. The job's read side does
+    /// this every clickhouse.fold_interval; this takes the read side over (fencing its holder,
+    /// which stands by and takes it back once this releases it).
     Fold {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Free a job's name and resources (consumer group, changelog topic, transactional id,
+    /// table) for another job: run it once every worker of the job has stopped for good. The
+    /// job's tables and topics stay.
+    Retire {
         #[arg(long, short)]
         config: PathBuf,
     },
@@ -365,45 +372,11 @@ fn real_main(cli: Cli) -> Result<()> {
         }
         Command::Fold { config } => {
             let cfg = load_config(&config)?;
-            runtime()?.block_on(async {
-                let sink = tally_clickhouse::ClickHouseSink::connect(&cfg.sink_settings()).await?;
-                sink.ensure_schema().await?;
-                let partitions =
-                    tally_kafka::topic_extent(&cfg.kafka_settings(), &cfg.kafka.source_topic)?
-                        .len();
-                // Steps until every final window is folded; then one more after READER_MARGIN
-                // drops the versions the last ones folded (a step only drops below a frontier
-                // installed that long before it).
-                let mut caught_up = false;
-                loop {
-                    if caught_up {
-                        tokio::time::sleep(tally_clickhouse::READER_MARGIN).await;
-                    }
-                    let outcome = sink.fold(cfg.fold_rules(), partitions, |_| {}).await?;
-                    println!(
-                        "fold: frontier {}, {} rows folded, {} partitions dropped{}",
-                        tally_core::time::format_ms(i64::from(outcome.frontier.seconds) * 1000),
-                        outcome.folded_rows,
-                        outcome.dropped_partitions,
-                        if outcome.repaired {
-                            ", repaired an interrupted step"
-                        } else {
-                            ""
-                        }
-                    );
-                    if caught_up {
-                        break;
-                    }
-                    caught_up = !outcome.behind;
-                }
-                // From the frontier installed above: the published answer holds only the
-                // windows still open.
-                let published = sink.publish("fold", |_| {}).await?;
-                if let Some(rows) = published.rows {
-                    println!("publish: {rows} rows of windows not folded yet");
-                }
-                anyhow::Ok(())
-            })
+            runtime()?.block_on(tally::read_side::fold_now(&cfg))
+        }
+        Command::Retire { config } => {
+            let cfg = load_config(&config)?;
+            runtime()?.block_on(tally::identity::retire(&cfg))
         }
         Command::Probe {
             config,
@@ -544,25 +517,26 @@ fn real_main(cli: Cli) -> Result<()> {
                 tally::health::serve(&cfg.metrics.address, readiness.clone()).await?;
                 tokio::spawn(tally::memory::report());
                 spawn_signal_handler(shutdown.clone());
+                // A worker whose rules or resources clash with its job's, or another job's,
+                // stops here, before it joins anything.
+                if !tally::identity::check(&cfg, &shutdown).await? {
+                    tracing::info!("stopped before the job's identity was checked");
+                    return Ok(());
+                }
                 let handle = tokio::runtime::Handle::current();
                 let flag = shutdown.clone();
+                // Every worker of the job may hold its read side, standing by or not.
+                let signals = tally::read_side::CommitSignals::default();
+                let read_side =
+                    tally::read_side::ReadSide::start(&cfg, handle.clone(), signals.clone())?;
                 let result = tokio::task::spawn_blocking(move || {
-                    if cfg.tasks() > 1 {
-                        return tally::lease::share(&cfg, &handle, &flag, &readiness);
-                    }
-                    let Some(mut lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)?
-                    else {
-                        tracing::info!("stopped while standing by");
-                        return Ok(());
-                    };
-                    let job = cfg.job.name.clone();
-                    let fenced = lease.take_producer();
-                    let member = lease.member().clone();
-                    let result =
-                        worker::Worker::start(cfg, handle, flag, readiness, member, fenced)
-                            .and_then(worker::Worker::run);
-                    if lease.is_lost() {
-                        return Err(anyhow::anyhow!(tally::lease::LostLease(job)));
+                    let result = run_worker(cfg, handle, flag, readiness, signals);
+                    // A clean stop publishes what it committed and hands the read side on;
+                    // otherwise it is only released.
+                    if result.is_ok() {
+                        read_side.publish_and_stop();
+                    } else {
+                        drop(read_side);
                     }
                     result
                 })
@@ -579,6 +553,33 @@ fn real_main(cli: Cli) -> Result<()> {
             })
         }
     }
+}
+
+/// Runs the job's tasks this worker is given (one task: the job, once it holds the lease) until
+/// a stop.
+fn run_worker(
+    cfg: Config,
+    handle: tokio::runtime::Handle,
+    flag: Arc<AtomicBool>,
+    readiness: Arc<tally::health::Readiness>,
+    signals: tally::read_side::CommitSignals,
+) -> Result<()> {
+    if cfg.tasks() > 1 {
+        return tally::lease::share(&cfg, &handle, &flag, &readiness, &signals);
+    }
+    let Some(mut lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)? else {
+        tracing::info!("stopped while standing by");
+        return Ok(());
+    };
+    let job = cfg.job.name.clone();
+    let fenced = lease.take_producer();
+    let member = lease.member().clone();
+    let result = worker::Worker::start(cfg, handle, flag, readiness, member, fenced, signals)
+        .and_then(worker::Worker::run);
+    if lease.is_lost() {
+        return Err(anyhow::anyhow!(tally::lease::LostLease(job)));
+    }
+    result
 }
 
 /// Loads the configuration and applies what is the process's, not one store's or client's.

@@ -13,18 +13,18 @@
 //! consuming, reading through the cuts not yet pre-committed. Two threads commit behind it, in
 //! epoch order: the persister pre-commits each cut, the sink thread commits it to Kafka and
 //! ClickHouse and marks it committed. At most `job.max_epochs_in_flight` epochs are between
-//! barrier and committed; at the limit the operator waits (backpressure). Beside them, the fold
-//! thread folds final windows on its own schedule, and pre-committed cuts are freed off the
-//! consuming thread.
+//! barrier and committed; at the limit the operator waits (backpressure). Pre-committed cuts are
+//! freed off the consuming thread. Publishing and folding are the read side's
+//! ([`crate::read_side`]), which every commit notifies.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use tally_clickhouse::{Batch, ClickHouseSink, FoldStep, PublishStep, WriteOutcome, WriteStep};
+use tally_clickhouse::{Batch, ClickHouseSink, WriteOutcome, WriteStep};
 use tally_core::seen_filter::{FilterBuilder, id_hash};
 use tally_core::{
     Checkpoint, CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator,
@@ -42,10 +42,11 @@ use crate::background::Background;
 use crate::config::{self, Config};
 use crate::events::{
     BarrierPause, ChangelogTruncated, CheckpointCommitted, CheckpointCut, CommitPhases, EpochBytes,
-    EpochRecovered, Folded, LagMeasured, PartitionsAdded, Published, SinkRetry,
+    EpochRecovered, LagMeasured, PartitionsAdded, SinkRetry,
 };
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
+use crate::read_side::{CommitPressure, CommitSignals};
 
 /// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
 /// ends, bounding the memory an epoch holds (changed windows, dead letters).
@@ -144,51 +145,6 @@ fn cut_reason(
 /// cuts an epoch the barrier waits. A stop never waits.
 fn defer_barrier(fill: EpochFill, in_flight: usize, max_in_flight: usize, stopping: bool) -> bool {
     !stopping && in_flight >= max_in_flight && fill.may_grow()
-}
-
-/// When a barrier last had to be put off or wait because the committer was behind. The fold
-/// thread reads it: a catch-up's back-to-back fold steps took the cores the committer needed
-/// (profiled: the barriers that waited clustered in the steps, BENCHMARKS.md), so while the
-/// committer is behind, folding keeps to its interval and the commit path goes first.
-#[derive(Debug)]
-struct CommitPressure {
-    origin: Instant,
-    /// Milliseconds after `origin`, plus one (zero: never).
-    last: AtomicU64,
-}
-
-impl CommitPressure {
-    fn new() -> CommitPressure {
-        CommitPressure {
-            origin: Instant::now(),
-            last: AtomicU64::new(0),
-        }
-    }
-
-    fn millis_now(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
-    }
-
-    fn note(&self) {
-        self.last.store(self.millis_now(), Ordering::Relaxed);
-    }
-
-    /// Whether a barrier was put off or waited within `window`.
-    fn within(&self, window: Duration) -> bool {
-        let last = self.last.load(Ordering::Relaxed);
-        let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
-        last > 0 && self.millis_now().saturating_sub(last) <= window
-    }
-}
-
-/// How long the folder waits before its next step: at once while it is behind, unless the
-/// committer was behind within the interval; otherwise the interval.
-fn next_fold_wait(fold_behind: bool, commit_pressed: bool, interval: Duration) -> Duration {
-    if fold_behind && !commit_pressed {
-        Duration::ZERO
-    } else {
-        interval
-    }
 }
 
 /// How often the changelog is truncated below the committed restore points.
@@ -362,87 +318,32 @@ impl ChangelogTruncator {
     }
 }
 
-/// The read side, on a thread of its own: publishes the answer after commits (the view reads
-/// it) and runs fold steps. Either can take seconds (a step moves every final window's
-/// versions), and commits must not wait for them. Both are driven by the commit log alone and
-/// leave the view whole, so they need no coordination with the commits. One per job: the
-/// worker running its first task.
-struct Folder {
-    config: Config,
-    rt: Handle,
-    fault: FaultPlan,
-    store: Arc<StateStore>,
-    /// How many partitions the source topic has: folding waits for a watermark from each.
-    partitions: Arc<AtomicUsize>,
-    /// Set when the worker stops: ends a wait for ClickHouse.
-    stop: Arc<AtomicBool>,
-    pressure: Arc<CommitPressure>,
-    /// Notified when this worker committed an epoch: publish now.
-    committed: Arc<tokio::sync::Notify>,
-}
-
-/// How often the publisher looks at the commit log for batches other workers committed.
-const PUBLISH_POLL: Duration = Duration::from_millis(500);
-/// While the committer is behind (a catch-up), publishes are at least this far apart: the
-/// commit path has the cores first, and the view shows the catch-up's progress meanwhile.
-const PRESSED_PUBLISH_GAP: Duration = Duration::from_secs(5);
-/// How long a stop waits for its last publish.
-const FINAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// What the read-side thread is told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ReadSide {
-    Run,
-    /// Stop at once: a step in progress is abandoned (the next start repairs it).
-    Abandon,
-    /// Publish what was committed, then stop: a worker that stops cleanly leaves the view
-    /// showing every epoch it committed.
-    PublishAndStop,
-}
-
-/// The running read-side thread. Dropping it stops and joins the thread: a step in progress is
-/// abandoned at its next await (the next start repairs it, as after a crash), so a stop never
-/// waits for a long step and no request outlives the worker's runtime.
-struct FoldThread {
-    signal: tokio::sync::watch::Sender<ReadSide>,
-    _thread: Background,
-}
-
-impl FoldThread {
-    fn start(folder: Folder) -> Result<FoldThread> {
-        let stop = folder.stop.clone();
-        let (signal, signal_rx) = tokio::sync::watch::channel(ReadSide::Run);
-        let thread = Background::spawn("tally-fold", stop, move || folder.run(signal_rx))?;
-        Ok(FoldThread {
-            signal,
-            _thread: thread,
-        })
-    }
-
-    /// Publishes once more (bounded by [`FINAL_PUBLISH_TIMEOUT`]) and joins the thread.
-    fn publish_and_stop(self) {
-        self.signal.send_replace(ReadSide::PublishAndStop);
-    }
-}
-
-impl Drop for FoldThread {
-    /// Wakes a step waiting in the runtime; the thread's guard then sets the flag and joins.
-    fn drop(&mut self) {
-        self.signal.send_if_modified(|s| {
-            let run = *s == ReadSide::Run;
-            if run {
-                *s = ReadSide::Abandon;
-            }
-            run
-        });
-    }
-}
-
 /// An epoch on its way from the barrier to committed.
 struct Handoff {
     cut: Arc<EpochCut>,
     barrier_at: Instant,
     pause: BarrierPause,
+}
+
+/// An epoch cut outside the consume loop and pre-committed (see [`crate::undone`]).
+pub(crate) struct Remade {
+    pub checkpoint: Checkpoint,
+    pub changelog: Vec<EncodedRecord>,
+    pub liveness: BTreeMap<PartitionId, EpochLiveness>,
+}
+
+impl Remade {
+    pub(crate) fn pre_commit(store: &StateStore, cut: EpochCut) -> Result<Remade> {
+        let checkpoint = cut.to_checkpoint_without_ids();
+        let changelog = tally_state::changelog::encode_epoch(&cut)?;
+        store.pre_commit_with_seen(&checkpoint, cut.seen_ids(), &changelog)?;
+        let liveness = tally_state::changelog::liveness_of_cut(&cut);
+        Ok(Remade {
+            checkpoint,
+            changelog,
+            liveness,
+        })
+    }
 }
 
 /// A pre-committed epoch on its way to the sinks.
@@ -465,6 +366,7 @@ impl Worker {
         readiness: Arc<Readiness>,
         member: Arc<Source>,
         fenced: Option<EpochProducer>,
+        signals: CommitSignals,
     ) -> Result<Worker> {
         let fault = FaultPlan::from_env().map_err(|e| anyhow!(e))?;
         if fault.is_armed() {
@@ -528,7 +430,22 @@ impl Worker {
             }
         })??;
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
-        let topic_partitions = Arc::new(AtomicUsize::new(partitions.len()));
+        // Registered before any record is consumed: folding waits for each partition's
+        // watermark, and one added to the topic since the job began joins at the job's.
+        let added = rt.block_on(sink.register_partitions(&partitions))?;
+        let joining = {
+            let meta = store.meta();
+            let fresh_added = partitions.iter().any(|p| {
+                config.owns(*p)
+                    && added.contains(p)
+                    && meta.as_ref().is_none_or(|m| !m.partitions.contains_key(p))
+            });
+            if fresh_added {
+                rt.block_on(sink.joining_watermark())?
+            } else {
+                None
+            }
+        };
         // One task of several runs its own partitions only.
         let partitions: Vec<PartitionId> =
             partitions.into_iter().filter(|p| config.owns(*p)).collect();
@@ -557,7 +474,7 @@ impl Worker {
             readiness: readiness.clone(),
             restore_points: store.restore_points()?,
             truncator,
-            committed: Arc::new(tokio::sync::Notify::new()),
+            committed: signals.committed,
         };
         Ok(Worker {
             consumer: Consumer {
@@ -565,11 +482,12 @@ impl Worker {
                 shutdown,
                 store,
                 source,
-                topic_partitions,
                 partitions,
+                added,
+                joining,
                 last_lag: None,
                 readiness,
-                pressure: Arc::new(CommitPressure::new()),
+                pressure: signals.pressure,
             },
             sinks,
         })
@@ -585,28 +503,12 @@ impl Worker {
         wait_for("kafka", &sinks.shutdown, || {
             SinkFailure::settle(sinks.refuse_another_writer())
         })??;
-        sinks.check_sink_matches_state()?;
+        let undone = sinks.undone_batches()?;
         sinks.recover()?;
         // Fence any earlier instance now, not at the first checkpoint.
         sinks.ensure_producer()?;
-        // Publish and fold at once (which also repairs a step a crash interrupted), then after
-        // commits and every interval. The view is whole at every step, so consumption need not
-        // wait for it. One read side per job: the worker running its first task.
-        let read_side = if consumer.config.job.task.is_none_or(|t| t == 0) {
-            Some(FoldThread::start(Folder {
-                config: consumer.config.clone(),
-                rt: sinks.rt.clone(),
-                fault: sinks.fault,
-                store: consumer.store.clone(),
-                partitions: consumer.topic_partitions.clone(),
-                stop: Arc::new(AtomicBool::new(false)),
-                pressure: consumer.pressure.clone(),
-                committed: sinks.committed.clone(),
-            })?)
-        } else {
-            None
-        };
         let mut operator = consumer.restore_operator()?;
+        sinks.remake_undone(&mut operator, &undone)?;
         let filters = rebuild_seen_filters(
             consumer.store.clone(),
             operator.partitions_awaiting_seen_filter(),
@@ -618,7 +520,6 @@ impl Worker {
             &consumer.config,
             &sinks.rt,
             consumer.partitions.clone(),
-            consumer.topic_partitions.clone(),
         )? {
             Some((thread, added)) => (Some(thread), Some(added)),
             None => (None, None),
@@ -665,11 +566,6 @@ impl Worker {
             (Ok(stop), Ok(())) => Ok(stop),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         };
-        if outcome.is_ok()
-            && let Some(read_side) = read_side
-        {
-            read_side.publish_and_stop();
-        }
         if outcome.is_ok()
             && let Err(e) = consumer.store.flush()
         {
@@ -753,8 +649,10 @@ struct Consumer {
     store: Arc<StateStore>,
     source: Source,
     partitions: Vec<PartitionId>,
-    /// The source topic's partition count as last seen, shared with the folder.
-    topic_partitions: Arc<AtomicUsize>,
+    /// Partitions added to the source topic after the job began (registered so).
+    added: std::collections::BTreeSet<PartitionId>,
+    /// Where an added partition without a checkpoint starts its watermark.
+    joining: Option<i64>,
     /// When consumer lag was last measured.
     last_lag: Option<Instant>,
     readiness: Arc<Readiness>,
@@ -946,8 +844,11 @@ impl Consumer {
         let Some(new) = added.and_then(|rx| rx.try_recv().ok()) else {
             return Ok(false);
         };
-        for &(partition, offset) in &new {
-            operator.add_partition(partition, offset);
+        for &(partition, offset, joining) in &new {
+            match joining {
+                Some(watermark) => operator.add_joining_partition(partition, offset, watermark),
+                None => operator.add_partition(partition, offset),
+            }
             if !self.partitions.contains(&partition) {
                 self.partitions.push(partition);
             }
@@ -1021,12 +922,25 @@ impl Consumer {
                         .resolve_start(p, from)
                         .map_err(|e| e.to_string())
                 })?;
-                tracing::info!(
-                    partition = p,
-                    offset,
-                    "partition has no checkpoint; starting at {from:?}"
-                );
-                operator.add_partition(p, offset);
+                match self.joining.filter(|_| self.added.contains(&p)) {
+                    Some(watermark) => {
+                        tracing::info!(
+                            partition = p,
+                            offset,
+                            joining_watermark = %tally_core::time::format_ms(watermark),
+                            "partition was added to the topic while the job ran; starting at {from:?}, its events in windows already final for the job are late"
+                        );
+                        operator.add_joining_partition(p, offset, watermark);
+                    }
+                    None => {
+                        tracing::info!(
+                            partition = p,
+                            offset,
+                            "partition has no checkpoint; starting at {from:?}"
+                        );
+                        operator.add_partition(p, offset);
+                    }
+                }
             }
         }
         for (p, c) in &partitions {
@@ -1041,7 +955,7 @@ impl Consumer {
 }
 
 /// Connects to ClickHouse, waiting while it is unreachable.
-fn connect_clickhouse(
+pub(crate) fn connect_clickhouse(
     config: &Config,
     rt: &Handle,
     shutdown: &Arc<AtomicBool>,
@@ -1104,7 +1018,6 @@ fn start_partition_discovery(
     config: &Config,
     rt: &Handle,
     mut known: Vec<PartitionId>,
-    topic_partitions: Arc<AtomicUsize>,
 ) -> Result<Option<(Background, Receiver<AddedPartitions>)>> {
     let every = config.kafka.partition_discovery_interval.as_duration();
     if every.is_zero() {
@@ -1121,6 +1034,7 @@ fn start_partition_discovery(
         let (config, rt) = (config.clone(), rt.clone());
         Background::spawn("tally-discover", stop.clone(), move || {
             let kafka = config.kafka_settings();
+            let mut sink: Option<ClickHouseSink> = None;
             while sleep_unless_stopped(&stop, every).is_ok() {
                 let current = match client.partitions() {
                     Ok(current) => current,
@@ -1129,9 +1043,6 @@ fn start_partition_discovery(
                         continue;
                     }
                 };
-                // Folding waits for new partitions from now on, before any of their records
-                // is consumed, whichever task runs them.
-                topic_partitions.fetch_max(current.len(), Ordering::SeqCst);
                 let new: Vec<PartitionId> = current
                     .iter()
                     .copied()
@@ -1140,14 +1051,18 @@ fn start_partition_discovery(
                 if new.is_empty() {
                     continue;
                 }
+                // Registered before any of their records is consumed, whichever task runs
+                // them: folding waits for them from now on, and they join at the job's
+                // watermark.
                 let grown = ensure_own_topics(&config, &kafka, &rt, current.len())
                     .map_err(|e| e.to_string())
-                    .and_then(|()| {
+                    .and_then(|()| register_added(&rt, &config, &mut sink, &current))
+                    .and_then(|joining| {
                         new.iter()
                             .map(|&p| {
                                 client
                                     .resolve_start(p, StartFrom::Earliest)
-                                    .map(|offset| (p, offset))
+                                    .map(|offset| (p, offset, joining))
                                     .map_err(|e| e.to_string())
                             })
                             .collect::<Result<AddedPartitions, String>>()
@@ -1169,148 +1084,41 @@ fn start_partition_discovery(
     Ok(Some((thread, rx)))
 }
 
-/// Partitions added to the source topic, each with the offset it starts at.
-type AddedPartitions = Vec<(PartitionId, i64)>;
-
-impl Folder {
-    /// Publishes after every commit of this worker and every [`PUBLISH_POLL`] (others'
-    /// commits), and runs a fold step now and then every `fold_interval` (at once while
-    /// folding is behind and the committer is not), until told to stop. A failed publish or
-    /// step is logged and retried: the view stays whole meanwhile, only less fresh or slower.
-    fn run(self, mut signal: tokio::sync::watch::Receiver<ReadSide>) {
-        // A connection of its own (made here, off the start path): the fold frontier it
-        // installs is this thread's state, not the sink's.
-        let sink = match connect_clickhouse(&self.config, &self.rt, &self.stop) {
-            Ok(sink) => sink,
-            // A stop while ClickHouse was unreachable, or a refused connection, which the
-            // sink thread reports too.
-            Err(e) => {
-                if !self.stop.load(Ordering::SeqCst) {
-                    tracing::warn!(error = %format!("{e:#}"), "the fold thread cannot connect to clickhouse; publishing and folding are off until the next start");
-                }
-                return;
-            }
-        };
-        let publisher = self.store.writer_id().to_owned();
-        let folding = self.config.clickhouse.fold_interval.0 > 0;
-        let interval = self.config.clickhouse.fold_interval.as_duration();
-        self.rt.block_on(async {
-            match sink.drop_other_stages(&publisher).await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(tables = n, "dropped the stage tables of earlier publishers"),
-                Err(e) => tracing::warn!(error = %e, "could not drop the stage tables of earlier publishers"),
-            }
-            // Whether the last wait was the interval because the committer was behind.
-            let mut yielding = false;
-            // The first step installs the logged frontier (repairing an interrupted step).
-            let mut next_fold = folding.then(Instant::now);
-            let mut last_publish: Option<Instant> = None;
-            loop {
-                if next_fold.is_some_and(|at| at <= Instant::now()) {
-                    let behind = tokio::select! {
-                        behind = self.step(&sink) => behind,
-                        _ = signal.changed() => break,
-                    };
-                    let wait = next_fold_wait(behind, self.pressure.within(interval), interval);
-                    if (behind && !wait.is_zero()) != yielding {
-                        yielding = !yielding;
-                        if yielding {
-                            tracing::info!(
-                                "folding is behind, and so is the committer: fold steps keep to the interval meanwhile"
-                            );
-                        } else {
-                            tracing::info!("fold steps no longer wait for the committer");
-                        }
-                    }
-                    next_fold = Some(Instant::now() + wait);
-                }
-                let gap = if self.pressure.within(PRESSED_PUBLISH_GAP) {
-                    PRESSED_PUBLISH_GAP
-                } else {
-                    Duration::ZERO
-                };
-                let publish_at = last_publish.map_or_else(Instant::now, |t| t + gap);
-                if publish_at <= Instant::now() {
-                    tokio::select! {
-                        () = self.publish(&sink, &publisher) => {},
-                        _ = signal.changed() => break,
-                    }
-                    last_publish = Some(Instant::now());
-                }
-                let mut wake = Instant::now() + PUBLISH_POLL;
-                if let Some(at) = next_fold {
-                    wake = wake.min(at);
-                }
-                tokio::select! {
-                    () = self.committed.notified() => {},
-                    () = tokio::time::sleep_until(wake.into()) => {},
-                    // A change, or the sender gone: either way, stop.
-                    _ = signal.changed() => break,
-                }
-            }
-            if *signal.borrow() == ReadSide::PublishAndStop
-                && tokio::time::timeout(FINAL_PUBLISH_TIMEOUT, self.publish(&sink, &publisher))
-                    .await
-                    .is_err()
-            {
-                tracing::warn!("the last publish before the stop timed out; the next start publishes");
-            }
-        });
+/// Registers the source topic's `current` partitions in ClickHouse through `sink` (connected
+/// first if need be) and returns the watermark added ones join the job at.
+fn register_added(
+    rt: &Handle,
+    config: &Config,
+    sink: &mut Option<ClickHouseSink>,
+    current: &[PartitionId],
+) -> Result<Option<i64>, String> {
+    let client = match sink.take() {
+        Some(client) => client,
+        None => rt
+            .block_on(ClickHouseSink::connect(&config.sink_settings()))
+            .map_err(|e| e.to_string())?,
+    };
+    let joining = rt.block_on(async {
+        client.register_partitions(current).await?;
+        client.joining_watermark().await
+    });
+    // A failed connection is made again next time.
+    if joining.is_ok() {
+        *sink = Some(client);
     }
-
-    /// One fold step; true when more windows are final than it folded.
-    async fn step(&self, sink: &ClickHouseSink) -> bool {
-        let started = Instant::now();
-        let fault = self.fault;
-        let epoch = self.local_epoch();
-        let hook = move |step: FoldStep| {
-            let point = match step {
-                FoldStep::Inserted => FaultPoint::FoldAfterInsert,
-                FoldStep::Logged => FaultPoint::FoldAfterLog,
-                FoldStep::Installed => FaultPoint::FoldAfterInstall,
-            };
-            fault.hit(point, epoch);
-        };
-        let partitions = self.partitions.load(Ordering::SeqCst);
-        let result = sink.fold(self.config.fold_rules(), partitions, hook).await;
-        Folded {
-            result: &result,
-            duration: started.elapsed(),
-        }
-        .emit();
-        result.is_ok_and(|outcome| outcome.behind)
-    }
-
-    /// Publishes the answer if the commit log moved since the last publish.
-    async fn publish(&self, sink: &ClickHouseSink, publisher: &str) {
-        let started = Instant::now();
-        let fault = self.fault;
-        let epoch = self.local_epoch();
-        let hook = move |step: PublishStep| {
-            let point = match step {
-                PublishStep::Staged => FaultPoint::PublishAfterStage,
-                PublishStep::Replaced => FaultPoint::PublishAfterReplace,
-            };
-            fault.hit(point, epoch);
-        };
-        let result = sink.publish(publisher, hook).await;
-        Published {
-            result: &result,
-            duration: started.elapsed(),
-        }
-        .emit();
-    }
-
-    /// Fault points of the read side are keyed by the newest epoch of the local state.
-    fn local_epoch(&self) -> Epoch {
-        self.store.meta().map_or(Epoch(0), |m| m.epoch)
-    }
+    joining.map_err(|e| e.to_string())
 }
 
+/// Partitions added to the source topic, each with the offset it starts at and the watermark
+/// it joins the job at (`None`: no watermark committed yet).
+type AddedPartitions = Vec<(PartitionId, i64, Option<i64>)>;
+
 impl Sinks {
-    /// Refuses to run when ClickHouse already holds batches past the state directory's offsets:
+    /// The batches ClickHouse holds past the state directory's offsets that Kafka undid (the
+    /// group's offsets agree with the state): they are made again from the source before any
+    /// new input ([`crate::undone`]). Refuses to run when ClickHouse is ahead in any other way:
     /// the view would mix two histories, and resuming would count their records twice.
-    fn check_sink_matches_state(&self) -> Result<()> {
+    fn undone_batches(&self) -> Result<Vec<tally_clickhouse::CommittedBatch>> {
         let mut sink_offsets = self.rt.block_on(self.sink.committed_offsets())?;
         // Other tasks' partitions are other directories' business.
         sink_offsets.retain(|p, _| self.config.owns(*p));
@@ -1324,24 +1132,84 @@ impl Sinks {
                     .collect()
             })
             .unwrap_or_default();
-        let ahead = sink_offsets
+        let Some((&partition, &offset)) = sink_offsets
             .iter()
-            .find(|(p, offset)| state.get(p).is_none_or(|o| o < *offset));
-        if let Some((partition, offset)) = ahead {
-            let state_offset = state.get(partition);
-            bail!(
-                "ClickHouse commit log {} has partition {partition} up to offset {offset}, but the state directory {} has it {}. \
-                 The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
-                 Restore the matching state directory, or rebuild it with `tally restore` (into an empty directory), or drop the job's tables ({}, {}, {}) to start over. \
-                 If the state came from the changelog and a Kafka transaction of this job was aborted by hand (a hanging one), Kafka lost that epoch: \
-                 the worker whose own state directory committed it sends it again when it starts.",
-                self.sink.names().commits_q(),
-                self.store.path().display(),
-                state_offset.map_or("not at all".to_string(), |o| format!("up to offset {o}")),
-                self.sink.names().view_q(),
-                self.sink.names().data_q(),
-                self.sink.names().commits_q()
-            );
+            .find(|(p, offset)| state.get(p).is_none_or(|o| o < *offset))
+        else {
+            return Ok(Vec::new());
+        };
+        let owned: Vec<PartitionId> = sink_offsets.keys().copied().collect();
+        let kafka = wait_for("kafka", &self.shutdown, || {
+            self.offsets.committed(&owned).map_err(|e| e.to_string())
+        })?;
+        let kafka_agrees = owned
+            .iter()
+            .all(|p| kafka.get(p).and_then(|(o, _)| *o) == state.get(p).copied());
+        let batches = self.rt.block_on(self.sink.committed_batches())?;
+        let past = if kafka_agrees {
+            crate::undone::batches_past(&batches, &state, |p| self.config.owns(p))
+        } else {
+            Err("the group's committed offsets do not match the state either".to_owned())
+        };
+        match past {
+            Ok(past) if !past.is_empty() => Ok(past),
+            past => {
+                let why = past.err().unwrap_or_default();
+                let state_offset = state.get(&partition);
+                bail!(
+                    "ClickHouse commit log {} has partition {partition} up to offset {offset}, but the state directory {} has it {} ({why}). \
+                     The state is missing or older than the sink (wiped or restored from a backup), so resuming would double count. \
+                     Restore the matching state directory, or rebuild it with `tally restore` (into an empty directory), or drop the job's tables ({}, {}, {}) to start over.",
+                    self.sink.names().commits_q(),
+                    self.store.path().display(),
+                    state_offset.map_or("not at all".to_string(), |o| format!("up to offset {o}")),
+                    self.sink.names().view_q(),
+                    self.sink.names().data_q(),
+                    self.sink.names().commits_q()
+                );
+            }
+        }
+    }
+
+    /// Makes the batches Kafka undid again from the source (see [`crate::undone`]) and commits
+    /// their Kafka transactions, before any new input.
+    fn remake_undone(
+        &mut self,
+        operator: &mut RevenueOperator,
+        batches: &[tally_clickhouse::CommittedBatch],
+    ) -> Result<()> {
+        for batch in batches {
+            let started = Instant::now();
+            let remade = crate::undone::remake(
+                &self.config,
+                &self.rt,
+                &self.sink,
+                &self.store,
+                operator,
+                batch,
+            )
+            .with_context(|| {
+                format!(
+                    "ClickHouse holds epoch {} of writer-numbered batches (partitions {:?}, offsets {:?}..{:?}) that Kafka no longer holds \
+                     (its transaction was undone: its dead letters, changelog records and group offsets are gone), and this state directory \
+                     was restored without it. It could not be made again from the source. What is lost: that epoch's dead letters and its \
+                     changelog records. Run the worker whose state directory committed it (it sends it again from its store), or drop the \
+                     job's tables and start over",
+                    batch.epoch, batch.partitions, batch.from_offsets, batch.to_offsets
+                )
+            })?;
+            crate::events::EpochRemade {
+                epoch: remade.checkpoint.epoch,
+                partitions: &batch.partitions,
+                dead_letters: remade.checkpoint.dead_letters.len(),
+            }
+            .emit();
+            self.complete_stored_epoch(
+                &remade.checkpoint,
+                &remade.changelog,
+                &remade.liveness,
+                started,
+            )?;
         }
         Ok(())
     }
@@ -2048,31 +1916,5 @@ mod tests {
             cut_reason(full, false, false, true, true, Some(Full)),
             Some(Full)
         );
-    }
-
-    #[test]
-    fn folding_steps_back_to_back_only_while_the_committer_keeps_up() {
-        let interval = Duration::from_secs(60);
-        assert_eq!(next_fold_wait(true, false, interval), Duration::ZERO);
-        assert_eq!(next_fold_wait(true, true, interval), interval);
-        assert_eq!(next_fold_wait(false, false, interval), interval);
-        assert_eq!(next_fold_wait(false, true, interval), interval);
-    }
-
-    #[test]
-    fn commit_pressure_is_recent_only_after_a_note_and_within_the_window() {
-        let pressure = CommitPressure::new();
-        assert!(!pressure.within(Duration::from_secs(3600)), "never noted");
-        pressure.note();
-        assert!(pressure.within(Duration::from_secs(60)));
-        // A note 10 s before now, without sleeping: move the origin back instead.
-        let pressure = CommitPressure {
-            origin: Instant::now()
-                .checked_sub(Duration::from_secs(10))
-                .expect("the monotonic clock is past 10 s"),
-            last: AtomicU64::new(1),
-        };
-        assert!(!pressure.within(Duration::from_secs(5)));
-        assert!(pressure.within(Duration::from_secs(60)));
     }
 }

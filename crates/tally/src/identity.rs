@@ -1,0 +1,372 @@
+//! A job has one identity: the rules its state, checkpoints and tables were made by, and the
+//! resources it owns. A worker whose rules differ from its job's, or a job that would share a
+//! consumer group, changelog topic, transactional id or table with another, refuses to start,
+//! naming each difference: a rolling configuration change or a copied job file must not make
+//! two histories of one job.
+//!
+//! The identity is recorded twice, each by a compare-and-set of its store: in Kafka's registry of
+//! jobs (`kafka.registry_topic`, the earlier record of a resource wins) and beside the job's
+//! tables in ClickHouse (`<table>_job`, created with its one row by the first worker). Changing
+//! the rules is a new job, not an edit: see [`CHANGE_RULES`].
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use tally_clickhouse::ClickHouseSink;
+
+use crate::config::Config;
+
+/// How to change a job's rules, for the refusals.
+pub const CHANGE_RULES: &str = "a job's rules are fixed for its life (its state, checkpoints and tables were made by them). \
+To change them, run the new rules as a new job (another job.name, clickhouse.table and kafka.consumer_group; \
+it computes everything again from the source topic), move readers to its view, then stop the old job's workers \
+and free its name with `tally retire --config <old job file>`";
+
+/// What a job is and owns, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobIdentity {
+    pub job: String,
+    /// Every setting the job's results and coordination depend on, by config key.
+    pub rules: BTreeMap<String, String>,
+}
+
+/// The keys of [`JobIdentity::rules`] that name a resource no two jobs may share.
+const OWNED: &[&str] = &[
+    "kafka.consumer_group",
+    "kafka.changelog_topic",
+    "kafka.transactional_id",
+    "clickhouse.table",
+];
+
+impl JobIdentity {
+    pub fn of(config: &Config) -> JobIdentity {
+        let mut base = config.clone();
+        base.job.task = None;
+        let w = &config.window;
+        let f = &config.fields;
+        let rules: BTreeMap<String, String> = [
+            ("job.tasks", config.job.tasks.to_string()),
+            (
+                "job.max_record_bytes",
+                config.job.max_record_bytes.to_string(),
+            ),
+            ("kafka.source_topic", config.kafka.source_topic.clone()),
+            ("kafka.consumer_group", config.kafka.consumer_group.clone()),
+            ("kafka.changelog_topic", config.changelog_topic()),
+            ("kafka.dlq_topic", config.dlq_topic()),
+            ("kafka.transactional_id", base.transactional_id()),
+            ("window.size", w.size.to_string()),
+            ("window.out_of_orderness", w.out_of_orderness.to_string()),
+            ("window.allowed_lateness", w.allowed_lateness.to_string()),
+            ("window.dedup_horizon", w.dedup_horizon.to_string()),
+            ("fields.event_id", f.event_id.clone()),
+            ("fields.customer_id", f.customer_id.clone()),
+            ("fields.currency", f.currency.clone()),
+            ("fields.amount", f.amount.clone()),
+            ("fields.event_time", f.event_time.clone()),
+            (
+                "clickhouse.table",
+                format!("{}.{}", config.clickhouse.database, config.clickhouse.table),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        JobIdentity {
+            job: config.job.name.clone(),
+            rules,
+        }
+    }
+
+    /// `(key, recorded, mine)` for every rule that differs.
+    pub fn differences(&self, mine: &JobIdentity) -> Vec<(String, String, String)> {
+        let keys: std::collections::BTreeSet<&String> =
+            self.rules.keys().chain(mine.rules.keys()).collect();
+        keys.into_iter()
+            .filter_map(|k| {
+                let (a, b) = (self.rules.get(k), mine.rules.get(k));
+                (a != b).then(|| {
+                    let show = |v: Option<&String>| v.map_or("(none)".into(), |v| format!("{v:?}"));
+                    (k.clone(), show(a), show(b))
+                })
+            })
+            .collect()
+    }
+
+    fn owned(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        OWNED
+            .iter()
+            .filter_map(|k| self.rules.get(*k).map(|v| (*k, v.as_str())))
+    }
+}
+
+/// A worker refused to start: its rules or resources clash with a recorded job's.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct IdentityRefused(pub String);
+
+fn refuse_differences(
+    recorded: &JobIdentity,
+    mine: &JobIdentity,
+    place: &str,
+) -> Result<(), IdentityRefused> {
+    let diffs = recorded.differences(mine);
+    if diffs.is_empty() {
+        return Ok(());
+    }
+    let lines: Vec<String> = diffs
+        .iter()
+        .map(|(k, a, b)| format!("{k}: the job has {a}, this worker {b}"))
+        .collect();
+    Err(IdentityRefused(format!(
+        "job {}: this worker's rules differ from the job's (recorded in {place}): {}. \
+         Run every worker of a job with the job's configuration; {CHANGE_RULES}",
+        mine.job,
+        lines.join("; ")
+    )))
+}
+
+/// Which recorded job (if another) first claimed a resource `mine` owns.
+fn first_claimant<'a>(
+    recorded: &'a [(i64, JobIdentity)],
+    mine: &'a JobIdentity,
+) -> Option<(&'static str, &'a str, &'a JobIdentity)> {
+    for (key, value) in mine.owned() {
+        let first = recorded
+            .iter()
+            .find(|(_, other)| other.rules.get(key).map(String::as_str) == Some(value));
+        if let Some((_, other)) = first
+            && other.job != mine.job
+        {
+            return Some((key, value, other));
+        }
+    }
+    None
+}
+
+/// The registry's current records (the newest per job, retired ones left out), in the order
+/// of their first record.
+fn current(
+    registrations: &[tally_kafka::registry::Registration],
+) -> Result<Vec<(i64, JobIdentity)>> {
+    let mut first: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut newest: BTreeMap<&str, Option<&[u8]>> = BTreeMap::new();
+    for r in registrations {
+        first.entry(&r.job).or_insert(r.offset);
+        newest.insert(&r.job, r.value.as_deref());
+        if r.value.is_none() {
+            first.remove(r.job.as_str());
+        }
+    }
+    let mut out = Vec::new();
+    for (job, value) in newest {
+        let (Some(value), Some(&at)) = (value, first.get(job)) else {
+            continue;
+        };
+        let identity: JobIdentity = serde_json::from_slice(value)
+            .with_context(|| format!("the registry's record of job {job} is not tally's"))?;
+        out.push((at, identity));
+    }
+    out.sort_by_key(|(at, _)| *at);
+    Ok(out)
+}
+
+/// Checks `config`'s job against Kafka's registry, recording it there if it is new.
+pub async fn check_registry(config: &Config) -> Result<()> {
+    let kafka = config.kafka_settings();
+    let topic = config.registry_topic();
+    tally_kafka::registry::ensure_registry(&kafka, &topic, config.kafka.topic_replication_factor)
+        .await?;
+    let mine = JobIdentity::of(config);
+    let place = format!("Kafka topic {topic}");
+    let mut recorded_now = false;
+    loop {
+        let recorded = current(&tally_kafka::registry::registrations(&kafka, &topic)?)?;
+        if let Some((key, value, other)) = first_claimant(&recorded, &mine) {
+            bail!(IdentityRefused(format!(
+                "job {}: {key} {value:?} belongs to job {} (recorded in {place} first): two jobs cannot share it \
+                 (one would wait for ever for the other's lease, or truncate, fence or overwrite the other's records). \
+                 Give this job its own {key}, or stop job {} and `tally retire` it",
+                mine.job, other.job, other.job
+            )));
+        }
+        if let Some((_, own)) = recorded.iter().find(|(_, r)| r.job == mine.job) {
+            refuse_differences(own, &mine, &place)?;
+            return Ok(());
+        }
+        if recorded_now {
+            bail!("job {}: recorded in {topic}, but not read back", mine.job);
+        }
+        let value = serde_json::to_vec(&mine).context("encoding the job's identity")?;
+        tally_kafka::registry::record(&kafka, &topic, &mine.job, Some(&value)).await?;
+        tracing::info!(job = %mine.job, topic = %topic, "recorded the job in the registry of jobs");
+        // Read back: a job that claimed one of these resources just before wins.
+        recorded_now = true;
+    }
+}
+
+/// Checks `config`'s job against the identity recorded beside its tables, recording it if the
+/// tables are new.
+pub async fn check_tables(config: &Config, sink: &ClickHouseSink) -> Result<()> {
+    let mine = JobIdentity::of(config);
+    let rules = serde_json::to_string(&mine).context("encoding the job's identity")?;
+    let table = sink.names().identity();
+    for attempt in 0..50 {
+        match sink.recorded_identity(&rules).await? {
+            Some(recorded) => {
+                let recorded: JobIdentity = serde_json::from_str(&recorded)
+                    .with_context(|| format!("{table} does not hold a tally job's identity"))?;
+                if recorded.job != mine.job {
+                    bail!(IdentityRefused(format!(
+                        "job {}: the tables of {} are written by job {} (recorded in {table}): two jobs cannot write one table. \
+                         Point clickhouse.table at a table of this job's own, or stop job {} and `tally retire` it",
+                        mine.job,
+                        sink.names().view_q(),
+                        recorded.job,
+                        recorded.job
+                    )));
+                }
+                refuse_differences(&recorded, &mine, &table)?;
+                return Ok(());
+            }
+            // Created by another worker an instant ago, its row not written yet.
+            None if attempt < 49 => tokio::time::sleep(Duration::from_millis(100)).await,
+            None => {}
+        }
+    }
+    bail!("{table} exists but holds no identity: drop it, and tally records the job's again")
+}
+
+/// Checks the job's identity in both places, waiting out services that are down. `false`: a
+/// shutdown came first.
+pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) -> Result<bool> {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let attempt = async {
+            // First: a TLS or SASL failure is named here, and no retry cures it.
+            tally_kafka::check_connection(&config.kafka_settings(), Duration::from_secs(10))?;
+            check_registry(config).await?;
+            let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+            sink.ensure_schema().await?;
+            check_tables(config, &sink).await
+        };
+        match attempt.await {
+            Ok(()) => return Ok(true),
+            Err(e)
+                if e.is::<IdentityRefused>()
+                    || e.downcast_ref::<tally_clickhouse::SinkError>()
+                        .is_some_and(|e| {
+                            !matches!(e, tally_clickhouse::SinkError::Server { .. })
+                        })
+                    || e.downcast_ref::<tally_kafka::Error>()
+                        .is_some_and(|e| matches!(e, tally_kafka::Error::Refused(_))) =>
+            {
+                return Err(e);
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "cannot check the job's identity yet; retrying");
+            }
+        }
+        let until = std::time::Instant::now() + backoff;
+        while std::time::Instant::now() < until {
+            if shutdown.load(std::sync::atomic::Ordering::SeqCst) {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// `tally retire`: frees the job's name and resources in the registry and beside its tables.
+pub async fn retire(config: &Config) -> Result<()> {
+    let kafka = config.kafka_settings();
+    let topic = config.registry_topic();
+    tally_kafka::registry::ensure_registry(&kafka, &topic, config.kafka.topic_replication_factor)
+        .await?;
+    tally_kafka::registry::record(&kafka, &topic, &config.job.name, None).await?;
+    println!("retired job {} in {topic}", config.job.name);
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    sink.forget_identity().await?;
+    println!(
+        "dropped {} (the job's tables and topics stay; drop them when no reader needs them)",
+        sink.names().identity()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_kafka::registry::Registration;
+
+    fn identity(job: &str, rules: &[(&str, &str)]) -> JobIdentity {
+        JobIdentity {
+            job: job.into(),
+            rules: rules
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    fn registration(offset: i64, id: &JobIdentity) -> Registration {
+        Registration {
+            offset,
+            job: id.job.clone(),
+            value: serde_json::to_vec(id).ok(),
+        }
+    }
+
+    #[test]
+    fn every_differing_rule_is_named_with_both_values() {
+        let job = identity("a", &[("window.size", "60000ms"), ("job.tasks", "1")]);
+        let worker = identity("a", &[("window.size", "30000ms"), ("job.tasks", "1")]);
+        let err = refuse_differences(&job, &worker, "x")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains(r#"window.size: the job has "60000ms", this worker "30000ms""#),
+            "{err}"
+        );
+        assert!(!err.contains("job.tasks"), "{err}");
+        assert!(refuse_differences(&job, &job, "x").is_ok());
+    }
+
+    #[test]
+    fn the_first_job_to_record_a_resource_owns_it() {
+        let a = identity(
+            "a",
+            &[("kafka.consumer_group", "g"), ("clickhouse.table", "t.a")],
+        );
+        let b = identity(
+            "b",
+            &[("kafka.consumer_group", "g"), ("clickhouse.table", "t.b")],
+        );
+        let recorded = current(&[registration(0, &a), registration(1, &b)]).unwrap_or_default();
+        let (key, _, owner) = first_claimant(&recorded, &b).unwrap_or(("", "", &b));
+        assert_eq!((key, owner.job.as_str()), ("kafka.consumer_group", "a"));
+        assert!(first_claimant(&recorded, &a).is_none(), "a is first");
+        // Retired, a frees the group; a later record of a again comes after b's.
+        let retired = Registration {
+            offset: 2,
+            job: "a".into(),
+            value: None,
+        };
+        let recorded = current(&[registration(0, &a), registration(1, &b), retired.clone()])
+            .unwrap_or_default();
+        assert!(first_claimant(&recorded, &b).is_none());
+        let again = current(&[
+            registration(0, &a),
+            registration(1, &b),
+            retired,
+            registration(3, &a),
+        ])
+        .unwrap_or_default();
+        assert!(first_claimant(&again, &b).is_none());
+        assert!(first_claimant(&again, &a).is_some());
+    }
+}
