@@ -19,12 +19,14 @@
 #          --tasks T (job.tasks: the workers share T tasks; kills and zombies hit a worker running
 #          tasks, whose tasks move to the others)  --fold-kills F (SIGKILL the read side's holder
 #          while the server runs its fold step's insert, and start it again at once)
+#          --customers C (distinct customers, default 1000)  --zombie-seconds S (how long a zombie
+#          stays paused, default 9)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
-workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0
+workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -40,6 +42,8 @@ while (($#)); do
     --leaves) leaves=$2; shift 2 ;;
     --tasks) tasks=$2; shift 2 ;;
     --fold-kills) fold_kills=$2; shift 2 ;;
+    --customers) customers=$2; shift 2 ;;
+    --zombie-seconds) zombie_seconds=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -57,7 +61,7 @@ else
   cargo build --locked -p tally >&2
 fi
 # Restarting a service needs it to be ours (started by this checkout's services.sh).
-if scripts/services.sh status 2>/dev/null | grep -q "not started by this script"; then
+if scripts/services.sh status 2>/dev/null | grep -c "not started by this script" >/dev/null; then
   echo "chaos: services were started elsewhere; skipping service restarts" >&2
   restarts=0
 fi
@@ -101,8 +105,8 @@ active_worker() {
   local w running=()
   for ((w = 0; w < workers; w++)); do
     if ((tasks > 1)); then
-      tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "starting task" && running+=("$w")
-    elif tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "holding the job's lease"; then
+      tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -c "starting task" >/dev/null && running+=("$w")
+    elif tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -c "holding the job's lease" >/dev/null; then
       echo "$w"; return
     fi
   done
@@ -118,7 +122,7 @@ trap cleanup EXIT
 # Produce in the background at the target rate, with duplicates, poison of every reason and late events.
 duration=$(( (events + rate - 1) / rate ))
 "$TALLY_BIN" loadgen --config "$config" --events "$events" --rate "$rate" --partitions "$partitions" --seed "$seed" \
-  --customers 1000 --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
+  --customers "$customers" --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
 loadgen_pid=$!
 sleep 2
 for ((w = 0; w < workers; w++)); do start_worker "$w"; done
@@ -156,7 +160,7 @@ for action in "${actions[@]}"; do
       # lease back on waking). Woken, the worker stops by itself if its lease moved.
       w=$(active_worker)
       kill -STOP "${pids[w]}" 2>/dev/null || true
-      sleep 9
+      sleep "$zombie_seconds"
       kill -CONT "${pids[w]}" 2>/dev/null || true
       done_zombies=$((done_zombies + 1)) ;;
     leave)
@@ -192,7 +196,7 @@ for action in "${actions[@]}"; do
   for ((w = 0; w < workers; w++)); do
     kill -0 "${pids[w]}" 2>/dev/null && continue
     log=$(worker_log "$w")
-    if tail -c +$((log_at[w] + 1)) "$log" | grep -q "lost the lease"; then
+    if tail -c +$((log_at[w] + 1)) "$log" | grep -c "lost the lease" >/dev/null; then
       zombie_exits=$((zombie_exits + 1)); start_worker "$w"; continue
     fi
     echo "worker $w exited on its own; log tail:" >&2; tail -20 "$log" >&2; exit 1
@@ -207,7 +211,7 @@ until "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$
   # A woken zombie stops by itself once (see above); start it again.
   for ((w = 0; w < workers; w++)); do
     kill -0 "${pids[w]}" 2>/dev/null && continue
-    if tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -q "lost the lease"; then
+    if tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -c "lost the lease" >/dev/null; then
       zombie_exits=$((zombie_exits + 1)); start_worker "$w"
     else
       echo "worker $w died while catching up" >&2; tail -20 "$(worker_log "$w")" >&2

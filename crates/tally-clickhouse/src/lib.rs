@@ -102,6 +102,39 @@ pub struct Batch<'a> {
     pub dead_letters: u64,
 }
 
+impl<'a> Batch<'a> {
+    /// The batch of a checkpoint of job `job`: a function of the checkpoint alone, so whoever
+    /// writes it (the worker that made it, a later one from the changelog) writes the same
+    /// batch. Watermarks are the partitions' after the epoch, with `out_of_orderness_ms`.
+    pub fn of(
+        job: &'a str,
+        checkpoint: &'a tally_core::Checkpoint,
+        out_of_orderness_ms: i64,
+    ) -> Batch<'a> {
+        let acc = checkpoint.accounting();
+        Batch {
+            job,
+            epoch: checkpoint.epoch,
+            offsets: checkpoint
+                .partitions
+                .iter()
+                .map(|(p, c)| (*p, c.epoch_start_offset, c.next_offset))
+                .collect(),
+            watermarks: checkpoint
+                .partitions
+                .values()
+                .map(|c| c.watermark.current(out_of_orderness_ms).unwrap_or(i64::MIN))
+                .collect(),
+            rows: &checkpoint.rows,
+            event_count: acc.aggregated,
+            revenue_units: acc.revenue_units,
+            // Every dead letter is counted as late or dead-lettered: so also for an epoch
+            // restored from the changelog, whose dead letters are only in their topic.
+            dead_letters: acc.late + acc.dead_lettered,
+        }
+    }
+}
+
 impl Batch<'_> {
     /// Stable id of the batch whoever writes it, e.g. `revenue_agg/orders[0:1200,1:1188]`.
     pub fn id(&self, source_topic: &str) -> String {

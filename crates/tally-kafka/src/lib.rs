@@ -64,6 +64,21 @@ fn describe_offsets(
     parts.join(", ")
 }
 
+impl Error {
+    /// The consumer's position is no longer on the broker (retention deleted the records
+    /// before they were read): with `auto.offset.reset=error` librdkafka says so rather than
+    /// skip them.
+    pub fn is_offset_out_of_range(&self) -> bool {
+        matches!(
+            self,
+            Error::Kafka { source, .. } if matches!(
+                source.rdkafka_error_code(),
+                Some(RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset)
+            )
+        )
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 pub(crate) fn kafka(context: impl Into<String>) -> impl FnOnce(KafkaError) -> Error {

@@ -623,6 +623,14 @@ impl Config {
             .unwrap_or_else(|| format!("{}-changelog", self.kafka.consumer_group))
     }
 
+    /// The ClickHouse batch of `checkpoint` (see [`tally_clickhouse::Batch::of`]).
+    pub fn batch_of<'a>(
+        &'a self,
+        checkpoint: &'a tally_core::Checkpoint,
+    ) -> tally_clickhouse::Batch<'a> {
+        tally_clickhouse::Batch::of(&self.job.name, checkpoint, self.window.out_of_orderness.0)
+    }
+
     pub fn registry_topic(&self) -> String {
         self.kafka.registry_topic.clone()
     }

@@ -139,7 +139,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             &config.kafka.source_topic,
             &config.kafka.consumer_group,
         )?;
-        crate::lease::committed_offsets(&reader, config)?
+        crate::marks::committed_offsets(&reader, config)?
     };
     let marks: BTreeMap<i32, tally_kafka::CommitMark> = committed
         .iter()
@@ -170,7 +170,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 // near the job's by its catch-ups; never committed by its own writer.
                 let adopted = store.adopted_writer().ok().flatten();
                 let replica = adopted.is_some() && !writers.contains(store.writer_id());
-                match crate::lease::foreign_mark(&marks, &store) {
+                match crate::marks::foreign_mark(&marks, &store) {
                     Ok(None) => {}
                     Ok(Some(_)) if replica => {}
                     Ok(Some((p, mark))) => broken.push(format!(
@@ -505,7 +505,7 @@ async fn restorable(config: &Config) -> Row {
             };
             config.job.state_dir = scratch.path().join("state");
             let rt = tokio::runtime::Handle::current();
-            let marks = crate::lease::job_commit_marks(&config)?;
+            let marks = crate::marks::job_commit_marks(&config)?;
             if marks.is_empty() {
                 return Ok(None);
             }

@@ -422,11 +422,26 @@ impl PartitionsAdded<'_> {
     }
 }
 
+/// What a restore from the changelog read and rebuilt (`crate::restore`).
+#[derive(Debug)]
+pub struct Restored {
+    pub epoch: Epoch,
+    pub writer: String,
+    pub partitions: usize,
+    pub records: u64,
+    pub bytes: u64,
+    pub windows: u64,
+    pub ids: u64,
+    /// The last epoch is not in ClickHouse yet: the next `tally run` writes it.
+    pub pending: bool,
+    pub duration: Duration,
+}
+
 /// The state directory was brought to the job's committed state from the changelog: `whole`,
 /// a restore into an empty directory; otherwise a catch-up of what was committed since its
 /// state (a warm standby's round, or the rest at a takeover).
 pub struct StateRestored<'a> {
-    pub restored: &'a crate::restore::Restored,
+    pub restored: &'a Restored,
     pub whole: bool,
     pub taking_over: bool,
     pub task: Option<u32>,
@@ -474,6 +489,50 @@ impl TasksPlaced<'_> {
             gauge!("tally_task_running", &label).set(if running { 1.0 } else { 0.0 });
             let standby = self.standbys.contains(&task);
             gauge!("tally_task_standby", &label).set(if standby { 1.0 } else { 0.0 });
+        }
+    }
+}
+
+/// What one round of `tally reconcile --every` found.
+pub struct ReconcileRound {
+    pub full: bool,
+    pub epoch: Option<Epoch>,
+    pub records_read: u64,
+    pub keys: usize,
+    pub mismatched: usize,
+    pub orders_ratio: f64,
+    pub revenue_ratio: f64,
+}
+
+/// A round of `tally reconcile --every`, or its failure.
+pub struct Reconciled<'a> {
+    pub round: &'a anyhow::Result<ReconcileRound>,
+}
+
+impl Reconciled<'_> {
+    pub fn emit(&self) {
+        match self.round {
+            Ok(r) => {
+                println!(
+                    "reconcile round ({}): up to epoch {}, {} records read, {} keys checked, {} differ; orders ratio {:.6}, revenue ratio {:.6}",
+                    if r.full { "full" } else { "incremental" },
+                    r.epoch.map_or(0, |e| e.0),
+                    r.records_read,
+                    r.keys,
+                    r.mismatched,
+                    r.orders_ratio,
+                    r.revenue_ratio
+                );
+                gauge!("tally_reconcile_keys_mismatched").set(r.mismatched as f64);
+                gauge!("tally_reconcile_orders_ratio").set(r.orders_ratio);
+                gauge!("tally_reconcile_revenue_ratio").set(r.revenue_ratio);
+                gauge!("tally_reconcile_epoch").set(r.epoch.map_or(0.0, |e| e.0 as f64));
+                counter!("tally_reconcile_runs_total").increment(1);
+            }
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "reconcile failed");
+                counter!("tally_reconcile_errors_total").increment(1);
+            }
         }
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! `TALLY_FAULT=<point>` SIGKILLs the process when it reaches that step of the checkpoint
 //! protocol; `TALLY_FAULT_EPOCH=<n>` (default: any) limits it to one epoch. A SIGKILL, not an exit:
-//! nothing is flushed or cleaned up, exactly like `kill -9`.
+//! nothing is flushed or cleaned up, exactly like `kill -9`. Unit tests of the commit protocol
+//! use [`FaultPlan::crash_at`] instead: the step returns [`Crashed`], and the test drops what a
+//! dead process would lose and starts again from the store.
 
 use tally_core::Epoch;
 
@@ -78,7 +80,14 @@ impl FaultPoint {
 pub struct FaultPlan {
     point: Option<FaultPoint>,
     epoch: Option<Epoch>,
+    /// Return [`Crashed`] instead of killing the process.
+    unwind: bool,
 }
+
+/// A step stopped at a fault point as if the process had died there (unit tests only).
+#[derive(Debug, thiserror::Error)]
+#[error("fault injection: crashed at {0}")]
+pub struct Crashed(pub &'static str);
 
 impl FaultPlan {
     pub fn from_env() -> Result<FaultPlan, String> {
@@ -105,7 +114,18 @@ impl FaultPlan {
         Ok(FaultPlan {
             point: Some(point),
             epoch,
+            unwind: false,
         })
+    }
+
+    /// A plan under which reaching `point` (at `epoch`, or any) returns [`Crashed`] from
+    /// [`check`](Self::check) instead of killing the process.
+    pub fn crash_at(point: FaultPoint, epoch: Option<Epoch>) -> FaultPlan {
+        FaultPlan {
+            point: Some(point),
+            epoch,
+            unwind: true,
+        }
     }
 
     pub fn is_armed(&self) -> bool {
@@ -128,6 +148,15 @@ impl FaultPlan {
             tracing::warn!(point = point.name(), %epoch, "fault injection: SIGKILL");
             kill_self();
         }
+    }
+
+    /// [`hit`](Self::hit), or [`Crashed`] under a [`crash_at`](Self::crash_at) plan.
+    pub fn check(&self, point: FaultPoint, epoch: Epoch) -> Result<(), Crashed> {
+        if self.unwind && self.targets(point, epoch) {
+            return Err(Crashed(point.name()));
+        }
+        self.hit(point, epoch);
+        Ok(())
     }
 }
 

@@ -1,7 +1,14 @@
 //! The tally job runtime and its tools, as a library so integration tests can drive them.
+//!
+//! The pipeline of `tally run`, in the order a record goes: [`consume`] (records into the
+//! operator, epochs cut at barriers) → [`persist`] (the pre-commit) → [`commit`] (the Kafka
+//! transaction and the ClickHouse batch) → [`read_side`] (publish and fold), wired by [`worker`]
+//! and run, one task or several, by [`tasks`] under the job's [`lease`].
 
 mod background;
+pub mod commit;
 pub mod config;
+pub mod consume;
 pub mod doctor;
 pub mod events;
 pub mod fault;
@@ -9,9 +16,14 @@ pub mod health;
 pub mod identity;
 pub mod lease;
 pub mod loadgen;
+pub mod marks;
 pub mod memory;
+pub mod partitions;
+pub mod persist;
 pub mod prove;
 pub mod read_side;
 pub mod restore;
-mod undone;
+pub mod retry;
+mod standby;
+pub mod tasks;
 pub mod worker;

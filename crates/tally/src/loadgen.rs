@@ -7,12 +7,19 @@
 //! are malformed in one specific way each. The manifest is the expected view and dead letters.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use rand::distr::{Distribution, weighted::WeightedIndex};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use tally_core::amount::format_units_i128;
 use tally_core::{OperatorConfig, PoisonReason};
+
+use crate::config::Config;
 
 /// Knobs of the stream.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -350,6 +357,121 @@ struct ManifestFile {
     poison: u64,
     rows: Vec<(i64, String, String, u64, i64)>,
     dead_letters: Vec<(i32, i64, PoisonReason)>,
+}
+
+pub struct LoadOptions {
+    pub events: u64,
+    pub rate: Option<u64>,
+    pub partitions: i32,
+    pub spec: LoadSpec,
+    pub manifest: std::path::PathBuf,
+}
+
+/// Produces the stream to the job's source topic and writes the manifest. Returns the
+/// manifest.
+pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
+    let settings = config.kafka_settings();
+    let topic = &config.kafka.source_topic;
+    if tally_kafka::ensure_topic(&settings, topic, opts.partitions, None, &[]).await? {
+        eprintln!("created topic {topic} with {} partitions", opts.partitions);
+    }
+    // A topic just created can be missing from the metadata for a moment: wait for it.
+    let until = Instant::now() + Duration::from_secs(15);
+    let extent = loop {
+        match tally_kafka::topic_extent(&settings, topic) {
+            Ok(extent) if !extent.is_empty() || Instant::now() > until => break extent,
+            Err(e) if Instant::now() > until => return Err(e.into()),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    let partitions = i32::try_from(extent.len()).context("partition count")?;
+    let mut spec = opts.spec;
+    spec.partitions = partitions;
+    let mut generator =
+        Generator::new(spec.clone(), config.operator()).map_err(anyhow::Error::msg)?;
+    let mut client = settings.client_config();
+    client
+        .set("enable.idempotence", "true")
+        // A message whose delivery is unknown cannot go into the manifest or be sent again
+        // (the ground truth would be wrong): wait through broker restarts instead of timing out.
+        .set("message.timeout.ms", "0")
+        .set("linger.ms", "20")
+        .set("batch.num.messages", "10000")
+        .set("compression.type", "lz4");
+    let producer: FutureProducer = client.create().context("creating producer")?;
+    let mut manifest = Manifest {
+        spec: Some(spec),
+        source_topic: topic.clone(),
+        ..Manifest::default()
+    };
+    let started = Instant::now();
+    let chunk = 5_000u64;
+    let mut sent = 0u64;
+    while sent < opts.events {
+        let n = chunk.min(opts.events - sent);
+        let records: Vec<_> = (0..n).map(|_| generator.next_record()).collect();
+        let mut deliveries = Vec::with_capacity(records.len());
+        for r in &records {
+            let mut record = FutureRecord::to(topic)
+                .partition(r.partition)
+                .key(r.key.as_slice())
+                .payload(r.value.as_slice());
+            loop {
+                match producer.send_result(record) {
+                    Ok(f) => {
+                        deliveries.push(f);
+                        break;
+                    }
+                    Err((
+                        rdkafka::error::KafkaError::MessageProduction(
+                            rdkafka::types::RDKafkaErrorCode::QueueFull,
+                        ),
+                        back,
+                    )) => {
+                        record = back;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err((e, _)) => return Err(e).context("producing"),
+                }
+            }
+        }
+        for (r, f) in records.iter().zip(deliveries) {
+            let delivery = f
+                .await
+                .context("delivery cancelled")?
+                .map_err(|(e, _)| e)
+                .context("delivery failed")?;
+            manifest.record(r, delivery.offset);
+        }
+        sent += n;
+        if let Some(rate) = opts.rate.filter(|r| *r > 0) {
+            let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+    producer
+        .flush(Duration::from_secs(30))
+        .context("flushing")?;
+    manifest
+        .save(&opts.manifest)
+        .with_context(|| format!("writing {}", opts.manifest.display()))?;
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "produced {} records in {secs:.1}s ({:.0}/s): {} valid, {} duplicates, {} late, {} poison; expected {} rows, {} orders, revenue {}; manifest {}",
+        manifest.produced,
+        manifest.produced as f64 / secs.max(1e-9),
+        manifest.valid,
+        manifest.duplicates,
+        manifest.late,
+        manifest.poison,
+        manifest.rows.len(),
+        manifest.orders(),
+        format_units_i128(manifest.revenue_units()),
+        opts.manifest.display()
+    );
+    Ok(manifest)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tally::config::{Config, Millis};
 use tally::loadgen::LoadSpec;
 use tally::prove;
-use tally::worker;
+use tally::retry::Interrupted;
 
 /// Exactly-once stream processing from Kafka into ClickHouse.
 ///
@@ -264,322 +264,252 @@ fn main() {
     }
 }
 
+/// Dispatches the command line to its command.
 fn real_main(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Run { config } => run(&load_config(&config)?),
         Command::CheckConfig { config } => {
             let cfg = load_config(&config)?;
             println!("{cfg:#?}");
             println!("{}: ok", config.display());
             Ok(())
         }
-        Command::Loadgen(args) => {
-            let cfg = load_config(&args.config)?;
-            let events = match (args.rate, &args.duration) {
-                (Some(rate), Some(d)) => {
-                    rate * (Millis::parse(d)
-                        .map_err(anyhow::Error::msg)
-                        .context("--duration")?
-                        .0 as u64
-                        / 1000)
-                        .max(1)
-                }
-                _ => args.events,
-            };
-            let per_partition = events / args.partitions.max(1) as u64 + 1;
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis() as i64)
-                .unwrap_or(0);
-            let spec = LoadSpec {
-                seed: args.seed,
-                partitions: args.partitions,
-                customers: args.customers,
-                currencies: args.currencies,
-                skew: args.skew,
-                duplicate_fraction: args.duplicates,
-                poison_fraction: args.poison,
-                late_fraction: args.late,
-                start_ms: args
-                    .start_ms
-                    .unwrap_or(now - per_partition as i64 * args.step_ms),
-                step_ms: args.step_ms,
-                max_record_bytes: cfg.job.max_record_bytes,
-            };
-            let rt = runtime()?;
-            rt.block_on(prove::loadgen(
-                &cfg,
-                prove::LoadOptions {
-                    events,
-                    rate: args.rate,
-                    partitions: args.partitions,
-                    spec,
-                    manifest: args.manifest,
-                },
-            ))?;
-            Ok(())
+        Command::Loadgen(args) => loadgen(args),
+        Command::Verify { config, manifest } => {
+            let ok = runtime()?.block_on(prove::verify(&load_config(&config)?, &manifest))?;
+            exit_unless(ok)
         }
+        Command::Reconcile(args) => reconcile(args),
         Command::Doctor {
             config,
             json,
             since,
         } => {
             let cfg = load_config(&config)?;
-            let since = Millis::parse(&since)
-                .map_err(anyhow::Error::msg)
-                .context("--since")?
-                .as_duration();
+            let since = parse_duration(&since, "--since")?;
             let rows = runtime()?.block_on(tally::doctor::diagnose(&cfg, since))?;
             tally::doctor::print(&rows, json);
-            if rows.iter().any(|r| r.status == tally::doctor::Status::Fail) {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
-        Command::Restore { config, task } => {
-            let cfg = load_config(&config)?;
-            let cfg = match (cfg.tasks(), task) {
-                (1, None) => cfg,
-                (1, Some(_)) => anyhow::bail!("--task: the job has one task (job.tasks = 1)"),
-                (tasks, None) => anyhow::bail!(
-                    "job.tasks = {tasks}: pass --task K (0..{tasks}) to restore one task into <state_dir>/task-K"
-                ),
-                (tasks, Some(k)) if k >= tasks => {
-                    anyhow::bail!("--task {k}: the job's tasks are 0..{tasks}")
-                }
-                (_, Some(k)) => cfg.for_task(k),
-            };
-            let rt = runtime()?;
-            let marks = tally::lease::job_commit_marks(&cfg)?;
-            let done = tally::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
-            println!(
-                "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
-                done.epoch,
-                done.writer,
-                cfg.job.state_dir.display(),
-                done.partitions,
-                done.records,
-                done.bytes,
-                done.windows,
-                done.ids,
-                done.duration.as_secs_f64(),
-                if done.pending {
-                    "; its last epoch is not in ClickHouse yet: `tally run` writes it first"
-                } else {
-                    ""
-                }
-            );
-            Ok(())
+            exit_unless(!rows.iter().any(|r| r.status == tally::doctor::Status::Fail))
         }
         Command::Fold { config } => {
-            let cfg = load_config(&config)?;
-            runtime()?.block_on(tally::read_side::fold_now(&cfg))
+            runtime()?.block_on(tally::read_side::fold_now(&load_config(&config)?))
         }
         Command::Retire { config } => {
-            let cfg = load_config(&config)?;
-            runtime()?.block_on(tally::identity::retire(&cfg))
+            runtime()?.block_on(tally::identity::retire(&load_config(&config)?))
         }
         Command::Probe {
             config,
             interval,
             duration,
-        } => {
-            let cfg = load_config(&config)?;
-            let parse = |text: &str, flag: &str| -> Result<std::time::Duration> {
-                Ok(Millis::parse(text)
-                    .map_err(anyhow::Error::msg)
-                    .with_context(|| flag.to_owned())?
-                    .as_duration())
-            };
-            let interval = parse(&interval, "--interval")?;
-            let duration = duration.map(|d| parse(&d, "--duration")).transpose()?;
-            let stop = Arc::new(AtomicBool::new(false));
-            let report = runtime()?.block_on(async {
-                spawn_signal_handler(stop.clone());
-                prove::probe(&cfg, interval, duration, &stop).await
-            })?;
-            println!(
-                "probe-summary reads={} errors={} duplicated={} vanished={} decreased={}",
-                report.reads, report.errors, report.duplicated, report.vanished, report.decreased
-            );
-            for example in &report.examples {
-                println!("  {example}");
-            }
-            if report.violations() > 0 {
-                std::process::exit(1);
-            }
-            Ok(())
+        } => probe(&load_config(&config)?, &interval, duration.as_deref()),
+        Command::Schema(args) => schema(&args),
+        Command::Restore { config, task } => restore(&load_config(&config)?, task),
+    }
+}
+
+/// Exit status 1 when a check failed (its report is printed already).
+fn exit_unless(ok: bool) -> Result<()> {
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn parse_duration(text: &str, flag: &str) -> Result<std::time::Duration> {
+    Ok(Millis::parse(text)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| flag.to_owned())?
+        .as_duration())
+}
+
+/// `tally run`: the job's identity checked, its read side and its tasks run until a stop.
+fn run(cfg: &Config) -> Result<()> {
+    let rt = runtime()?;
+    let shutdown = Arc::new(AtomicBool::new(false));
+    rt.block_on(async {
+        let readiness = Arc::new(tally::health::Readiness::default());
+        tally::health::serve(&cfg.metrics.address, readiness.clone()).await?;
+        tokio::spawn(tally::memory::report());
+        spawn_signal_handler(shutdown.clone());
+        // A worker whose rules or resources clash with its job's, or another job's, stops
+        // here, before it joins anything.
+        if !tally::identity::check(cfg, &shutdown).await? {
+            tracing::info!("stopped before the job's identity was checked");
+            return Ok(());
         }
-        Command::Schema(args) => {
-            if !args.print_sql {
-                anyhow::bail!("nothing to do: pass --print-sql");
+        let handle = tokio::runtime::Handle::current();
+        // Every worker of the job may hold its read side, standing by or not.
+        let signals = tally::read_side::CommitSignals::default();
+        let read_side = tally::read_side::ReadSide::start(cfg, handle.clone(), signals.clone())?;
+        let (cfg, flag) = (cfg.clone(), shutdown.clone());
+        let result = tokio::task::spawn_blocking(move || {
+            let result = tally::tasks::run(cfg, handle, flag, readiness, signals);
+            // A clean stop publishes what it committed and hands the read side on; otherwise
+            // it is only released.
+            if result.is_ok() {
+                read_side.publish_and_stop();
+            } else {
+                drop(read_side);
             }
-            let names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
-            let catalog = names.statement_catalog(
-                tally_clickhouse::Frontier { seconds: args.from },
-                tally_clickhouse::Frontier { seconds: args.to },
-                &parse_cut(&args.as_of)?,
-                &args.day,
-                &args.data_partition,
-                args.atomic,
-            );
-            for (name, sql) in catalog {
-                println!("{}", serde_json::json!({ "name": name, "sql": sql }));
+            result
+        })
+        .await
+        .context("worker thread")?;
+        match result {
+            // Asked to stop while still waiting for a service: nothing to checkpoint.
+            Err(e) if e.is::<Interrupted>() && shutdown.load(Ordering::SeqCst) => {
+                tracing::info!("stopped before the first record: {e:#}");
+                Ok(())
             }
-            Ok(())
+            other => other,
         }
-        Command::Verify { config, manifest } => {
-            let cfg = load_config(&config)?;
-            let ok = runtime()?.block_on(prove::verify(&cfg, &manifest))?;
-            if !ok {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
-        Command::Reconcile(args) => {
-            let cfg = load_config(&args.config)?;
-            let parse_time = |t: &Option<String>, flag: &str| -> Result<Option<i64>> {
-                t.as_ref()
-                    .map(|t| {
-                        tally_core::time::parse_rfc3339_ms(t)
-                            .with_context(|| format!("{flag} {t:?} is not RFC 3339"))
-                    })
-                    .transpose()
-            };
-            let filter = prove::ReconcileFilter {
-                from_ms: parse_time(&args.from, "--from")?,
-                to_ms: parse_time(&args.to, "--to")?,
-                customer: args.customer,
-            };
-            let rt = runtime()?;
-            match args.every {
-                None => {
-                    let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
-                    if r.mismatched > 0 {
-                        std::process::exit(1);
-                    }
-                    Ok(())
-                }
-                Some(every) => {
-                    let every = Millis::parse(&every)
-                        .map_err(anyhow::Error::msg)
-                        .context("--every")?
-                        .as_duration();
-                    rt.block_on(async {
-                        let readiness = Arc::new(tally::health::Readiness::default());
-                        readiness.set_restored();
-                        tally::health::serve(&cfg.metrics.address, readiness).await?;
-                        let mut reconciler = prove::IncrementalReconciler::new(&cfg, args.full_every);
-                        loop {
-                            match reconciler.round(&filter).await {
-                                Ok(round) => {
-                                    let r = round.result;
-                                    println!(
-                                        "reconcile round ({}): up to epoch {}, {} records read, {} keys checked, {} differ; orders ratio {:.6}, revenue ratio {:.6}",
-                                        if round.full { "full" } else { "incremental" },
-                                        r.epoch.map_or(0, |e| e.0),
-                                        round.records_read,
-                                        r.keys,
-                                        r.mismatched,
-                                        r.orders_ratio(),
-                                        r.revenue_ratio()
-                                    );
-                                    metrics::gauge!("tally_reconcile_keys_mismatched")
-                                        .set(r.mismatched as f64);
-                                    metrics::gauge!("tally_reconcile_orders_ratio")
-                                        .set(r.orders_ratio());
-                                    metrics::gauge!("tally_reconcile_revenue_ratio")
-                                        .set(r.revenue_ratio());
-                                    metrics::gauge!("tally_reconcile_epoch")
-                                        .set(r.epoch.map_or(0.0, |e| e.0 as f64));
-                                    metrics::counter!("tally_reconcile_runs_total").increment(1);
-                                }
-                                Err(e) => {
-                                    tracing::error!(error = %format!("{e:#}"), "reconcile failed");
-                                    metrics::counter!("tally_reconcile_errors_total").increment(1);
-                                }
-                            }
-                            tokio::time::sleep(every).await;
-                        }
-                    })
-                }
-            }
-        }
-        Command::Run { config } => {
-            let cfg = load_config(&config)?;
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .context("starting the async runtime")?;
-            let shutdown = Arc::new(AtomicBool::new(false));
-            rt.block_on(async {
-                let readiness = Arc::new(tally::health::Readiness::default());
-                tally::health::serve(&cfg.metrics.address, readiness.clone()).await?;
-                tokio::spawn(tally::memory::report());
-                spawn_signal_handler(shutdown.clone());
-                // A worker whose rules or resources clash with its job's, or another job's,
-                // stops here, before it joins anything.
-                if !tally::identity::check(&cfg, &shutdown).await? {
-                    tracing::info!("stopped before the job's identity was checked");
-                    return Ok(());
-                }
-                let handle = tokio::runtime::Handle::current();
-                let flag = shutdown.clone();
-                // Every worker of the job may hold its read side, standing by or not.
-                let signals = tally::read_side::CommitSignals::default();
-                let read_side =
-                    tally::read_side::ReadSide::start(&cfg, handle.clone(), signals.clone())?;
-                let result = tokio::task::spawn_blocking(move || {
-                    let result = run_worker(cfg, handle, flag, readiness, signals);
-                    // A clean stop publishes what it committed and hands the read side on;
-                    // otherwise it is only released.
-                    if result.is_ok() {
-                        read_side.publish_and_stop();
-                    } else {
-                        drop(read_side);
-                    }
-                    result
-                })
-                .await
-                .context("worker thread")?;
-                match result {
-                    // Asked to stop while still waiting for a service: nothing to checkpoint.
-                    Err(e) if e.is::<worker::Interrupted>() && shutdown.load(Ordering::SeqCst) => {
-                        tracing::info!("stopped before the first record: {e:#}");
-                        Ok(())
-                    }
-                    other => other,
-                }
+    })
+}
+
+fn loadgen(args: LoadgenArgs) -> Result<()> {
+    let cfg = load_config(&args.config)?;
+    let events = match (args.rate, &args.duration) {
+        (Some(rate), Some(d)) => rate * parse_duration(d, "--duration")?.as_secs().max(1),
+        _ => args.events,
+    };
+    let per_partition = events / args.partitions.max(1) as u64 + 1;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    let spec = LoadSpec {
+        seed: args.seed,
+        partitions: args.partitions,
+        customers: args.customers,
+        currencies: args.currencies,
+        skew: args.skew,
+        duplicate_fraction: args.duplicates,
+        poison_fraction: args.poison,
+        late_fraction: args.late,
+        start_ms: args
+            .start_ms
+            .unwrap_or(now - per_partition as i64 * args.step_ms),
+        step_ms: args.step_ms,
+        max_record_bytes: cfg.job.max_record_bytes,
+    };
+    runtime()?.block_on(tally::loadgen::produce(
+        &cfg,
+        tally::loadgen::LoadOptions {
+            events,
+            rate: args.rate,
+            partitions: args.partitions,
+            spec,
+            manifest: args.manifest,
+        },
+    ))?;
+    Ok(())
+}
+
+fn reconcile(args: ReconcileArgs) -> Result<()> {
+    let cfg = load_config(&args.config)?;
+    let parse_time = |t: &Option<String>, flag: &str| -> Result<Option<i64>> {
+        t.as_ref()
+            .map(|t| {
+                tally_core::time::parse_rfc3339_ms(t)
+                    .with_context(|| format!("{flag} {t:?} is not RFC 3339"))
             })
+            .transpose()
+    };
+    let filter = prove::ReconcileFilter {
+        from_ms: parse_time(&args.from, "--from")?,
+        to_ms: parse_time(&args.to, "--to")?,
+        customer: args.customer,
+    };
+    let rt = runtime()?;
+    match args.every {
+        None => {
+            let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
+            exit_unless(r.mismatched == 0)
+        }
+        Some(every) => {
+            let every = parse_duration(&every, "--every")?;
+            rt.block_on(prove::reconcile_every(
+                &cfg,
+                &filter,
+                every,
+                args.full_every,
+            ))
         }
     }
 }
 
-/// Runs the job's tasks this worker is given (one task: the job, once it holds the lease) until
-/// a stop.
-fn run_worker(
-    cfg: Config,
-    handle: tokio::runtime::Handle,
-    flag: Arc<AtomicBool>,
-    readiness: Arc<tally::health::Readiness>,
-    signals: tally::read_side::CommitSignals,
-) -> Result<()> {
-    if cfg.tasks() > 1 {
-        return tally::lease::share(&cfg, &handle, &flag, &readiness, &signals);
+fn probe(cfg: &Config, interval: &str, duration: Option<&str>) -> Result<()> {
+    let interval = parse_duration(interval, "--interval")?;
+    let duration = duration
+        .map(|d| parse_duration(d, "--duration"))
+        .transpose()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let report = runtime()?.block_on(async {
+        spawn_signal_handler(stop.clone());
+        prove::probe(cfg, interval, duration, &stop).await
+    })?;
+    println!(
+        "probe-summary reads={} errors={} duplicated={} vanished={} decreased={}",
+        report.reads, report.errors, report.duplicated, report.vanished, report.decreased
+    );
+    for example in &report.examples {
+        println!("  {example}");
     }
-    let Some(mut lease) = tally::lease::acquire(&cfg, &handle, &flag, &readiness)? else {
-        tracing::info!("stopped while standing by");
-        return Ok(());
+    exit_unless(report.violations() == 0)
+}
+
+fn schema(args: &SchemaArgs) -> Result<()> {
+    if !args.print_sql {
+        anyhow::bail!("nothing to do: pass --print-sql");
+    }
+    let names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
+    let catalog = names.statement_catalog(
+        tally_clickhouse::Frontier { seconds: args.from },
+        tally_clickhouse::Frontier { seconds: args.to },
+        &parse_cut(&args.as_of)?,
+        &args.day,
+        &args.data_partition,
+        args.atomic,
+    );
+    for (name, sql) in catalog {
+        println!("{}", serde_json::json!({ "name": name, "sql": sql }));
+    }
+    Ok(())
+}
+
+fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
+    let cfg = match (cfg.tasks(), task) {
+        (1, None) => cfg.clone(),
+        (1, Some(_)) => anyhow::bail!("--task: the job has one task (job.tasks = 1)"),
+        (tasks, None) => anyhow::bail!(
+            "job.tasks = {tasks}: pass --task K (0..{tasks}) to restore one task into <state_dir>/task-K"
+        ),
+        (tasks, Some(k)) if k >= tasks => {
+            anyhow::bail!("--task {k}: the job's tasks are 0..{tasks}")
+        }
+        (_, Some(k)) => cfg.for_task(k),
     };
-    let job = cfg.job.name.clone();
-    let fenced = lease.take_producer();
-    let member = lease.member().clone();
-    let result = worker::Worker::start(cfg, handle, flag, readiness, member, fenced, signals)
-        .and_then(worker::Worker::run);
-    if lease.is_lost() {
-        return Err(anyhow::anyhow!(tally::lease::LostLease(job)));
-    }
-    result
+    let rt = runtime()?;
+    let marks = tally::marks::job_commit_marks(&cfg)?;
+    let done = tally::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
+    println!(
+        "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
+        done.epoch,
+        done.writer,
+        cfg.job.state_dir.display(),
+        done.partitions,
+        done.records,
+        done.bytes,
+        done.windows,
+        done.ids,
+        done.duration.as_secs_f64(),
+        if done.pending {
+            "; its last epoch is not in ClickHouse yet: `tally run` writes it first"
+        } else {
+            ""
+        }
+    );
+    Ok(())
 }
 
 /// Loads the configuration and applies what is the process's, not one store's or client's.

@@ -267,7 +267,7 @@ impl Agent {
     fn run(self, mut signal: watch::Receiver<Signal>) {
         ReadSideChanged::Watching.emit();
         // A connection of its own: the frontier it installs is this agent's state.
-        let sink = match crate::worker::connect_clickhouse(&self.config, &self.rt, &self.stop) {
+        let sink = match crate::retry::connect_clickhouse(&self.config, &self.rt, &self.stop) {
             Ok(sink) => sink,
             Err(e) => {
                 if !self.stop.load(Ordering::SeqCst) {

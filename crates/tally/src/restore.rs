@@ -13,29 +13,18 @@ use anyhow::{Context, Result, anyhow, bail};
 use rdkafka::Message;
 use tally_clickhouse::ClickHouseSink;
 use tally_core::{Epoch, PartitionId};
-use tally_kafka::CommitMark;
+use tally_kafka::{CommitMark, Source};
 use tally_state::StateStore;
 use tally_state::replay::{Replay, ReplayError};
+use tokio::runtime::Handle;
 
 use crate::config::Config;
+use crate::retry::{Failure, wait_for};
 
-/// What a restore read and rebuilt.
-#[derive(Debug)]
-pub struct Restored {
-    pub epoch: Epoch,
-    pub writer: String,
-    pub partitions: usize,
-    pub records: u64,
-    pub bytes: u64,
-    pub windows: u64,
-    pub ids: u64,
-    /// The last epoch is not in ClickHouse yet: the next `tally run` writes it.
-    pub pending: bool,
-    pub duration: Duration,
-}
+pub use crate::events::Restored;
 
 /// Restores into `job.state_dir`, which must hold no checkpoint, the epoch the group's `marks`
-/// (`crate::lease::commit_marks`) name. The state is built in a
+/// (`crate::marks::commit_marks`) name. The state is built in a
 /// sibling directory and moved into place when complete, so a failed or interrupted restore
 /// leaves nothing behind and can simply be run again.
 ///
@@ -101,7 +90,7 @@ struct Committed {
     marks: BTreeMap<PartitionId, CommitMark>,
 }
 
-/// The job's committed state from the group's commit marks (`crate::lease::commit_marks`).
+/// The job's committed state from the group's commit marks (`crate::marks::commit_marks`).
 fn committed(marks: &BTreeMap<PartitionId, CommitMark>) -> Result<Option<Committed>> {
     let marks = marks.clone();
     let Some(last) = marks.values().max_by_key(|m| m.epoch).cloned() else {
@@ -219,7 +208,7 @@ fn replay_and_finish(
                 return;
             }
             if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
-                failure = Some(anyhow!(crate::worker::Interrupted("the changelog")));
+                failure = Some(anyhow!(crate::retry::Interrupted("the changelog")));
                 return;
             }
             let bytes = m.payload().unwrap_or_default();
@@ -245,7 +234,7 @@ fn replay_and_finish(
         let sink = rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?;
         match replay.last_epoch() {
             Some(last) => {
-                let batch = crate::worker::batch_of(config, &last);
+                let batch = config.batch_of(&last);
                 if rt.block_on(sink.is_committed(&batch))? {
                     None
                 } else {
@@ -283,6 +272,116 @@ fn replay_and_finish(
         pending: pending.is_some(),
         duration: started.elapsed(),
     }))
+}
+
+/// Keeps the state directory if it holds the job's state (the commits are its own, or those of
+/// the writer it was restored from, up to the last); catches it up with the changelog if it
+/// holds an earlier committed state; otherwise moves it aside and restores the job's state from
+/// the changelog. `taking_over`: this worker fenced the previous one and runs the job next; a
+/// standby's rounds pass false. `stop` interrupts a whole restore (nothing is left behind).
+pub fn make_state_current(
+    config: &Config,
+    rt: &Handle,
+    reader: &Source,
+    stop: &AtomicBool,
+    taking_over: bool,
+) -> Result<()> {
+    let marks = wait_for("kafka", stop, || {
+        crate::marks::commit_marks(reader, config).map_err(Failure::Transient)
+    })?;
+    if marks.is_empty() {
+        // A new job (or one started over): nothing to restore.
+        return Ok(());
+    }
+    let dir = &config.job.state_dir;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let (local, foreign, replica) = {
+        let store = StateStore::open(dir, &config.state_identity())?;
+        let ours = store.writer_id().to_owned();
+        // The last commit is the writer's this directory was restored from: the batch of
+        // that epoch may still be missing in ClickHouse, which a catch-up checks.
+        let replica = marks
+            .values()
+            .any(|m| m.writer.as_deref().is_some_and(|w| w != ours));
+        (
+            store.meta().map(|m| m.epoch),
+            crate::marks::foreign_mark(&marks, &store)?,
+            replica,
+        )
+    };
+    match (local, foreign) {
+        (Some(_), None) if !(taking_over && replica) => return Ok(()),
+        (None, _) => {}
+        (Some(epoch), foreign) => {
+            if let Some(done) = try_catch_up(config, rt, &marks, stop, taking_over)? {
+                crate::events::StateRestored {
+                    restored: &done,
+                    whole: false,
+                    taking_over,
+                    task: config.job.task,
+                }
+                .emit();
+                return Ok(());
+            }
+            let aside = sibling(dir, &format!("stale-epoch-{epoch}"));
+            let (partition, mark) = foreign.unzip();
+            tracing::warn!(
+                partition,
+                committed_epoch = %mark.as_ref().map_or(epoch, |m| m.epoch),
+                writer = mark.as_ref().and_then(|m| m.writer.as_deref()).unwrap_or(""),
+                moved_to = %aside.display(),
+                "the state directory cannot be caught up with the job's changelog: moving it aside and restoring the job's state whole"
+            );
+            if aside.exists() {
+                std::fs::remove_dir_all(&aside)
+                    .with_context(|| format!("removing {}", aside.display()))?;
+            }
+            std::fs::rename(dir, &aside).with_context(|| {
+                format!("moving {} aside to {}", dir.display(), aside.display())
+            })?;
+        }
+    }
+    // A service failing mid-restore is waited out (a failed attempt leaves nothing behind);
+    // a changelog that cannot give the job's state stops the worker with the reason.
+    let done = wait_for("the changelog restore", stop, || {
+        match restore(config, rt, &marks, Some(stop), taking_over) {
+            Ok(done) => Ok(done),
+            Err(e) if is_transient(&e) => Err(Failure::Transient(e)),
+            Err(e) => Err(Failure::Permanent(e.context(
+                "restoring the job's state from the changelog on taking its lease",
+            ))),
+        }
+    })?;
+    crate::events::StateRestored {
+        restored: &done,
+        whole: true,
+        taking_over,
+        task: config.job.task,
+    }
+    .emit();
+    Ok(())
+}
+
+/// A catch-up, with a failing service waited out. `None`: the directory needs a whole restore
+/// (it cannot be caught up, or the changelog does not continue its state).
+fn try_catch_up(
+    config: &Config,
+    rt: &Handle,
+    marks: &BTreeMap<PartitionId, CommitMark>,
+    stop: &AtomicBool,
+    taking_over: bool,
+) -> Result<Option<Restored>> {
+    wait_for("the changelog catch-up", stop, || {
+        match catch_up(config, rt, marks, taking_over) {
+            Ok(done) => Ok(done),
+            Err(e) if is_transient(&e) => Err(Failure::Transient(e)),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "the state directory cannot be caught up with the changelog");
+                Ok(None)
+            }
+        }
+    })
 }
 
 /// Whether a restore failed on a service (worth retrying) rather than on what it found.

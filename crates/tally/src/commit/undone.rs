@@ -20,7 +20,10 @@ use tally_clickhouse::CommittedBatch;
 use tally_core::{CheckpointBarrier, PartitionId, RevenueOperator};
 use tally_state::StateStore;
 
+use super::sinks::BatchSink;
 use crate::config::Config;
+use crate::persist::PreCommitted;
+use crate::retry::Failure;
 
 /// The commit log's batches past `state` (per partition, the offset the state ends at), in
 /// order, if they continue it: each starts every one of its partitions where the state (or the
@@ -65,16 +68,15 @@ pub fn batches_past(
 }
 
 /// Makes `batch` again from the source topic with `operator` (restored to the state the batch
-/// starts from) and returns its cut, pre-committed in `store`, once it matches what ClickHouse
+/// starts from) and returns it pre-committed in `store`, once it matches what ClickHouse
 /// recorded of the batch.
 pub fn remake(
     config: &Config,
-    rt: &tokio::runtime::Handle,
-    sink: &tally_clickhouse::ClickHouseSink,
+    clickhouse: &impl BatchSink,
     store: &StateStore,
     operator: &mut RevenueOperator,
     batch: &CommittedBatch,
-) -> Result<crate::worker::Remade> {
+) -> Result<PreCommitted> {
     let topic = &config.kafka.source_topic;
     let ranges: BTreeMap<PartitionId, (i64, Option<i64>)> = batch
         .partitions
@@ -119,16 +121,21 @@ pub fn remake(
         epoch: operator.current_epoch(),
         is_final: false,
     });
-    let remade = crate::worker::Remade::pre_commit(store, cut)?;
-    let ours = crate::worker::batch_of(config, &remade.checkpoint);
-    let recorded = rt.block_on(sink.batch_totals(&batch.partitions, &batch.to_offsets))?;
+    let remade = PreCommitted::of(store, &cut)?;
+    let ours = config.batch_of(&remade.checkpoint);
+    let recorded = clickhouse
+        .batch_totals(&batch.partitions, &batch.to_offsets)
+        .map_err(Failure::into_error)?;
     let made = tally_clickhouse::BatchTotals {
         rows: ours.rows.len() as u64,
         events: ours.event_count,
         revenue_units: ours.revenue_units,
         dead_letters: ours.dead_letters,
     };
-    if recorded.as_ref() != Some(&made) || !rt.block_on(sink.is_committed(&ours))? {
+    let committed = clickhouse
+        .is_committed(&ours)
+        .map_err(Failure::into_error)?;
+    if recorded.as_ref() != Some(&made) || !committed {
         bail!(
             "made again from the source, epoch {} is {made:?}, but ClickHouse recorded {recorded:?}",
             batch.epoch

@@ -1,0 +1,14 @@
+//! The tools that make the "Written → Queryable → Reported" hops checkable by anyone, against
+//! any deployment: `tally verify` (against a loadgen manifest), `tally reconcile` (against the
+//! source) and `tally probe` (as a dashboard reads the view).
+
+mod probe;
+mod reconcile;
+mod verify;
+
+pub use probe::{ProbeReport, probe};
+pub use reconcile::{
+    IncrementalReconciler, ReconcileFilter, Reconciliation, Round, commit_log_gaps, reconcile,
+    reconcile_every,
+};
+pub use verify::{RowDiff, read_dead_letters, verify};

@@ -1,0 +1,140 @@
+//! `tally probe`: the view read like a dashboard reads it, checked for what a reader must never
+//! see.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
+
+use crate::config::Config;
+
+/// What a reader polling the view saw: for an input that only adds orders, a window once
+/// visible never disappears, no key appears twice, and no count goes down.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ProbeReport {
+    pub reads: u64,
+    /// Reads that failed (a service restarting): not a violation, but counted.
+    pub errors: u64,
+    /// Reads in which some key appeared twice.
+    pub duplicated: u64,
+    /// Windows seen once and missing from a later read.
+    pub vanished: u64,
+    /// Windows, customers or the total whose order count went down between reads.
+    pub decreased: u64,
+    /// First few violations, for the report.
+    pub examples: Vec<String>,
+}
+
+impl ProbeReport {
+    pub fn violations(&self) -> u64 {
+        self.duplicated + self.vanished + self.decreased
+    }
+
+    /// Compares one read with the previous one.
+    pub fn observe(
+        &mut self,
+        previous: &BTreeMap<ViewKey, ViewTotals>,
+        current: &BTreeMap<ViewKey, ViewTotals>,
+    ) {
+        self.reads += 1;
+        let note = |report: &mut ProbeReport, text: String| {
+            if report.examples.len() < 10 {
+                report.examples.push(text);
+            }
+        };
+        for (key, (orders, _)) in previous {
+            match current.get(key) {
+                None => {
+                    self.vanished += 1;
+                    note(self, format!("window {key:?} vanished"));
+                }
+                Some((now, _)) if now < orders => {
+                    self.decreased += 1;
+                    note(self, format!("window {key:?}: orders {orders} -> {now}"));
+                }
+                Some(_) => {}
+            }
+        }
+        let (before, after) = (orders_per_customer(previous), orders_per_customer(current));
+        for (customer, orders) in &before {
+            let now = after.get(customer).copied().unwrap_or(0);
+            if now < *orders {
+                self.decreased += 1;
+                note(
+                    self,
+                    format!("customer {customer}: orders {orders} -> {now}"),
+                );
+            }
+        }
+    }
+}
+
+fn orders_per_customer(view: &BTreeMap<ViewKey, ViewTotals>) -> BTreeMap<&str, u64> {
+    let mut totals: BTreeMap<&str, u64> = BTreeMap::new();
+    for ((_, customer, _), (orders, _)) in view {
+        *totals.entry(customer.as_str()).or_default() += orders;
+    }
+    totals
+}
+
+/// Polls the view every `interval` until `stop` is set or `duration` passes, and reports what
+/// a dashboard would have seen (see [`ProbeReport`]).
+pub async fn probe(
+    config: &Config,
+    interval: Duration,
+    duration: Option<Duration>,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<ProbeReport> {
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let until = duration.map(|d| Instant::now() + d);
+    let mut report = ProbeReport::default();
+    let mut previous = BTreeMap::new();
+    while !stop.load(std::sync::atomic::Ordering::SeqCst)
+        && until.is_none_or(|u| Instant::now() < u)
+    {
+        match sink.read_view().await {
+            Ok(current) => {
+                report.observe(&previous, &current);
+                previous = current;
+            }
+            Err(e) if e.to_string().contains("appears twice") => {
+                report.reads += 1;
+                report.duplicated += 1;
+                if report.examples.len() < 10 {
+                    report.examples.push(e.to_string());
+                }
+            }
+            Err(_) => report.errors += 1,
+        }
+        tokio::time::sleep(interval).await;
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(rows: &[(i64, &str, u64)]) -> BTreeMap<ViewKey, ViewTotals> {
+        rows.iter()
+            .map(|(w, c, o)| ((*w, (*c).to_owned(), "EUR".to_owned()), (*o, 0)))
+            .collect()
+    }
+
+    #[test]
+    fn growth_is_fine_and_every_regression_is_counted() {
+        let mut report = ProbeReport::default();
+        let a = view(&[(0, "x", 1), (60_000, "x", 2)]);
+        let grown = view(&[(0, "x", 1), (60_000, "x", 3), (120_000, "y", 1)]);
+        report.observe(&a, &grown);
+        assert_eq!(report.violations(), 0);
+        // A window missing for one read (a fold seen half-done) and a count going down.
+        let gone = view(&[(60_000, "x", 2), (120_000, "y", 1)]);
+        report.observe(&grown, &gone);
+        assert_eq!(report.vanished, 1);
+        // Window (60s, x) went 3 -> 2, and customer x went 4 -> 2.
+        assert_eq!(report.decreased, 2);
+        assert_eq!(report.reads, 2);
+    }
+}
