@@ -1,11 +1,13 @@
 //! Throughput of the per-record hot path: decode alone, and decode + dedup + window update against
-//! the in-memory model and the RocksDB store, then the checkpoint write.
+//! the in-memory model and the RocksDB store, then the checkpoint write; and reading records by
+//! declaration (`[aggregation]`) against the built-in decoder.
 #![allow(clippy::expect_used)] // a benchmark that cannot set up should stop at once
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use tally_core::declare::{Declaration, Evaluation, Job, WindowRules};
 use tally_core::{
     CheckpointBarrier, Epoch, FieldMapping, MemStore, OperatorConfig, Record, RecordDecoder,
     RevenueOperator, StateReader, WindowSpec,
@@ -97,9 +99,100 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
+fn page_views() -> Vec<Vec<u8>> {
+    (0..N)
+        .map(|i| {
+            format!(
+                r#"{{"view_id":"v-{i}","viewed_at":{},"page":"/p/{}","country":"{}","device":"{}","load_ms":{},"referrer":{{"host":"example.com"}}}}"#,
+                1_790_000_000_000i64 + i as i64 * 10,
+                i % 200,
+                ["NL", "DE", "FR", "US"][i % 4],
+                ["mobile", "desktop"][i % 2],
+                100 + i % 900
+            )
+            .into_bytes()
+        })
+        .collect()
+}
+
+/// The `[aggregation]` section of a shipped job file, resolved with its window.
+fn job(file: &str, rules: WindowRules) -> Job {
+    let text = std::fs::read_to_string(format!(
+        "{}/../../config/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("job file");
+    let table: toml::Table = toml::from_str(&text).expect("TOML");
+    let declaration: Declaration = table
+        .get("aggregation")
+        .cloned()
+        .expect("an [aggregation] section")
+        .try_into()
+        .expect("a declaration");
+    declaration.resolve(rules).expect("valid")
+}
+
+/// Reading records by declaration: the declared revenue_agg against the built-in decoder on the
+/// same records, and a hopping job's evaluation with its windows per record.
+fn declared(c: &mut Criterion) {
+    let values = records();
+    let built_in = decoder();
+    let mut group = c.benchmark_group("declare");
+    group.throughput(Throughput::Elements(N as u64));
+    group.bench_function("revenue_agg_built_in", |b| {
+        b.iter(|| {
+            values
+                .iter()
+                .filter(|v| built_in.decode(Some(v)).is_ok())
+                .count()
+        })
+    });
+    let tumbling = WindowRules {
+        size_ms: 60_000,
+        slide_ms: None,
+        allowed_lateness_ms: 60_000,
+        dedup_horizon_ms: 3_600_000,
+    };
+    let declared = job("revenue_agg.toml", tumbling);
+    group.bench_function("revenue_agg_declared", |b| {
+        b.iter(|| {
+            values
+                .iter()
+                .filter(|v| {
+                    matches!(
+                        declared.evaluate(Some(v), 1 << 20),
+                        Ok(Evaluation::Event(_))
+                    )
+                })
+                .count()
+        })
+    });
+    let hopping = job(
+        "page_views.toml",
+        WindowRules {
+            size_ms: 300_000,
+            slide_ms: Some(60_000),
+            ..tumbling
+        },
+    );
+    let views = page_views();
+    group.bench_function("page_views_hopping_declared", |b| {
+        b.iter(|| {
+            let mut windows = 0usize;
+            for v in &views {
+                if let Ok(Evaluation::Event(e)) = hopping.evaluate(Some(v), 1 << 20) {
+                    windows += hopping.windows.starts_of(e.event_time_ms).count();
+                }
+            }
+            black_box(windows)
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10);
-    targets = bench
+    targets = bench, declared
 }
 criterion_main!(benches);

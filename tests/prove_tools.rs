@@ -195,6 +195,39 @@ fn check_config_names_a_misspelled_key_and_a_negative_window() {
     );
 }
 
+/// The example declarations: `check-config` prints what each job reads and its view, and says
+/// why this release's `run` refuses it; `run` refuses it before touching any service.
+#[test]
+fn check_config_prints_a_declared_job_and_run_refuses_what_this_release_cannot_write() {
+    for (file, view) in [
+        (
+            "page_views.toml",
+            "view   window_start DateTime, window_end DateTime, page String, country String, device String, views UInt64, fastest_load_ms Int64, slowest_load_ms Int64, mean_load_ms Float64",
+        ),
+        (
+            "api_latency.toml",
+            "view   window_start DateTime, window_end DateTime, service String, route String, requests UInt64, latency_total_ms Decimal(18, 3), latency_max_ms Decimal(18, 3)",
+        ),
+    ] {
+        let path = format!("{}/../../config/{file}", env!("CARGO_MANIFEST_DIR"));
+        let out = tally(&["check-config", "--config", &path]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(text(&out).contains(view), "{}", text(&out));
+        assert!(
+            text(&out).contains("a valid declaration that tally run refuses"),
+            "{}",
+            text(&out)
+        );
+        let run = tally(&["run", "--config", &path]);
+        assert!(!run.status.success());
+        assert!(
+            text(&run).contains(&format!("{file}: aggregation: ")),
+            "{}",
+            text(&run)
+        );
+    }
+}
+
 /// The README's load test as written, with the shipped job file (its 1 MiB `max_record_bytes`
 /// included): loadgen must produce only records a default broker takes, and the job then
 /// verifies exactly. Only the names are the test's own, so that it shares nothing.

@@ -34,41 +34,12 @@ impl Amount {
 
     /// Parses `-?\d+(\.\d{1,4})?` exactly. Exponents are refused rather than rounded.
     pub fn parse(text: &str) -> Result<Amount, AmountError> {
-        if text.is_empty() {
-            return Err(AmountError::Empty);
-        }
-        let (negative, body) = match text.strip_prefix('-') {
-            Some(rest) => (true, rest),
-            None => (false, text),
-        };
-        let (int_part, frac_part) = match body.split_once('.') {
-            Some((i, f)) => (i, Some(f)),
-            None => (body, None),
-        };
-        let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        if !all_digits(int_part) || frac_part.is_some_and(|f| !all_digits(f)) {
-            return Err(AmountError::Syntax(text.to_owned()));
-        }
-        let frac = frac_part.unwrap_or("");
-        if frac.len() > 4 {
-            return Err(AmountError::TooPrecise(text.to_owned()));
-        }
-        let int_digits = int_part.trim_start_matches('0');
-        // 10^14 has 15 digits; anything longer is out of range before we multiply.
-        if int_digits.len() > 14 {
-            return Err(AmountError::OutOfRange(text.to_owned()));
-        }
-        let mut units: i64 = 0;
-        for b in int_digits.bytes().chain(frac.bytes()) {
-            units = units * 10 + i64::from(b - b'0');
-        }
-        for _ in frac.len()..4 {
-            units *= 10;
-        }
-        if units >= MAX_INPUT_UNITS {
-            return Err(AmountError::OutOfRange(text.to_owned()));
-        }
-        Ok(Amount(if negative { -units } else { units }))
+        parse_scaled(text, 4).map(Amount).map_err(|e| match e {
+            DecimalError::Empty => AmountError::Empty,
+            DecimalError::Syntax => AmountError::Syntax(text.to_owned()),
+            DecimalError::TooPrecise => AmountError::TooPrecise(text.to_owned()),
+            DecimalError::OutOfRange => AmountError::OutOfRange(text.to_owned()),
+        })
     }
 
     /// Adds within the range of a `Decimal(18,4)` column; `None` means the sum would not fit.
@@ -80,6 +51,56 @@ impl Amount {
     pub fn units(self) -> i64 {
         self.0
     }
+}
+
+/// Why a decimal text was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecimalError {
+    Empty,
+    /// Not digits with an optional sign and point (exponents included).
+    Syntax,
+    /// More fractional digits than the scale.
+    TooPrecise,
+    /// Beyond what a `Decimal(18, scale)` holds.
+    OutOfRange,
+}
+
+/// Parses `-?\d+(\.\d+)?` into units of 10^-scale exactly: exponents, more fractional digits
+/// than `scale` and values a `Decimal(18, scale)` cannot hold are refused, never rounded.
+pub fn parse_scaled(text: &str, scale: u32) -> Result<i64, DecimalError> {
+    if text.is_empty() {
+        return Err(DecimalError::Empty);
+    }
+    let (negative, body) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (int_part, frac_part) = match body.split_once('.') {
+        Some((i, f)) => (i, Some(f)),
+        None => (body, None),
+    };
+    let all_digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !all_digits(int_part) || frac_part.is_some_and(|f| !all_digits(f)) {
+        return Err(DecimalError::Syntax);
+    }
+    let frac = frac_part.unwrap_or("");
+    if frac.len() > scale as usize {
+        return Err(DecimalError::TooPrecise);
+    }
+    let mut units: i64 = 0;
+    for b in int_part.trim_start_matches('0').bytes().chain(frac.bytes()) {
+        units = units
+            .checked_mul(10)
+            .and_then(|u| u.checked_add(i64::from(b - b'0')))
+            .ok_or(DecimalError::OutOfRange)?;
+    }
+    for _ in frac.len()..scale as usize {
+        units = units.checked_mul(10).ok_or(DecimalError::OutOfRange)?;
+    }
+    if units > MAX_DECIMAL18_UNITS {
+        return Err(DecimalError::OutOfRange);
+    }
+    Ok(if negative { -units } else { units })
 }
 
 impl fmt::Display for Amount {

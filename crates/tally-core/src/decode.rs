@@ -72,7 +72,7 @@ pub struct Poison {
 }
 
 impl Poison {
-    fn new(reason: PoisonReason, message: impl Into<String>) -> Poison {
+    pub(crate) fn new(reason: PoisonReason, message: impl Into<String>) -> Poison {
         Poison {
             reason,
             message: message.into(),
@@ -145,7 +145,7 @@ struct FieldsSeed<'m> {
     mapping: &'m FieldMapping,
 }
 
-struct Key<'a>(Cow<'a, str>);
+pub(crate) struct Key<'a>(pub(crate) Cow<'a, str>);
 
 impl<'de> Deserialize<'de> for Key<'de> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -211,14 +211,14 @@ impl<'de> Visitor<'de> for FieldsSeed<'_> {
 }
 
 /// The JSON kind of a raw value, from its first byte (serde_json has validated it).
-enum Raw<'a> {
+pub(crate) enum Raw<'a> {
     Str(&'a RawValue),
     Number(&'a str),
     Null,
     Other(&'static str),
 }
 
-fn classify(raw: &RawValue) -> Raw<'_> {
+pub(crate) fn classify(raw: &RawValue) -> Raw<'_> {
     let text = raw.get();
     match text.as_bytes().first() {
         Some(b'"') => Raw::Str(raw),
@@ -234,7 +234,7 @@ fn classify(raw: &RawValue) -> Raw<'_> {
 /// A JSON string's text, borrowed from the record when it has no escape (almost always): serde_json
 /// has validated the raw value, so the text between the quotes is the string. Decoding then
 /// allocates only for the fields the operator keeps.
-fn string_of(raw: &RawValue) -> Result<Cow<'_, str>, Poison> {
+pub(crate) fn string_of(raw: &RawValue) -> Result<Cow<'_, str>, Poison> {
     let text = raw.get();
     match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
         Some(inner) if !inner.contains('\\') => Ok(Cow::Borrowed(inner)),
@@ -242,6 +242,39 @@ fn string_of(raw: &RawValue) -> Result<Cow<'_, str>, Poison> {
             .map(Cow::Owned)
             .map_err(|e| Poison::new(PoisonReason::InvalidJson, format!("bad string: {e}"))),
     }
+}
+
+/// The text of a record value that may hold a JSON document: present, within the size limit and
+/// UTF-8.
+pub(crate) fn document(value: Option<&[u8]>, max_record_bytes: usize) -> Result<&str, Poison> {
+    let bytes = value
+        .ok_or_else(|| Poison::new(PoisonReason::InvalidJson, "record has no value (tombstone)"))?;
+    if bytes.len() > max_record_bytes {
+        return Err(Poison::new(
+            PoisonReason::TooLarge,
+            format!(
+                "record value is {} bytes, limit is {}",
+                bytes.len(),
+                max_record_bytes
+            ),
+        ));
+    }
+    std::str::from_utf8(bytes).map_err(|e| {
+        Poison::new(
+            PoisonReason::InvalidUtf8,
+            format!("value is not UTF-8: {e}"),
+        )
+    })
+}
+
+/// The poison of a record value that is not one JSON object.
+pub(crate) fn not_a_json_object(e: serde_json::Error) -> Poison {
+    let what = if e.is_data() {
+        "expected a JSON object"
+    } else {
+        "malformed JSON"
+    };
+    Poison::new(PoisonReason::InvalidJson, format!("{what}: {e}"))
 }
 
 impl RecordDecoder {
@@ -253,39 +286,14 @@ impl RecordDecoder {
     }
 
     pub fn decode(&self, value: Option<&[u8]>) -> Result<OrderEvent, Poison> {
-        let bytes = value.ok_or_else(|| {
-            Poison::new(PoisonReason::InvalidJson, "record has no value (tombstone)")
-        })?;
-        if bytes.len() > self.max_record_bytes {
-            return Err(Poison::new(
-                PoisonReason::TooLarge,
-                format!(
-                    "record value is {} bytes, limit is {}",
-                    bytes.len(),
-                    self.max_record_bytes
-                ),
-            ));
-        }
-        let text = std::str::from_utf8(bytes).map_err(|e| {
-            Poison::new(
-                PoisonReason::InvalidUtf8,
-                format!("value is not UTF-8: {e}"),
-            )
-        })?;
+        let text = document(value, self.max_record_bytes)?;
         let mut de = serde_json::Deserializer::from_str(text);
         let fields = FieldsSeed {
             mapping: &self.mapping,
         }
         .deserialize(&mut de)
         .and_then(|f| de.end().map(|()| f))
-        .map_err(|e| {
-            let what = if e.is_data() {
-                "expected a JSON object"
-            } else {
-                "malformed JSON"
-            };
-            Poison::new(PoisonReason::InvalidJson, format!("{what}: {e}"))
-        })?;
+        .map_err(not_a_json_object)?;
         let get = |field: Field, name: &str| -> Result<&RawValue, Poison> {
             match fields.values[field.index()] {
                 Some(raw) if !matches!(classify(raw), Raw::Null) => Ok(raw),

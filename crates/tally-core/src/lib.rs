@@ -3,6 +3,7 @@
 //! [`StateReader`] and every change is handed out as a [`Checkpoint`] at a barrier.
 
 pub mod amount;
+pub mod declare;
 pub mod decode;
 pub mod mem;
 pub mod operator;

@@ -9,6 +9,7 @@ mod background;
 pub mod commit;
 pub mod config;
 pub mod consume;
+pub mod declaration;
 pub mod doctor;
 pub mod events;
 pub mod fault;

@@ -268,12 +268,7 @@ fn main() {
 fn real_main(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run { config } => run(&load_config(&config)?),
-        Command::CheckConfig { config } => {
-            let cfg = load_config(&config)?;
-            println!("{cfg:#?}");
-            println!("{}: ok", config.display());
-            Ok(())
-        }
+        Command::CheckConfig { config } => check_config(&config),
         Command::Loadgen(args) => loadgen(args),
         Command::Verify { config, manifest } => {
             let ok = runtime()?.block_on(prove::verify(&load_config(&config)?, &manifest))?;
@@ -513,6 +508,30 @@ fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
 }
 
 /// Loads the configuration and applies what is the process's, not one store's or client's.
+/// Prints the effective settings and the declared job; exit 1 when `run` would refuse the file.
+fn check_config(path: &std::path::Path) -> Result<()> {
+    let (cfg, job) = Config::load_declared(path)?;
+    println!("{cfg:#?}");
+    let Some(job) = job else {
+        println!("{}: ok", path.display());
+        return Ok(());
+    };
+    print!("{}", tally::declaration::describe(&job));
+    match tally::declaration::built_in_fields(&job) {
+        Ok(_) => {
+            println!("{}: ok", path.display());
+            Ok(())
+        }
+        Err(why) => {
+            println!(
+                "{}: a valid declaration that tally run refuses: {why}",
+                path.display()
+            );
+            std::process::exit(1)
+        }
+    }
+}
+
 fn load_config(path: &std::path::Path) -> Result<Config> {
     let cfg = Config::load(path)?;
     tally_state::set_shared_memory_mib(cfg.job.state_memory_mib).map_err(|set| {

@@ -111,9 +111,12 @@ pub fn remake(
         .zip(&batch.to_offsets)
     {
         if next.get(p) != Some(to) {
+            let read = next.get(p).map_or_else(
+                || "none of them".to_owned(),
+                |o| format!("up to offset {o}"),
+            );
             bail!(
-                "partition {p} of {topic} holds no longer every record of {from}..{to} (retention deleted some?): read up to {:?}",
-                next.get(p)
+                "partition {p} of {topic} no longer holds every record of {from}..{to} (did retention delete some?): read {read}"
             );
         }
     }

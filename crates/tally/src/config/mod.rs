@@ -24,6 +24,11 @@ pub enum ConfigError {
     },
     #[error("{file}: invalid TOML: {message}")]
     Syntax { file: String, message: String },
+    #[error("{file}: {error}")]
+    Declaration {
+        file: String,
+        error: tally_core::declare::DeclarationError,
+    },
     #[error("{file}: {key}: {message}")]
     Key {
         file: String,
@@ -116,6 +121,8 @@ pub struct Config {
     pub clickhouse: ClickHouseConfig,
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
+    pub aggregation: Option<tally_core::declare::Declaration>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -240,7 +247,12 @@ pub struct FieldsConfig {
 
 impl Default for FieldsConfig {
     fn default() -> Self {
-        let m = FieldMapping::default();
+        FieldsConfig::from(FieldMapping::default())
+    }
+}
+
+impl From<FieldMapping> for FieldsConfig {
+    fn from(m: FieldMapping) -> Self {
         FieldsConfig {
             event_id: m.event_id,
             customer_id: m.customer_id,
@@ -262,6 +274,8 @@ pub struct WindowConfig {
     pub allowed_lateness: Millis,
     #[serde(default = "default_horizon")]
     pub dedup_horizon: Millis,
+    /// Hopping windows: a new window opens every `slide` (a divisor of `size`); absent: tumbling.
+    pub slide: Option<Millis>,
 }
 
 fn default_size() -> Millis {
@@ -284,6 +298,7 @@ impl Default for WindowConfig {
             out_of_orderness: default_ooo(),
             allowed_lateness: default_lateness(),
             dedup_horizon: default_horizon(),
+            slide: None,
         }
     }
 }
@@ -379,19 +394,46 @@ impl Config {
     }
 
     pub fn load_with_env(path: &Path, env: &[(String, String)]) -> Result<Config, ConfigError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            file: file.clone(),
-            source,
-        })?;
+        let (file, text) = read(path)?;
         Config::parse(&file, &text, env)
     }
 
+    /// Loads a job file whose declaration this release may not run (for `check-config`).
+    pub fn load_declared(
+        path: &Path,
+    ) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
+        let vars: Vec<(String, String)> = std::env::vars().collect();
+        let (file, text) = read(path)?;
+        Config::parse_declared(&file, &text, &vars)
+    }
+
+    /// Parses and checks a job file, and refuses a declaration this release cannot run.
     pub fn parse(file: &str, text: &str, env: &[(String, String)]) -> Result<Config, ConfigError> {
+        let (mut config, job) = Config::parse_declared(file, text, env)?;
+        if let Some(job) = job {
+            let m =
+                crate::declaration::built_in_fields(&job).map_err(|message| ConfigError::Key {
+                    file: file.to_owned(),
+                    key: "aggregation".into(),
+                    message,
+                })?;
+            config.fields = FieldsConfig::from(m);
+        }
+        Ok(config)
+    }
+
+    /// Parses and checks a job file, its declaration (if any) resolved but not yet matched
+    /// against what this release runs.
+    pub fn parse_declared(
+        file: &str,
+        text: &str,
+        env: &[(String, String)],
+    ) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             file: file.to_owned(),
             message: e.to_string(),
         })?;
+        let has_fields = table.contains_key("fields");
         let mut from_env = BTreeMap::new();
         for (name, value) in env {
             let Some(rest) = name.strip_prefix("TALLY_") else {
@@ -431,7 +473,40 @@ impl Config {
                 key: key.to_owned(),
                 message,
             })?;
-        Ok(config)
+        let refuse = |key: &str, message: &str| ConfigError::Key {
+            file: file.to_owned(),
+            key: key.to_owned(),
+            message: message.to_owned(),
+        };
+        let Some(declaration) = &config.aggregation else {
+            if config.window.slide.is_some_and(|s| s != config.window.size) {
+                return Err(refuse(
+                    "window.slide",
+                    "hopping windows need an [aggregation] declaration",
+                ));
+            }
+            return Ok((config, None));
+        };
+        if has_fields {
+            return Err(refuse(
+                "fields",
+                "a job declares its fields in [[aggregation.field]] or names them in [fields], not both",
+            ));
+        }
+        let w = &config.window;
+        let rules = tally_core::declare::WindowRules {
+            size_ms: w.size.0,
+            slide_ms: w.slide.map(|s| s.0),
+            allowed_lateness_ms: w.allowed_lateness.0,
+            dedup_horizon_ms: w.dedup_horizon.0,
+        };
+        let job = declaration
+            .resolve(rules)
+            .map_err(|error| ConfigError::Declaration {
+                file: file.to_owned(),
+                error,
+            })?;
+        Ok((config, Some(job)))
     }
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
@@ -738,6 +813,15 @@ impl Config {
     }
 }
 
+fn read(path: &Path) -> Result<(String, String), ConfigError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        file: file.clone(),
+        source,
+    })?;
+    Ok((file, text))
+}
+
 fn set_path(table: &mut toml::Table, path: &[String], value: &str) -> Result<(), String> {
     let Some((last, parents)) = path.split_last() else {
         return Err("empty key".into());
@@ -756,165 +840,4 @@ fn set_path(table: &mut toml::Table, path: &[String], value: &str) -> Result<(),
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const BASE: &str = r#"
-[job]
-name = "revenue_agg"
-state_dir = "/tmp/x"
-[kafka]
-brokers = "127.0.0.1:9092"
-source_topic = "orders"
-consumer_group = "g"
-[clickhouse]
-url = "http://127.0.0.1:8123"
-password = "hunter2"
-"#;
-
-    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: Vec<(String, String)> = env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        Config::parse("job.toml", text, &env)
-    }
-
-    /// The error a configuration is refused with.
-    fn refusal(text: &str, env: &[(&str, &str)]) -> String {
-        parse(text, env).unwrap_err().to_string()
-    }
-
-    #[test]
-    fn defaults_apply() {
-        let c = parse(BASE, &[]).unwrap();
-        assert_eq!(c.window.size, Millis(60_000));
-        assert_eq!(c.window.dedup_horizon, Millis(3_600_000));
-        assert_eq!(c.dlq_topic(), "orders.dlq");
-        assert_eq!(c.transactional_id(), "tally-revenue_agg");
-        assert_eq!(c.job.checkpoint_interval, Millis(5_000));
-        assert_eq!(c.kafka.partition_discovery_interval, Millis(30_000));
-    }
-
-    #[test]
-    fn a_task_runs_its_partitions_with_its_own_directory_and_transactional_id() {
-        let c = parse(BASE, &[("TALLY_JOB__TASKS", "3")]).unwrap();
-        assert_eq!(c.tasks(), 3);
-        assert!(
-            (0..9).all(|p| c.owns(p)),
-            "the job as a whole runs every partition"
-        );
-        let t = c.for_task(1);
-        assert_eq!(
-            (0..9).filter(|p| t.owns(*p)).collect::<Vec<_>>(),
-            vec![1, 4, 7]
-        );
-        assert_eq!(t.transactional_id(), "tally-revenue_agg-task-1");
-        assert_eq!(t.job.state_dir, PathBuf::from("/tmp/x/task-1"));
-        assert_ne!(t.state_identity(), c.state_identity());
-        let err = refusal(BASE, &[("TALLY_JOB__TASKS", "0")]);
-        assert!(err.contains("job.tasks"), "{err}");
-    }
-
-    #[test]
-    fn the_state_memory_is_bounded_and_named_when_out_of_range() {
-        assert_eq!(parse(BASE, &[]).unwrap().job.state_memory_mib, 64);
-        let c = parse(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "32")]).unwrap();
-        assert_eq!(c.job.state_memory_mib, 32);
-        let err = refusal(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "8")]);
-        assert!(err.contains("job.state_memory_mib"), "{err}");
-    }
-
-    #[test]
-    fn a_fold_step_is_bounded_by_the_configured_versions() {
-        let c = parse(BASE, &[]).unwrap();
-        assert_eq!(c.fold_rules().step_rows, tally_clickhouse::FOLD_STEP_ROWS);
-        let c = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "500")]).unwrap();
-        assert_eq!(c.fold_rules().step_rows, 500);
-        let err = refusal(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "0")]);
-        assert!(err.contains("clickhouse.fold_step_rows"), "{err}");
-    }
-
-    #[test]
-    fn a_misspelled_key_is_named_with_the_file() {
-        let err = refusal(&format!("{BASE}\n[window]\nsise = \"60s\"\n"), &[]);
-        assert!(err.starts_with("job.toml: window"), "{err}");
-        assert!(err.contains("unknown field `sise`"), "{err}");
-    }
-
-    #[test]
-    fn a_negative_window_is_refused_by_key() {
-        let err = refusal(&format!("{BASE}\n[window]\nsize = \"-60s\"\n"), &[]);
-        assert!(err.contains("window.size"), "{err}");
-        assert!(err.contains("negative"), "{err}");
-    }
-
-    #[test]
-    fn the_dedup_horizon_must_cover_window_and_lateness() {
-        let err = refusal(
-            &format!(
-                "{BASE}\n[window]\nsize = \"60s\"\nallowed_lateness = \"60s\"\ndedup_horizon = \"90s\"\n"
-            ),
-            &[],
-        );
-        assert!(err.contains("window.dedup_horizon"), "{err}");
-    }
-
-    #[test]
-    fn environment_overrides_any_key() {
-        let c = parse(
-            BASE,
-            &[
-                ("TALLY_KAFKA__BROKERS", "kafka:29092"),
-                ("TALLY_WINDOW__SIZE", "30s"),
-                ("TALLY_KAFKA__CLIENT__SECURITY_PROTOCOL", "ssl"),
-                ("TALLY_JOB__MAX_RECORD_BYTES", "2048"),
-                ("TALLY_FAULT", "ignored"),
-            ],
-        )
-        .unwrap();
-        assert_eq!(c.kafka.brokers, "kafka:29092");
-        assert_eq!(c.window.size, Millis(30_000));
-        assert_eq!(
-            c.kafka.client.get("security.protocol").map(String::as_str),
-            Some("ssl")
-        );
-        assert_eq!(c.job.max_record_bytes, 2048);
-        let err = refusal(BASE, &[("TALLY_WINDOW__SIZE", "soon")]);
-        assert!(
-            err.contains("window.size (from TALLY_WINDOW__SIZE)"),
-            "{err}"
-        );
-        let err = refusal(BASE, &[("TALLY_WINDOW__SIZZE", "1s")]);
-        assert!(err.contains("sizze"), "{err}");
-    }
-
-    #[test]
-    fn folding_defaults_on_and_retention_must_outlast_lateness() {
-        let c = parse(BASE, &[]).unwrap();
-        assert_eq!(c.clickhouse.fold_interval, Millis(60_000));
-        assert_eq!(c.fold_rules().retention_ms, None);
-        let c = parse(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "30d")]).unwrap();
-        assert_eq!(c.fold_rules().retention_ms, Some(30 * 86_400_000));
-        let err = refusal(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "90s")]);
-        assert!(err.contains("clickhouse.retention"), "{err}");
-        let err = refusal(BASE, &[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "-1s")]);
-        assert!(err.contains("clickhouse.fold_interval"), "{err}");
-    }
-
-    #[test]
-    fn the_password_never_shows_in_debug() {
-        let c = parse(BASE, &[]).unwrap();
-        let debug = format!("{c:?}");
-        assert!(!debug.contains("hunter2"), "{debug}");
-        assert!(debug.contains("***"));
-    }
-
-    #[test]
-    fn durations_parse() {
-        assert_eq!(Millis::parse("500ms"), Ok(Millis(500)));
-        assert_eq!(Millis::parse("1h"), Ok(Millis(3_600_000)));
-        assert!(Millis::parse("5").is_err());
-        assert!(Millis::parse("5 parsecs").is_err());
-    }
-}
+mod tests;

@@ -1,0 +1,284 @@
+//! Reads the declared fields of one JSON record, by path, in one pass over the bytes: only the
+//! objects on a declared path are descended into, and only the values of declared fields are
+//! kept (borrowed from the record).
+
+use std::borrow::Cow;
+use std::fmt;
+
+use compact_str::CompactString;
+use serde::Deserializer;
+use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
+use serde_json::value::RawValue;
+
+use super::value::{FieldKind, Value, parse_decimal};
+use crate::decode::{Key, Poison, PoisonReason, Raw, classify, string_of};
+use crate::time;
+
+/// What a string field must look like besides being a string.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StringFormat {
+    Any,
+    /// Three upper-case ASCII letters (ISO 4217 style); other text is `invalid_currency`.
+    CurrencyCode,
+}
+
+/// How a timestamp field's numbers are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeUnit {
+    Millis,
+    Seconds,
+}
+
+/// One declared field, resolved: where it is and how its value is checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldReader {
+    pub name: String,
+    /// Object keys from the record's root to the value.
+    pub path: Vec<String>,
+    pub kind: FieldKind,
+    pub scale: u32,
+    pub format: StringFormat,
+    pub unit: TimeUnit,
+    pub allow_empty: bool,
+}
+
+impl FieldReader {
+    fn label(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// The field's value, or the poison of a record whose field is missing or invalid.
+    pub fn read(&self, raw: Option<&RawValue>) -> Result<Value, Poison> {
+        let label = self.label();
+        let missing = || {
+            poison(
+                PoisonReason::MissingField,
+                format!("field {label:?} is missing or null"),
+            )
+        };
+        let raw_value = raw.ok_or_else(missing)?;
+        let raw = classify(raw_value);
+        if matches!(raw, Raw::Null) {
+            return Err(missing());
+        }
+        let wrong = |found: &str, expected: &str| {
+            poison(
+                PoisonReason::WrongType,
+                format!("field {label:?} is {found}, expected {expected}"),
+            )
+        };
+        match self.kind {
+            FieldKind::String => {
+                let text = match raw {
+                    Raw::Str(raw) => string_of(raw)?,
+                    other => return Err(wrong(kind_of(&other), "a string")),
+                };
+                if self.format == StringFormat::CurrencyCode
+                    && (text.len() != 3 || !text.bytes().all(|b| b.is_ascii_uppercase()))
+                {
+                    return Err(poison(
+                        PoisonReason::InvalidCurrency,
+                        format!("currency {text:?} is not three upper-case letters"),
+                    ));
+                }
+                if text.is_empty() && !self.allow_empty {
+                    return Err(poison(
+                        PoisonReason::MissingField,
+                        format!("field {label:?} is empty"),
+                    ));
+                }
+                Ok(Value::Str(CompactString::from(text.as_ref())))
+            }
+            FieldKind::Integer => match raw {
+                Raw::Number(text) => text
+                    .parse::<i64>()
+                    .map(Value::Int)
+                    .map_err(|_| wrong(text, "an integer in the range of Int64")),
+                other => Err(wrong(kind_of(&other), "an integer")),
+            },
+            FieldKind::Decimal => {
+                let text = match raw {
+                    Raw::Str(raw) => string_of(raw)?,
+                    Raw::Number(text) => Cow::Borrowed(text),
+                    other => return Err(wrong(kind_of(&other), "a number or decimal string")),
+                };
+                parse_decimal(&text, self.scale)
+                    .map(Value::Decimal)
+                    .map_err(|e| {
+                        poison(PoisonReason::InvalidAmount, format!("field {label:?}: {e}"))
+                    })
+            }
+            FieldKind::Float => match raw {
+                Raw::Number(text) => text
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+                    .map(Value::Float)
+                    .ok_or_else(|| wrong(text, "a finite number")),
+                other => Err(wrong(kind_of(&other), "a number")),
+            },
+            FieldKind::Boolean => match raw_value.get() {
+                "true" => Ok(Value::Bool(true)),
+                "false" => Ok(Value::Bool(false)),
+                _ => Err(wrong(kind_of(&raw), "a boolean")),
+            },
+            FieldKind::Timestamp => {
+                let ms = match raw {
+                    Raw::Str(raw) => {
+                        let text = string_of(raw)?;
+                        time::parse_rfc3339_ms(&text).ok_or_else(|| {
+                            poison(
+                                PoisonReason::InvalidTime,
+                                format!("event time {text:?} is not RFC 3339 with an offset"),
+                            )
+                        })?
+                    }
+                    Raw::Number(text) => {
+                        let n = text.parse::<i64>().map_err(|_| {
+                            poison(
+                                PoisonReason::InvalidTime,
+                                format!(
+                                    "event time {text} is not an integer of epoch {}",
+                                    self.unit_name()
+                                ),
+                            )
+                        })?;
+                        match self.unit {
+                            TimeUnit::Millis => n,
+                            TimeUnit::Seconds => n.saturating_mul(1000),
+                        }
+                    }
+                    other => return Err(wrong(kind_of(&other), "a string or integer")),
+                };
+                if !time::in_range(ms) {
+                    return Err(poison(
+                        PoisonReason::InvalidTime,
+                        format!("event time {ms} ms is outside 1970-01-01..2105-12-31"),
+                    ));
+                }
+                Ok(Value::Time(ms))
+            }
+        }
+    }
+
+    fn unit_name(&self) -> &'static str {
+        match self.unit {
+            TimeUnit::Millis => "milliseconds",
+            TimeUnit::Seconds => "seconds",
+        }
+    }
+}
+
+fn poison(reason: PoisonReason, message: String) -> Poison {
+    Poison::new(reason, message)
+}
+
+fn kind_of(raw: &Raw<'_>) -> &'static str {
+    match raw {
+        Raw::Str(_) => "a string",
+        Raw::Number(_) => "a number",
+        Raw::Null => "null",
+        Raw::Other(kind) => kind,
+    }
+}
+
+/// The declared paths as a tree of object keys; a node may be a field, a parent, or both.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PathTree {
+    children: Vec<(String, PathTree)>,
+    field: Option<usize>,
+}
+
+impl PathTree {
+    pub fn new<'a>(paths: impl IntoIterator<Item = &'a [String]>) -> PathTree {
+        let mut root = PathTree::default();
+        for (index, path) in paths.into_iter().enumerate() {
+            let mut node = &mut root;
+            for key in path {
+                let at = match node.children.iter().position(|(k, _)| k == key) {
+                    Some(at) => at,
+                    None => {
+                        node.children.push((key.clone(), PathTree::default()));
+                        node.children.len() - 1
+                    }
+                };
+                node = &mut node.children[at].1;
+            }
+            node.field = Some(index);
+        }
+        root
+    }
+
+    /// Reads the raw values of every path from one JSON document; `fields[i]` is path `i`'s.
+    /// A document that is not an object is an error; a parent that is not an object leaves its
+    /// fields missing.
+    pub fn read<'a>(
+        &self,
+        text: &'a str,
+        fields: &mut [Option<&'a RawValue>],
+    ) -> Result<(), serde_json::Error> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        Seed { tree: self, fields }.deserialize(&mut de)?;
+        de.end()
+    }
+}
+
+struct Seed<'t, 'f, 'a> {
+    tree: &'t PathTree,
+    fields: &'f mut [Option<&'a RawValue>],
+}
+
+impl<'de> DeserializeSeed<'de> for Seed<'_, '_, 'de> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Seed<'_, '_, 'de> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+            let Some((_, node)) = self.tree.children.iter().find(|(k, _)| *k == key) else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            // The last occurrence of a key wins, as in JavaScript's JSON.parse.
+            let raw = map.next_value::<&'de RawValue>()?;
+            if let Some(index) = node.field {
+                self.fields[index] = Some(raw);
+            }
+            if !node.children.is_empty() {
+                // A later occurrence of the parent replaces what an earlier one held.
+                node.clear(self.fields);
+                if raw.get().starts_with('{') {
+                    let mut de = serde_json::Deserializer::from_str(raw.get());
+                    Seed {
+                        tree: node,
+                        fields: &mut *self.fields,
+                    }
+                    .deserialize(&mut de)
+                    .map_err(de::Error::custom)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PathTree {
+    /// Forgets the values of every field below this node.
+    fn clear(&self, fields: &mut [Option<&RawValue>]) {
+        for (_, child) in &self.children {
+            if let Some(index) = child.field {
+                fields[index] = None;
+            }
+            child.clear(fields);
+        }
+    }
+}

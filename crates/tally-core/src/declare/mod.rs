@@ -1,0 +1,704 @@
+//! Jobs by declaration: the `[aggregation]` section of a job file says which typed fields a record
+//! holds, which records count, what they are grouped by and what is computed per window. It is
+//! checked as a whole before anything starts ([`Declaration::resolve`]: every mistake, each named
+//! by its key), and resolves to a [`Job`] that turns a record's bytes into the windows, key and
+//! values it adds, or into the reason it is dead-lettered.
+
+mod aggregate;
+mod extract;
+mod filter;
+mod value;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use compact_str::CompactString;
+use serde::Deserialize;
+
+pub use aggregate::{Acc, Aggregate, Function, Number, Overflow};
+pub use extract::{FieldReader, PathTree, StringFormat, TimeUnit};
+pub use filter::{Condition, ConditionDecl, Test};
+pub use value::{
+    FieldKind, FieldType, MAX_DECIMAL_SCALE, MAX_DECIMAL18_UNITS, Value, format_decimal,
+    parse_decimal,
+};
+
+use crate::decode::{Poison, document, not_a_json_object};
+
+/// Record formats a job can read. JSON today; Avro and Protobuf would add a variant and a reader
+/// producing the same raw field values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    #[default]
+    Json,
+}
+
+/// `[[aggregation.field]]`: one typed field of the record.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FieldDecl {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: FieldKind,
+    /// Dotted path from the record's root (`customer.address.country`); default: the name.
+    pub path: Option<String>,
+    /// Fractional digits of a decimal (0..=18).
+    pub scale: Option<u32>,
+    /// For timestamps given as numbers: `ms` (default) or `s`.
+    pub unit: Option<String>,
+    /// For strings: `currency_code` (three upper-case letters).
+    pub format: Option<String>,
+    /// An empty string counts as missing unless this is set.
+    #[serde(default)]
+    pub allow_empty: bool,
+}
+
+/// `[[aggregation.aggregate]]`: one output column.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AggregateDecl {
+    pub column: String,
+    pub function: Function,
+    pub field: Option<String>,
+}
+
+/// The `[aggregation]` section as written.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Declaration {
+    #[serde(default)]
+    pub format: Format,
+    #[serde(default, rename = "field")]
+    pub fields: Vec<FieldDecl>,
+    pub event_id: String,
+    pub event_time: String,
+    #[serde(default)]
+    pub group_by: Vec<String>,
+    #[serde(default)]
+    pub filter: Vec<ConditionDecl>,
+    #[serde(default, rename = "aggregate")]
+    pub aggregates: Vec<AggregateDecl>,
+}
+
+/// The window rules of the `[window]` section, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowRules {
+    pub size_ms: i64,
+    /// `None`: tumbling (slide = size).
+    pub slide_ms: Option<i64>,
+    pub allowed_lateness_ms: i64,
+    pub dedup_horizon_ms: i64,
+}
+
+/// Tumbling (slide = size) or hopping windows aligned to the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Windows {
+    pub size_ms: i64,
+    pub slide_ms: i64,
+}
+
+impl Windows {
+    /// Starts of the windows holding `event_time_ms`, newest first: `size / slide` of them.
+    pub fn starts_of(&self, event_time_ms: i64) -> impl Iterator<Item = i64> + use<> {
+        let Windows { size_ms, slide_ms } = *self;
+        let newest = event_time_ms.div_euclid(slide_ms) * slide_ms;
+        (0..size_ms / slide_ms)
+            .map(move |i| newest - i * slide_ms)
+            .take_while(move |start| *start > event_time_ms - size_ms)
+    }
+}
+
+/// A declaration mistake: the key it is at and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mistake {
+    pub key: String,
+    pub message: String,
+}
+
+/// Every mistake of a declaration, so that one edit can fix them all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct DeclarationError {
+    pub mistakes: Vec<Mistake>,
+}
+
+impl fmt::Display for DeclarationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the job declaration has {} mistake(s):",
+            self.mistakes.len()
+        )?;
+        for m in &self.mistakes {
+            write!(f, "\n  {}: {}", m.key, m.message)?;
+        }
+        Ok(())
+    }
+}
+
+/// Columns tally writes beside the declared ones; a declared column may not take their names.
+pub const RESERVED_COLUMNS: [&str; 4] =
+    ["window_start", "window_end", "version", "source_partition"];
+
+/// A checked declaration: how to read, filter, key and aggregate a record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    pub format: Format,
+    pub fields: Vec<FieldReader>,
+    paths: PathTree,
+    pub event_id: usize,
+    pub event_time: usize,
+    pub keys: Vec<usize>,
+    pub filter: Vec<Condition>,
+    pub aggregates: Vec<Aggregate>,
+    pub windows: Windows,
+}
+
+/// What one record adds: its id and time, its group key, and each aggregate's input value
+/// (`None` for `count`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeclaredEvent {
+    pub event_id: CompactString,
+    pub event_time_ms: i64,
+    pub key: Vec<Value>,
+    pub inputs: Vec<Option<Value>>,
+}
+
+/// A valid record either counts or is filtered out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Evaluation {
+    Event(DeclaredEvent),
+    Filtered,
+}
+
+fn is_identifier(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+struct Checker {
+    mistakes: Vec<Mistake>,
+}
+
+impl Checker {
+    fn refuse(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.mistakes.push(Mistake {
+            key: key.into(),
+            message: message.into(),
+        });
+    }
+}
+
+/// A duration as the job file writes it (`90s`, `5m`, `1h`).
+pub fn format_duration(ms: i64) -> String {
+    match ms {
+        ms if ms % 3_600_000 == 0 && ms != 0 => format!("{}h", ms / 3_600_000),
+        ms if ms % 60_000 == 0 && ms != 0 => format!("{}m", ms / 60_000),
+        ms if ms % 1_000 == 0 => format!("{}s", ms / 1_000),
+        ms => format!("{ms}ms"),
+    }
+}
+
+impl Declaration {
+    /// Checks the declaration with the job's window rules; every mistake is reported at once.
+    pub fn resolve(&self, rules: WindowRules) -> Result<Job, DeclarationError> {
+        let mut c = Checker {
+            mistakes: Vec::new(),
+        };
+        let windows = check_windows(&mut c, rules);
+        let fields = self.check_fields(&mut c);
+        let names: Vec<&str> = self.fields.iter().map(|f| f.name.as_str()).collect();
+        let mut used = BTreeSet::new();
+        let mut find = |c: &mut Checker, key: String, name: &str| -> Option<usize> {
+            match names.iter().position(|n| *n == name) {
+                Some(i) => {
+                    used.insert(i);
+                    Some(i)
+                }
+                None => {
+                    c.refuse(
+                        key,
+                        format!(
+                            "no field named {name:?} (declared: {})",
+                            if names.is_empty() {
+                                "none".to_owned()
+                            } else {
+                                names.join(", ")
+                            }
+                        ),
+                    );
+                    None
+                }
+            }
+        };
+        let kind_of = |i: usize| fields.get(i).map(|f: &FieldReader| f.kind);
+
+        let event_id = find(&mut c, "aggregation.event_id".into(), &self.event_id);
+        if let Some(kind) = event_id.and_then(kind_of)
+            && !matches!(kind, FieldKind::String | FieldKind::Integer)
+        {
+            c.refuse(
+                "aggregation.event_id",
+                format!(
+                    "field {:?} is a {}; an event id is a string or an integer",
+                    self.event_id,
+                    kind.as_str()
+                ),
+            );
+        }
+        let event_time = find(&mut c, "aggregation.event_time".into(), &self.event_time);
+        if let Some(kind) = event_time.and_then(kind_of)
+            && kind != FieldKind::Timestamp
+        {
+            c.refuse(
+                "aggregation.event_time",
+                format!(
+                    "field {:?} is a {}; the event time is a timestamp",
+                    self.event_time,
+                    kind.as_str()
+                ),
+            );
+        }
+
+        if self.group_by.is_empty() {
+            c.refuse(
+                "aggregation.group_by",
+                "groups by no field; name at least one",
+            );
+        }
+        let mut keys = Vec::new();
+        let mut columns: Vec<(String, String)> = Vec::new();
+        for (i, name) in self.group_by.iter().enumerate() {
+            let key = format!("aggregation.group_by[{i}]");
+            let Some(index) = find(&mut c, key.clone(), name) else {
+                continue;
+            };
+            if kind_of(index) == Some(FieldKind::Float) {
+                c.refuse(key.clone(), format!("field {name:?} is a float; grouping by a float splits equal-looking values, use a decimal"));
+            }
+            if keys.contains(&index) {
+                c.refuse(key.clone(), format!("field {name:?} is a key twice"));
+            }
+            keys.push(index);
+            columns.push((name.clone(), key));
+        }
+
+        let mut filter = Vec::new();
+        for (i, decl) in self.filter.iter().enumerate() {
+            let key = format!("aggregation.filter[{i}]");
+            let Some(index) = find(&mut c, format!("{key}.field"), &decl.field) else {
+                continue;
+            };
+            let Some(field) = fields.get(index) else {
+                continue;
+            };
+            if let Some(test) = check_condition(&mut c, &key, decl, field) {
+                filter.push(Condition { field: index, test });
+            }
+        }
+
+        if self.aggregates.is_empty() {
+            c.refuse(
+                "aggregation.aggregate",
+                "computes nothing; declare at least one aggregate",
+            );
+        }
+        let mut aggregates = Vec::new();
+        for (i, decl) in self.aggregates.iter().enumerate() {
+            let key = format!("aggregation.aggregate[{i}]");
+            columns.push((decl.column.clone(), format!("{key}.column")));
+            let field = match (&decl.field, decl.function) {
+                (None, Function::Count) => None,
+                (Some(_), Function::Count) => {
+                    c.refuse(
+                        format!("{key}.field"),
+                        "count takes no field: it counts the records of the window",
+                    );
+                    None
+                }
+                (None, f) => {
+                    c.refuse(
+                        format!("{key}.field"),
+                        format!("{} needs a field", f.as_str()),
+                    );
+                    continue;
+                }
+                (Some(name), f) => {
+                    let Some(index) = find(&mut c, format!("{key}.field"), name) else {
+                        continue;
+                    };
+                    let Some(input) = fields.get(index) else {
+                        continue;
+                    };
+                    let fits = match f {
+                        Function::Sum | Function::Avg => input.kind.is_numeric(),
+                        _ => input.kind.is_ordered(),
+                    };
+                    if !fits {
+                        let needs = if matches!(f, Function::Sum | Function::Avg) {
+                            "an integer, decimal or float field"
+                        } else {
+                            "a field with an order (not a boolean)"
+                        };
+                        c.refuse(
+                            format!("{key}.function"),
+                            format!(
+                                "{} needs {needs}; {name:?} is a {}",
+                                f.as_str(),
+                                input.kind.as_str()
+                            ),
+                        );
+                    }
+                    Some(index)
+                }
+            };
+            aggregates.push(Aggregate {
+                column: decl.column.clone(),
+                function: decl.function,
+                field,
+                input: field.and_then(|i| fields.get(i)).map(|f| FieldType {
+                    kind: f.kind,
+                    scale: f.scale,
+                }),
+            });
+        }
+
+        let mut seen = BTreeSet::new();
+        for (column, key) in &columns {
+            if !is_identifier(column) {
+                c.refuse(key.clone(), format!("column {column:?} is not a name ClickHouse takes unquoted (letters, digits, _)"));
+            } else if RESERVED_COLUMNS.contains(&column.as_str()) {
+                c.refuse(
+                    key.clone(),
+                    format!("column {column:?} is written by tally itself; choose another name"),
+                );
+            } else if !seen.insert(column.as_str()) {
+                c.refuse(key.clone(), format!("two columns are named {column:?}"));
+            }
+        }
+        for (i, field) in self.fields.iter().enumerate() {
+            if !used.contains(&i) {
+                c.refuse(
+                    format!("aggregation.field[{i}]"),
+                    format!("field {:?} is declared but no key, filter, aggregate, event_id or event_time uses it", field.name),
+                );
+            }
+        }
+
+        match (c.mistakes.is_empty(), event_id, event_time, windows) {
+            (true, Some(event_id), Some(event_time), Some(windows)) => {
+                let paths = PathTree::new(fields.iter().map(|f| f.path.as_slice()));
+                Ok(Job {
+                    format: self.format,
+                    fields,
+                    paths,
+                    event_id,
+                    event_time,
+                    keys,
+                    filter,
+                    aggregates,
+                    windows,
+                })
+            }
+            _ => Err(DeclarationError {
+                mistakes: c.mistakes,
+            }),
+        }
+    }
+
+    fn check_fields(&self, c: &mut Checker) -> Vec<FieldReader> {
+        let mut readers = Vec::new();
+        let mut names = BTreeSet::new();
+        for (i, f) in self.fields.iter().enumerate() {
+            let key = format!("aggregation.field[{i}]");
+            if !names.insert(f.name.as_str()) {
+                c.refuse(
+                    format!("{key}.name"),
+                    format!("field {:?} is declared twice", f.name),
+                );
+            }
+            let path: Vec<String> = f
+                .path
+                .as_deref()
+                .unwrap_or(&f.name)
+                .split('.')
+                .map(str::to_owned)
+                .collect();
+            if path.iter().any(String::is_empty) {
+                c.refuse(
+                    format!("{key}.path"),
+                    "a path is object keys joined by dots, none of them empty",
+                );
+            }
+            let scale = match (f.kind, f.scale) {
+                (FieldKind::Decimal, Some(s)) if s <= MAX_DECIMAL_SCALE => s,
+                (FieldKind::Decimal, Some(s)) => {
+                    c.refuse(format!("{key}.scale"), format!("scale {s} is over {MAX_DECIMAL_SCALE}: a Decimal(18, s) keeps 18 digits in all"));
+                    0
+                }
+                (FieldKind::Decimal, None) => {
+                    c.refuse(
+                        format!("{key}.scale"),
+                        "a decimal needs its scale (fractional digits, 0..=18)",
+                    );
+                    0
+                }
+                (kind, Some(_)) => {
+                    c.refuse(
+                        format!("{key}.scale"),
+                        format!(
+                            "only a decimal has a scale; this field is a {}",
+                            kind.as_str()
+                        ),
+                    );
+                    0
+                }
+                (_, None) => 0,
+            };
+            let unit = match (f.kind, f.unit.as_deref()) {
+                (_, None) | (FieldKind::Timestamp, Some("ms")) => TimeUnit::Millis,
+                (FieldKind::Timestamp, Some("s")) => TimeUnit::Seconds,
+                (FieldKind::Timestamp, Some(other)) => {
+                    c.refuse(
+                        format!("{key}.unit"),
+                        format!("unit {other:?} is neither \"ms\" nor \"s\""),
+                    );
+                    TimeUnit::Millis
+                }
+                (kind, Some(_)) => {
+                    c.refuse(
+                        format!("{key}.unit"),
+                        format!(
+                            "only a timestamp has a unit; this field is a {}",
+                            kind.as_str()
+                        ),
+                    );
+                    TimeUnit::Millis
+                }
+            };
+            let format = match (f.kind, f.format.as_deref()) {
+                (_, None) => StringFormat::Any,
+                (FieldKind::String, Some("currency_code")) => StringFormat::CurrencyCode,
+                (FieldKind::String, Some(other)) => {
+                    c.refuse(
+                        format!("{key}.format"),
+                        format!("format {other:?} is unknown (known: \"currency_code\")"),
+                    );
+                    StringFormat::Any
+                }
+                (kind, Some(_)) => {
+                    c.refuse(
+                        format!("{key}.format"),
+                        format!(
+                            "only a string has a format; this field is a {}",
+                            kind.as_str()
+                        ),
+                    );
+                    StringFormat::Any
+                }
+            };
+            readers.push(FieldReader {
+                name: f.name.clone(),
+                path,
+                kind: f.kind,
+                scale,
+                format,
+                unit,
+                allow_empty: f.allow_empty,
+            });
+        }
+        readers
+    }
+}
+
+fn check_windows(c: &mut Checker, rules: WindowRules) -> Option<Windows> {
+    let size = rules.size_ms;
+    let slide = rules.slide_ms.unwrap_or(size);
+    let before = c.mistakes.len();
+    if size <= 0 {
+        c.refuse("window.size", "must be longer than 0s");
+    } else if slide <= 0 || slide > size {
+        c.refuse(
+            "window.slide",
+            format!(
+                "{} must be longer than 0s and at most window.size ({})",
+                format_duration(slide),
+                format_duration(size)
+            ),
+        );
+    } else if size % slide != 0 {
+        c.refuse(
+            "window.slide",
+            format!(
+                "{} does not divide window.size ({}): windows would not align",
+                format_duration(slide),
+                format_duration(size)
+            ),
+        );
+    }
+    let needed = size.saturating_add(rules.allowed_lateness_ms);
+    if rules.dedup_horizon_ms < needed {
+        c.refuse(
+            "window.dedup_horizon",
+            format!(
+                "{} is shorter than window.size + window.allowed_lateness ({}): a duplicate could count again in a window still open",
+                format_duration(rules.dedup_horizon_ms),
+                format_duration(needed)
+            ),
+        );
+    }
+    (c.mistakes.len() == before).then_some(Windows {
+        size_ms: size,
+        slide_ms: slide,
+    })
+}
+
+fn check_condition(
+    c: &mut Checker,
+    key: &str,
+    decl: &ConditionDecl,
+    field: &FieldReader,
+) -> Option<Test> {
+    let constant = |c: &mut Checker, name: &str, written: &serde_json::Value| {
+        filter::constant(field, written)
+            .map_err(|e| c.refuse(format!("{key}.{name}"), e))
+            .ok()
+    };
+    let tests = [
+        decl.equals.is_some(),
+        decl.not_equals.is_some(),
+        decl.one_of.is_some(),
+        decl.not_in.is_some(),
+        decl.min.is_some() || decl.max.is_some(),
+        decl.present.is_some(),
+    ];
+    if tests.iter().filter(|t| **t).count() != 1 {
+        c.refuse(key, "a condition has exactly one test: equals, not_equals, in, not_in, min/max or present (write several conditions to combine them)");
+        return None;
+    }
+    if let Some(v) = &decl.equals {
+        return constant(c, "equals", v).map(Test::Equals);
+    }
+    if let Some(v) = &decl.not_equals {
+        return constant(c, "not_equals", v).map(Test::NotEquals);
+    }
+    if let Some(set) = decl.one_of.as_ref().or(decl.not_in.as_ref()) {
+        let name = if decl.one_of.is_some() {
+            "in"
+        } else {
+            "not_in"
+        };
+        let values: Option<Vec<Value>> = set.iter().map(|v| constant(c, name, v)).collect();
+        let values = values?;
+        return Some(if decl.one_of.is_some() {
+            Test::In(values)
+        } else {
+            Test::NotIn(values)
+        });
+    }
+    if let Some(p) = decl.present {
+        return Some(Test::Present(p));
+    }
+    if !field.kind.is_ordered() {
+        c.refuse(
+            key,
+            format!(
+                "a range needs a field with an order; {:?} is a {}",
+                field.name,
+                field.kind.as_str()
+            ),
+        );
+        return None;
+    }
+    let min = match &decl.min {
+        Some(v) => Some(constant(c, "min", v)?),
+        None => None,
+    };
+    let max = match &decl.max {
+        Some(v) => Some(constant(c, "max", v)?),
+        None => None,
+    };
+    Some(Test::Range { min, max })
+}
+
+impl Job {
+    /// Reads one record value: the poison reason when it is not a valid record of the job, else
+    /// whether it passes the filter and what it adds.
+    pub fn evaluate(
+        &self,
+        value: Option<&[u8]>,
+        max_record_bytes: usize,
+    ) -> Result<Evaluation, Poison> {
+        let text = document(value, max_record_bytes)?;
+        let mut raws = vec![None; self.fields.len()];
+        self.paths
+            .read(text, &mut raws)
+            .map_err(not_a_json_object)?;
+        // The filter first: records it leaves out may have another shape altogether.
+        for condition in &self.filter {
+            let field = &self.fields[condition.field];
+            let value = match raws[condition.field] {
+                Some(raw) if raw.get() != "null" => Some(field.read(Some(raw))?),
+                _ => None,
+            };
+            if !condition.test.holds(value.as_ref()) {
+                return Ok(Evaluation::Filtered);
+            }
+        }
+        // Then every field in declaration order, so that the first mistake named is the first
+        // declared field's.
+        let mut values = Vec::with_capacity(self.fields.len());
+        for (field, raw) in self.fields.iter().zip(&raws) {
+            values.push(Some(field.read(*raw)?));
+        }
+        let take = |i: usize| values[i].clone();
+        let event_id = match take(self.event_id) {
+            Some(Value::Str(s)) => s,
+            Some(Value::Int(i)) => CompactString::from(i.to_string()),
+            _ => CompactString::default(),
+        };
+        let event_time_ms = match take(self.event_time) {
+            Some(Value::Time(ms)) => ms,
+            _ => 0,
+        };
+        Ok(Evaluation::Event(DeclaredEvent {
+            event_id,
+            event_time_ms,
+            key: self.keys.iter().filter_map(|i| take(*i)).collect(),
+            inputs: self
+                .aggregates
+                .iter()
+                .map(|a| a.field.and_then(take))
+                .collect(),
+        }))
+    }
+
+    /// The view's columns and their ClickHouse types: window bounds, keys, aggregates.
+    pub fn columns(&self) -> Vec<(String, String)> {
+        let mut columns = vec![
+            ("window_start".to_owned(), "DateTime".to_owned()),
+            ("window_end".to_owned(), "DateTime".to_owned()),
+        ];
+        for &k in &self.keys {
+            let f = &self.fields[k];
+            columns.push((
+                f.name.clone(),
+                FieldType {
+                    kind: f.kind,
+                    scale: f.scale,
+                }
+                .clickhouse_type(),
+            ));
+        }
+        for a in &self.aggregates {
+            columns.push((a.column.clone(), a.clickhouse_type()));
+        }
+        columns
+    }
+}

@@ -1,0 +1,258 @@
+use super::*;
+
+const BASE: &str = r#"
+[job]
+name = "revenue_agg"
+state_dir = "/tmp/x"
+[kafka]
+brokers = "127.0.0.1:9092"
+source_topic = "orders"
+consumer_group = "g"
+[clickhouse]
+url = "http://127.0.0.1:8123"
+password = "hunter2"
+"#;
+
+fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    Config::parse("job.toml", text, &env)
+}
+
+/// The error a configuration is refused with.
+fn refusal(text: &str, env: &[(&str, &str)]) -> String {
+    parse(text, env).unwrap_err().to_string()
+}
+
+#[test]
+fn defaults_apply() {
+    let c = parse(BASE, &[]).unwrap();
+    assert_eq!(c.window.size, Millis(60_000));
+    assert_eq!(c.window.dedup_horizon, Millis(3_600_000));
+    assert_eq!(c.dlq_topic(), "orders.dlq");
+    assert_eq!(c.transactional_id(), "tally-revenue_agg");
+    assert_eq!(c.job.checkpoint_interval, Millis(5_000));
+    assert_eq!(c.kafka.partition_discovery_interval, Millis(30_000));
+}
+
+#[test]
+fn a_task_runs_its_partitions_with_its_own_directory_and_transactional_id() {
+    let c = parse(BASE, &[("TALLY_JOB__TASKS", "3")]).unwrap();
+    assert_eq!(c.tasks(), 3);
+    assert!(
+        (0..9).all(|p| c.owns(p)),
+        "the job as a whole runs every partition"
+    );
+    let t = c.for_task(1);
+    assert_eq!(
+        (0..9).filter(|p| t.owns(*p)).collect::<Vec<_>>(),
+        vec![1, 4, 7]
+    );
+    assert_eq!(t.transactional_id(), "tally-revenue_agg-task-1");
+    assert_eq!(t.job.state_dir, PathBuf::from("/tmp/x/task-1"));
+    assert_ne!(t.state_identity(), c.state_identity());
+    let err = refusal(BASE, &[("TALLY_JOB__TASKS", "0")]);
+    assert!(err.contains("job.tasks"), "{err}");
+}
+
+#[test]
+fn the_state_memory_is_bounded_and_named_when_out_of_range() {
+    assert_eq!(parse(BASE, &[]).unwrap().job.state_memory_mib, 64);
+    let c = parse(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "32")]).unwrap();
+    assert_eq!(c.job.state_memory_mib, 32);
+    let err = refusal(BASE, &[("TALLY_JOB__STATE_MEMORY_MIB", "8")]);
+    assert!(err.contains("job.state_memory_mib"), "{err}");
+}
+
+#[test]
+fn a_fold_step_is_bounded_by_the_configured_versions() {
+    let c = parse(BASE, &[]).unwrap();
+    assert_eq!(c.fold_rules().step_rows, tally_clickhouse::FOLD_STEP_ROWS);
+    let c = parse(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "500")]).unwrap();
+    assert_eq!(c.fold_rules().step_rows, 500);
+    let err = refusal(BASE, &[("TALLY_CLICKHOUSE__FOLD_STEP_ROWS", "0")]);
+    assert!(err.contains("clickhouse.fold_step_rows"), "{err}");
+}
+
+#[test]
+fn a_misspelled_key_is_named_with_the_file() {
+    let err = refusal(&format!("{BASE}\n[window]\nsise = \"60s\"\n"), &[]);
+    assert!(err.starts_with("job.toml: window"), "{err}");
+    assert!(err.contains("unknown field `sise`"), "{err}");
+}
+
+#[test]
+fn a_negative_window_is_refused_by_key() {
+    let err = refusal(&format!("{BASE}\n[window]\nsize = \"-60s\"\n"), &[]);
+    assert!(err.contains("window.size"), "{err}");
+    assert!(err.contains("negative"), "{err}");
+}
+
+#[test]
+fn the_dedup_horizon_must_cover_window_and_lateness() {
+    let err = refusal(
+        &format!(
+            "{BASE}\n[window]\nsize = \"60s\"\nallowed_lateness = \"60s\"\ndedup_horizon = \"90s\"\n"
+        ),
+        &[],
+    );
+    assert!(err.contains("window.dedup_horizon"), "{err}");
+}
+
+#[test]
+fn environment_overrides_any_key() {
+    let c = parse(
+        BASE,
+        &[
+            ("TALLY_KAFKA__BROKERS", "kafka:29092"),
+            ("TALLY_WINDOW__SIZE", "30s"),
+            ("TALLY_KAFKA__CLIENT__SECURITY_PROTOCOL", "ssl"),
+            ("TALLY_JOB__MAX_RECORD_BYTES", "2048"),
+            ("TALLY_FAULT", "ignored"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.kafka.brokers, "kafka:29092");
+    assert_eq!(c.window.size, Millis(30_000));
+    assert_eq!(
+        c.kafka.client.get("security.protocol").map(String::as_str),
+        Some("ssl")
+    );
+    assert_eq!(c.job.max_record_bytes, 2048);
+    let err = refusal(BASE, &[("TALLY_WINDOW__SIZE", "soon")]);
+    assert!(
+        err.contains("window.size (from TALLY_WINDOW__SIZE)"),
+        "{err}"
+    );
+    let err = refusal(BASE, &[("TALLY_WINDOW__SIZZE", "1s")]);
+    assert!(err.contains("sizze"), "{err}");
+}
+
+#[test]
+fn folding_defaults_on_and_retention_must_outlast_lateness() {
+    let c = parse(BASE, &[]).unwrap();
+    assert_eq!(c.clickhouse.fold_interval, Millis(60_000));
+    assert_eq!(c.fold_rules().retention_ms, None);
+    let c = parse(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "30d")]).unwrap();
+    assert_eq!(c.fold_rules().retention_ms, Some(30 * 86_400_000));
+    let err = refusal(BASE, &[("TALLY_CLICKHOUSE__RETENTION", "90s")]);
+    assert!(err.contains("clickhouse.retention"), "{err}");
+    let err = refusal(BASE, &[("TALLY_CLICKHOUSE__FOLD_INTERVAL", "-1s")]);
+    assert!(err.contains("clickhouse.fold_interval"), "{err}");
+}
+
+#[test]
+fn the_password_never_shows_in_debug() {
+    let c = parse(BASE, &[]).unwrap();
+    let debug = format!("{c:?}");
+    assert!(!debug.contains("hunter2"), "{debug}");
+    assert!(debug.contains("***"));
+}
+
+#[test]
+fn durations_parse() {
+    assert_eq!(Millis::parse("500ms"), Ok(Millis(500)));
+    assert_eq!(Millis::parse("1h"), Ok(Millis(3_600_000)));
+    assert!(Millis::parse("5").is_err());
+    assert!(Millis::parse("5 parsecs").is_err());
+}
+
+// Declared jobs: the `[aggregation]` section read with the rest of the file.
+const REVENUE_AGG: &str = include_str!("../../../../config/revenue_agg.toml");
+const PAGE_VIEWS: &str = include_str!("../../../../config/page_views.toml");
+const API_LATENCY: &str = include_str!("../../../../config/api_latency.toml");
+
+fn declared(text: &str) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
+    Config::parse_declared("job.toml", text, &[])
+}
+
+/// The shipped revenue_agg is a declaration that the built-in operator runs with the field
+/// names of the `[fields]` it replaces: the job's identity (and so an existing deployment's
+/// state, changelog and tables) is unchanged.
+#[test]
+fn the_declared_revenue_agg_runs_with_the_fields_it_always_had() {
+    let config = Config::parse("revenue_agg.toml", REVENUE_AGG, &[]).expect("runs");
+    assert_eq!(config.field_mapping(), tally_core::FieldMapping::default());
+    let renamed = REVENUE_AGG.replace(
+        "name = \"amount\"\ntype = \"decimal\"",
+        "name = \"amount\"\npath = \"total\"\ntype = \"decimal\"",
+    );
+    let config = Config::parse("revenue_agg.toml", &renamed, &[]).expect("runs");
+    assert_eq!(config.field_mapping().amount, "total");
+}
+
+#[test]
+fn the_example_declarations_are_valid_and_say_why_this_release_does_not_run_them() {
+    for (text, view, why) in [
+        (
+            PAGE_VIEWS,
+            "page String, country String, device String, views UInt64, fastest_load_ms Int64, slowest_load_ms Int64, mean_load_ms Float64",
+            "the window hops",
+        ),
+        (
+            API_LATENCY,
+            "service String, route String, requests UInt64, latency_total_ms Decimal(18, 3), latency_max_ms Decimal(18, 3)",
+            "the declaration has a filter",
+        ),
+    ] {
+        let (_, job) = declared(text).expect("valid");
+        let job = job.expect("declared");
+        let described = crate::declaration::describe(&job);
+        assert!(described.contains(view), "{described}");
+        let refused = Config::parse("job.toml", text, &[])
+            .expect_err("not run")
+            .to_string();
+        assert!(refused.starts_with("job.toml: aggregation: "), "{refused}");
+        assert!(refused.contains(why), "{refused}");
+    }
+    let (_, job) = declared(PAGE_VIEWS).expect("valid");
+    assert!(
+        crate::declaration::describe(&job.expect("declared")).contains("5 window(s) per record")
+    );
+}
+
+#[test]
+fn a_job_names_its_fields_one_way() {
+    let both = format!("{REVENUE_AGG}\n[fields]\namount = \"total\"\n");
+    let refused = declared(&both).expect_err("both").to_string();
+    assert!(refused.starts_with("job.toml: fields: "), "{refused}");
+    let hopping = REVENUE_AGG
+        .split("\n[aggregation]")
+        .next()
+        .expect("has a declaration")
+        .replace("size = \"60s\"", "size = \"60s\"\nslide = \"30s\"");
+    let refused = declared(&hopping).expect_err("slide").to_string();
+    assert_eq!(
+        refused,
+        "job.toml: window.slide: hopping windows need an [aggregation] declaration"
+    );
+}
+
+#[test]
+fn every_mistake_of_a_declaration_is_named_with_the_file() {
+    let text = REVENUE_AGG
+        .replace(
+            "group_by = [\"customer_id\", \"currency\"]",
+            "group_by = [\"customer\", \"currency\"]",
+        )
+        .replace("scale = 4 ", "scale = 19 ");
+    let refused = declared(&text).expect_err("mistakes").to_string();
+    assert!(
+        refused.starts_with("job.toml: the job declaration has 3 mistake(s):"),
+        "{refused}"
+    );
+    assert!(
+        refused.contains("\n  aggregation.group_by[0]: no field named \"customer\""),
+        "{refused}"
+    );
+    assert!(
+        refused.contains("\n  aggregation.field[3].scale: scale 19 is over 18"),
+        "{refused}"
+    );
+    assert!(
+        refused.contains("\n  aggregation.field[1]: field \"customer_id\" is declared but"),
+        "{refused}"
+    );
+}
