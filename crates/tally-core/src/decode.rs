@@ -267,6 +267,44 @@ pub(crate) fn document(value: Option<&[u8]>, max_record_bytes: usize) -> Result<
     })
 }
 
+/// An event time written as RFC 3339 text.
+pub(crate) fn event_time_of_text(text: &str) -> Result<i64, Poison> {
+    time::parse_rfc3339_ms(text).ok_or_else(|| {
+        Poison::new(
+            PoisonReason::InvalidTime,
+            format!("event time {text:?} is not RFC 3339 with an offset"),
+        )
+    })
+}
+
+/// An event time written as an integer of `unit`s, `ms_per_unit` milliseconds each.
+pub(crate) fn event_time_of_number(
+    text: &str,
+    unit: &str,
+    ms_per_unit: i64,
+) -> Result<i64, Poison> {
+    text.parse::<i64>()
+        .map(|n| n.saturating_mul(ms_per_unit))
+        .map_err(|_| {
+            Poison::new(
+                PoisonReason::InvalidTime,
+                format!("event time {text} is not an integer of epoch {unit}"),
+            )
+        })
+}
+
+/// An event time within what a ClickHouse `DateTime` holds.
+pub(crate) fn event_time_in_range(ms: i64) -> Result<i64, Poison> {
+    if time::in_range(ms) {
+        Ok(ms)
+    } else {
+        Err(Poison::new(
+            PoisonReason::InvalidTime,
+            format!("event time {ms} ms is outside 1970-01-01..2105-12-31"),
+        ))
+    }
+}
+
 /// The poison of a record value that is not one JSON object.
 pub(crate) fn not_a_json_object(e: serde_json::Error) -> Poison {
     let what = if e.is_data() {
@@ -364,21 +402,8 @@ impl RecordDecoder {
         let amount = Amount::parse(&amount_text)
             .map_err(|e| Poison::new(PoisonReason::InvalidAmount, e.to_string()))?;
         let event_time_ms = match classify(get(Field::EventTime, &m.event_time)?) {
-            Raw::Str(raw) => {
-                let text = string_of(raw)?;
-                time::parse_rfc3339_ms(&text).ok_or_else(|| {
-                    Poison::new(
-                        PoisonReason::InvalidTime,
-                        format!("event time {text:?} is not RFC 3339 with an offset"),
-                    )
-                })?
-            }
-            Raw::Number(text) => text.parse::<i64>().map_err(|_| {
-                Poison::new(
-                    PoisonReason::InvalidTime,
-                    format!("event time {text} is not an integer of epoch milliseconds"),
-                )
-            })?,
+            Raw::Str(raw) => event_time_of_text(&string_of(raw)?)?,
+            Raw::Number(text) => event_time_of_number(text, "milliseconds", 1)?,
             Raw::Other(kind) => {
                 return Err(Poison::new(
                     PoisonReason::WrongType,
@@ -395,12 +420,7 @@ impl RecordDecoder {
                 ));
             }
         };
-        if !time::in_range(event_time_ms) {
-            return Err(Poison::new(
-                PoisonReason::InvalidTime,
-                format!("event time {event_time_ms} ms is outside 1970-01-01..2105-12-31"),
-            ));
-        }
+        let event_time_ms = event_time_in_range(event_time_ms)?;
         Ok(OrderEvent {
             event_id: CompactString::from(event_id.as_ref()),
             customer_id: CompactString::from(customer_id.as_ref()),

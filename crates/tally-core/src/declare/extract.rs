@@ -11,8 +11,10 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::value::{FieldKind, Value, parse_decimal};
-use crate::decode::{Key, Poison, PoisonReason, Raw, classify, string_of};
-use crate::time;
+use crate::decode::{
+    Key, Poison, PoisonReason, Raw, classify, event_time_in_range, event_time_of_number,
+    event_time_of_text, string_of,
+};
 
 /// What a string field must look like besides being a string.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,47 +126,16 @@ impl FieldReader {
             },
             FieldKind::Timestamp => {
                 let ms = match raw {
-                    Raw::Str(raw) => {
-                        let text = string_of(raw)?;
-                        time::parse_rfc3339_ms(&text).ok_or_else(|| {
-                            poison(
-                                PoisonReason::InvalidTime,
-                                format!("event time {text:?} is not RFC 3339 with an offset"),
-                            )
-                        })?
-                    }
-                    Raw::Number(text) => {
-                        let n = text.parse::<i64>().map_err(|_| {
-                            poison(
-                                PoisonReason::InvalidTime,
-                                format!(
-                                    "event time {text} is not an integer of epoch {}",
-                                    self.unit_name()
-                                ),
-                            )
-                        })?;
-                        match self.unit {
-                            TimeUnit::Millis => n,
-                            TimeUnit::Seconds => n.saturating_mul(1000),
-                        }
-                    }
+                    Raw::Str(raw) => event_time_of_text(&string_of(raw)?)?,
+                    Raw::Number(text) => match self.unit {
+                        TimeUnit::Millis => event_time_of_number(text, "milliseconds", 1)?,
+                        TimeUnit::Seconds => event_time_of_number(text, "seconds", 1000)?,
+                    },
                     other => return Err(wrong(kind_of(&other), "a string or integer")),
                 };
-                if !time::in_range(ms) {
-                    return Err(poison(
-                        PoisonReason::InvalidTime,
-                        format!("event time {ms} ms is outside 1970-01-01..2105-12-31"),
-                    ));
-                }
+                let ms = event_time_in_range(ms)?;
                 Ok(Value::Time(ms))
             }
-        }
-    }
-
-    fn unit_name(&self) -> &'static str {
-        match self.unit {
-            TimeUnit::Millis => "milliseconds",
-            TimeUnit::Seconds => "seconds",
         }
     }
 }

@@ -275,31 +275,22 @@ pub async fn reconcile(
             format_units_i128(result.sink_revenue),
             result.revenue_ratio()
         );
+        let window = |k: &(i64, String, String)| {
+            format!("{} {} {}", tally_core::time::format_ms(k.0), k.1, k.2)
+        };
         for (k, e, f) in diff.different.iter().take(20) {
             println!(
-                "  {} {} {}: orders ratio {:.6}, revenue ratio {:.6}",
-                tally_core::time::format_ms(k.0),
-                k.1,
-                k.2,
+                "  {}: orders ratio {:.6}, revenue ratio {:.6}",
+                window(k),
                 ratio(f.0 as f64, e.0 as f64),
                 ratio(f.1 as f64, e.1 as f64)
             );
         }
         for k in diff.missing.iter().take(20) {
-            println!(
-                "  {} {} {}: missing in sink (ratio 0)",
-                tally_core::time::format_ms(k.0),
-                k.1,
-                k.2
-            );
+            println!("  {}: missing in sink (ratio 0)", window(k));
         }
         for k in diff.extra.iter().take(20) {
-            println!(
-                "  {} {} {}: not in source (ratio inf)",
-                tally_core::time::format_ms(k.0),
-                k.1,
-                k.2
-            );
+            println!("  {}: not in source (ratio inf)", window(k));
         }
         println!(
             "reconcile: {}",

@@ -1,0 +1,107 @@
+use super::*;
+
+#[test]
+fn identifiers_are_validated() {
+    assert!(TableNames::new("tally", "revenue_agg").is_ok());
+    assert!(TableNames::new("tally", "x; DROP TABLE y").is_err());
+    assert!(TableNames::new("1db", "t").is_err());
+}
+
+#[test]
+fn a_wrong_engine_and_column_are_named() {
+    let info = (
+        TableInfo {
+            engine: "ReplacingMergeTree".into(),
+            sorting_key: Some("epoch".into()),
+            create_table_query: None,
+        },
+        vec![ColumnInfo {
+            name: "version".into(),
+            type_: "UInt32".into(),
+        }],
+    );
+    let problems = check(
+        "tally.x_data",
+        &info,
+        "MergeTree",
+        Some(DATA_SORTING_KEY),
+        DATA_COLUMNS,
+    );
+    let text = problems.join("\n");
+    assert!(
+        text.contains("engine ReplacingMergeTree, expected MergeTree"),
+        "{text}"
+    );
+    assert!(text.contains("ordered by (epoch)"), "{text}");
+    assert!(
+        text.contains("tally.x_data.version has type UInt32, expected Int64"),
+        "{text}"
+    );
+    assert!(
+        text.contains("lacks column revenue Decimal(18, 4)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_view_reads_each_window_from_one_side_of_one_frontier() {
+    let names = TableNames::new("tally", "r").unwrap_or_else(|e| unreachable!("{e}"));
+    let frontier = Frontier {
+        seconds: 1_790_000_400,
+    };
+    let sql = names.create_view("tally.r__next", frontier);
+    assert!(sql.contains("FROM tally.r_final WHERE window_start < toDateTime(1790000400)"));
+    assert!(sql.contains("FROM tally.r_live WHERE window_start >= toDateTime(1790000400)"));
+    // Readers read published rows only: no versions, no commit log in their SELECT.
+    assert!(
+        !sql.contains("r_data") && !sql.contains("r_commits"),
+        "{sql}"
+    );
+    assert_eq!(sql.matches("toDateTime(1790000400)").count(), 2);
+    // The view is built in the read side's generation database: a fenced holder cannot.
+    let swap = names.install_view_sql(frontier, true, "tally__r__read4");
+    assert_eq!(
+        swap[2],
+        names.create_view("tally__r__read4.next_view", frontier)
+    );
+    assert_eq!(
+        swap[3],
+        "EXCHANGE TABLES tally.r AND tally__r__read4.next_view"
+    );
+    let swap = names.install_view_sql(frontier, false, "tally__r__read4");
+    assert_eq!(
+        swap[3],
+        "RENAME TABLE tally.r TO tally__r__read4.old_view, tally__r__read4.next_view TO tally.r"
+    );
+}
+
+#[test]
+fn a_publish_reads_committed_versions_as_of_its_cut_from_its_frontier() {
+    let names = TableNames::new("tally", "r").unwrap_or_else(|e| unreachable!("{e}"));
+    let from = Frontier {
+        seconds: 1_790_000_400,
+    };
+    let cut = Cut([(0, 20), (1, 8)].into_iter().collect());
+    let stage = "tally__r__read3.live_0".to_string();
+    let sql = names.stage_snapshot_sql(&stage, from, &cut).join("; ");
+    // Batches are pruned by the newest window they hold, not by a writer's epoch, and the
+    // cut is a literal: the versions are read after it was fixed.
+    assert!(
+        sql.contains("WHERE max_window_start >= toDateTime(1790000400))"),
+        "{sql}"
+    );
+    assert!(sql.contains("indexOf([0, 1]"), "{sql}");
+    assert!(sql.contains("arrayElement([20, 8]"), "{sql}");
+    assert!(!sql.contains("epoch"), "{sql}");
+    let [replace, _] = names.replace_live_sql(&stage);
+    assert_eq!(
+        replace,
+        "ALTER TABLE tally.r_live REPLACE PARTITION tuple() FROM tally__r__read3.live_0"
+    );
+}
+
+#[test]
+fn datetime_with_zone_is_accepted() {
+    assert_eq!(normalise("DateTime('UTC')"), "DateTime");
+    assert_eq!(normalise("Decimal(18,4)"), normalise("Decimal(18, 4)"));
+}
