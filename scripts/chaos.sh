@@ -96,7 +96,9 @@ worker_log() { echo "$dir/worker-$1.log"; }
 start_worker() {
   local log; log=$(worker_log "$1")
   touch "$log"; log_at[$1]=$(stat -c %s "$log")
-  TALLY_JOB__STATE_DIR="$dir/state-$1" "$TALLY_BIN" run --config "$config" >>"$log" 2>&1 &
+  # tally::events at debug: a line per publish, counted below.
+  RUST_LOG="${RUST_LOG:-info,rdkafka=warn,tally::events=debug}" \
+    TALLY_JOB__STATE_DIR="$dir/state-$1" "$TALLY_BIN" run --config "$config" >>"$log" 2>&1 &
   pids[$1]=$!
 }
 # The worker running the job: it took the lease since its last start. With tasks, a random
@@ -271,7 +273,7 @@ pfield() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$probe"; }
 folds=$(cat "$dir"/worker-*.log | grep -c 'fold step frontier=' || true)
 printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(cat "$dir"/worker-*.log | grep 'fold step frontier=' | grep -vc 'folded_rows=0' || true))"
 printf '%-40s %s\n' "fold kills (holder SIGKILLed mid-insert)" "$done_fold_kills${read_side_back:+ (read side back after ms:$read_side_back)}"
-printf '%-40s %s\n' "publishes (the live table's blocks)" "$(chq "SELECT max(max_block_number) FROM system.parts WHERE database = '$run' AND table = '${table}_live'" 2>/dev/null || echo '?')"
+printf '%-40s %s\n' "publishes (snapshots swapped in)" "$(cat "$dir"/worker-*.log | grep -c ' published ' || true)"
 printf '%-40s %s\n' "read side generations (claims)" "$(chq "SELECT countIf(event = 'claimed') FROM ${run}.${table}_read_side" 2>/dev/null || echo '?')"
 twice=$(chq "SELECT (SELECT count() - uniqExact(window_start, customer_id, currency) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, customer_id, currency) FROM ${run}.${table}_live)" 2>/dev/null || echo '?')
 printf '%-40s %s\n' "keys twice in the folded or live table (must be 0)" "$twice"

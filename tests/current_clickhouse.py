@@ -62,16 +62,25 @@ class Embedded:
         return result.bytes().decode() if hasattr(result, "bytes") else str(result)
 
 
-def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8"):
+def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8", table="revenue_agg", config=None):
     args = [
-        tally, "schema", "--print-sql", "--database", database, "--table", "revenue_agg",
+        tally, "schema", "--print-sql", "--database", database, "--table", table,
         "--from", str(frm), "--to", str(T0 + 600), "--as-of", as_of,
         "--day", DAY, "--data-partition", str(T0 // 600),
     ]
     if atomic:
         args.append("--atomic")
+    if config:
+        args += ["--config", config]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def run_steps(run, statements, wanted):
+    """Runs, in catalog order, the statements whose name `wanted` accepts."""
+    for s in statements:
+        if wanted(s["name"]):
+            run(s["name"], s["sql"])
 
 
 def sample_data(db):
@@ -245,22 +254,29 @@ def scenario(engine, database, check):
     answers["republished.live"] = normal(run("live", f"SELECT count() FROM {database}.revenue_agg_live"))
     check.that(answers["republished.live"] == ["1"],
                f"{engine.name}: rows published from the new frontier: {answers['republished.live']}")
-    # A step that died after inserting folded rows: the repair removes rows at or after the frontier.
+    # A step that died after inserting folded rows: the repair rebuilds the folded table without
+    # the rows at or after the frontier (the day holding them copied, the day before, folded
+    # earlier, linked whole) and swaps it in.
+    run("earlier_day", f"INSERT INTO {database}.revenue_agg_final VALUES "
+                       f"(toDateTime({T0 - 86400}), toDateTime({T0 - 86340}), 'c9', 'EUR', 2, 3.5)")
+    view_before_repair = normal(run("read.view", by_name["read.view"]))
+    check.that(view_before_repair == sorted(view_after + [f"{T0 - 86400}\tc9\tEUR\t2\t3.5"]),
+               f"{engine.name}: the earlier day's folded row: {view_before_repair}")
     run("leftover", f"INSERT INTO {database}.revenue_agg_final VALUES "
                     f"(toDateTime({T0 + 600}), toDateTime({T0 + 660}), 'c3', 'GBP', 9, 9)")
     for s in statements:
         if s["name"].startswith("repair."):
             run(s["name"], s["sql"])
     answers["repaired.read.view"] = normal(run("read.view", by_name["read.view"]))
-    check.that(answers["repaired.read.view"] == view_after,
+    check.that(answers["repaired.read.view"] == view_before_repair,
                f"{engine.name}: repair changed the view: {answers['repaired.read.view']}")
     answers["repaired.read.count_final"] = normal(run("read.count_final", by_name["read.count_final"]))
-    check.that(answers["repaired.read.count_final"] == ["3"],
+    check.that(answers["repaired.read.count_final"] == ["4"],
                f"{engine.name}: repair left {answers['repaired.read.count_final']} folded rows")
-    # Retention drops the folded day; the unfolded window stays.
+    # Retention drops the folded day; the unfolded window and the day before stay.
     run("drop.retained", by_name["drop.retained"])
     answers["retained.read.view"] = normal(run("read.view", by_name["read.view"]))
-    check.that(answers["retained.read.view"] == normal(EXPECTED_VIEW[3]),
+    check.that(answers["retained.read.view"] == normal(f"{EXPECTED_VIEW[3]}\n{T0 - 86400}\tc9\tEUR\t2\t3.5"),
                f"{engine.name}: after retention: {answers['retained.read.view']}")
     # The release drops the generation's database; from then on the server refuses every
     # statement of that generation that changes what readers see (the fence).
@@ -270,9 +286,14 @@ def scenario(engine, database, check):
     answers["released.read.generations"] = normal(run("read.generations", by_name["read.generations"]))
     check.that(answers["released.read.generations"] == [],
                f"{engine.name}: generations after the release: {answers['released.read.generations']}")
+    # Every statement that creates, fills or swaps in what readers see; not the drops of
+    # leftovers, which name the fenced database with IF EXISTS.
+    swaps = ("RENAME TABLE", "EXCHANGE TABLES")
     fenced = [s for s in statements
-              if s["name"] in ("publish.0", "publish.2", "publish.3", "fold.stage", "fold.attach", "fold.log",
-                               "install.2", "install.3", "repair.0")]
+              if s["name"] in ("publish.0", "publish.2", "fold.stage", "fold.attach", "fold.log",
+                               "install.2", "install.3", "repair.1")
+              or (s["name"].split(".")[0] in ("publish", "repair") and s["sql"].startswith(swaps))]
+    check.that(len(fenced) == 10, f"{engine.name}: fenced statements {[s['name'] for s in fenced]}")
     for s in fenced:
         try:
             engine.query(s["sql"])
@@ -282,6 +303,84 @@ def scenario(engine, database, check):
     answers["fenced.read.view"] = normal(run("read.view", by_name["read.view"]))
     check.that(answers["fenced.read.view"] == answers["retained.read.view"],
                f"{engine.name}: the fenced statements changed the view: {answers['fenced.read.view']}")
+    engine.query(f"DROP DATABASE IF EXISTS {database}")
+    return answers
+
+
+PAGE_VIEWS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "config", "page_views.toml")
+
+EXPECTED_PAGE_VIEWS = [
+    # (window start, page, country, device, views, fastest, slowest, mean): partition 0's newest
+    # version (5 views, sum 700) merged with partition 1's (2 views, sum 700).
+    f"{T0}\t/home\tde\tmobile\t7\t80\t500\t200",
+    f"{T0 + 60}\t/home\tus\ttablet\t1\t7\t7\t7",
+    f"{T0 + 600}\t/cart\tfr\tdesktop\t1\t50\t50\t50",
+]
+
+
+def page_views_scenario(engine, database, check):
+    """config/page_views.toml's shape (three keys; count, min, max and avg kept as sum and count):
+    its tables, publish, fold and view on one engine. Returns {step name: normalised answer}."""
+    atomic = engine.name == "chdb"
+    everything = "0:20,1:15"
+    statements = catalog(TALLY, database, atomic, as_of=everything, table="page_views", config=PAGE_VIEWS_CONFIG)
+    by_name = {s["name"]: s["sql"] for s in statements}
+    publish_after = [s for s in catalog(TALLY, database, atomic, frm=T0 + 600, as_of=everything, table="page_views",
+                                        config=PAGE_VIEWS_CONFIG) if s["name"].startswith("publish.")]
+    answers = {}
+
+    def run(name, sql):
+        try:
+            out = engine.query(sql)
+            check.that(True, f"page_views {name}")
+            return out
+        except RuntimeError as e:
+            check.that(False, f"{engine.name} rejected page_views {name}: {str(e)[:400]}\n  {sql[:400]}")
+            return ""
+
+    engine.query(f"DROP DATABASE IF EXISTS {database}__page_views__read1")
+    engine.query(f"DROP DATABASE IF EXISTS {database}")
+    run_steps(run, statements, lambda name: name.startswith("create."))
+    run_steps(run, statements, lambda name: name.startswith("claim."))
+    t = f"{database}.page_views"
+    versions = [
+        # (version, partition, window start, page, country, device, views, min, max, sum, count)
+        (10, 0, T0, "/home", "de", "mobile", 3, 100, 300, 600, 3),
+        (10, 0, T0 + 600, "/cart", "fr", "desktop", 1, 50, 50, 50, 1),
+        (20, 0, T0, "/home", "de", "mobile", 5, 80, 300, 700, 5),
+        (15, 1, T0, "/home", "de", "mobile", 2, 90, 500, 700, 2),
+        (15, 1, T0 + 60, "/home", "us", "tablet", 1, 7, 7, 7, 1),
+        (30, 1, T0, "/home", "de", "mobile", 100, 1, 1000, 1, 100),  # never committed
+    ]
+    values = ", ".join(
+        f"({v}, {p}, toDateTime({w}), toDateTime({w + 300}), '{pg}', '{c}', '{d}', {n}, {lo}, {hi}, {sm}, {ct})"
+        for v, p, w, pg, c, d, n, lo, hi, sm, ct in versions
+    )
+    run("sample.versions", f"INSERT INTO {t}_data VALUES {values}")
+    for batch, epoch, parts, frm, to, max_ws in (("a", 1, [0], [0], [10], T0 + 600), ("b", 2, [0], [10], [20], T0),
+                                                 ("c", 1, [1], [0], [15], T0 + 60)):
+        ids = ",".join(f"{p}:{o}" for p, o in zip(parts, to))
+        run(f"sample.commit_{batch}",
+            f"INSERT INTO {t}_commits (batch_id, job, epoch, partitions, from_offsets, to_offsets, watermarks, "
+            f"max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at) VALUES "
+            f"('pv/views[{ids}]', 'pv', {epoch}, {parts}, {frm}, {to}, [{(T0 + 900) * MS}], toDateTime({max_ws}), "
+            f"1, 1, 0, 0, toDateTime({T0}))")
+    run_steps(run, statements, lambda name: name.startswith("publish."))
+    answers["page_views.published.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["page_views.published.read.view"] == normal("\n".join(EXPECTED_PAGE_VIEWS)),
+               f"{engine.name}: page_views view: {answers['page_views.published.read.view']}")
+    answers["page_views.read.view_at"] = normal(run("read.view_at", by_name["read.view_at"]))
+    check.that(answers["page_views.read.view_at"] == answers["page_views.published.read.view"],
+               f"{engine.name}: page_views answer as of the cut: {answers['page_views.read.view_at']}")
+    run_steps(run, statements, lambda name: name.split(".")[0] in ("fold", "install") or name == "drop.versions")
+    run_steps(run, publish_after, lambda name: True)
+    answers["page_views.folded.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["page_views.folded.read.view"] == answers["page_views.published.read.view"],
+               f"{engine.name}: folding changed the page_views view: {answers['page_views.folded.read.view']}")
+    answers["page_views.folded.count_final"] = normal(run("read.count_final", by_name["read.count_final"]))
+    check.that(answers["page_views.folded.count_final"] == ["2"],
+               f"{engine.name}: page_views windows folded: {answers['page_views.folded.count_final']}")
+    engine.query(f"DROP DATABASE IF EXISTS {database}__page_views__read1")
     engine.query(f"DROP DATABASE IF EXISTS {database}")
     return answers
 
@@ -299,6 +398,7 @@ def main():
             version = engine.version().strip()
             print(f"{engine.name}: ClickHouse {version}")
             results[engine.name] = scenario(engine, database, check)
+            results[engine.name].update(page_views_scenario(engine, database, check))
     # Engine-specific reads: the database engine, and part names.
     skip = ("read.database_engine", "read.partitions", "read.beat_age")
     current, old = results["chdb"], results["server"]

@@ -205,8 +205,8 @@ impl ClickHouseSink {
     }
 
     /// Removes folded rows at or after `from`: they belong to a step that did not log its
-    /// frontier, and no view reads them. Each day is rebuilt in the lease's repair table and
-    /// swapped in whole.
+    /// frontier, and no view reads them. The folded table is rebuilt without them in the
+    /// lease's repair table (days without such rows linked as they are) and swapped in whole.
     async fn drop_unlogged_folds(&self, lease: &ReadLease, from: u32) -> Result<bool> {
         let leftovers: u64 = self
             .fetch(
@@ -217,20 +217,40 @@ impl ClickHouseSink {
         if leftovers == 0 {
             return Ok(false);
         }
-        let days: Vec<PartitionRow> = schema::json_rows(
-            &self.client,
-            &self.names.unlogged_days_sql(from),
-            &self.url,
-            "listing folded partitions to repair",
+        let partition_names = |rows: Vec<PartitionRow>| -> Vec<String> {
+            rows.into_iter().map(|row| row.partition).collect()
+        };
+        let cut_days = partition_names(
+            schema::json_rows(
+                &self.client,
+                &self.names.unlogged_days_sql(from),
+                &self.url,
+                "listing folded partitions to repair",
+            )
+            .await?,
+        );
+        let whole_days: Vec<String> = partition_names(
+            schema::json_rows(
+                &self.client,
+                &self.names.partitions_sql(&self.names.final_rows),
+                &self.url,
+                "listing folded partitions",
+            )
+            .await?,
         )
-        .await?;
-        for day in days {
-            for sql in self
-                .names
-                .rebuild_day_sql(&lease.repair_stage(), &day.partition, from)
-            {
-                self.exec_fenced(lease, &sql).await?;
-            }
+        .into_iter()
+        .filter(|day| !cut_days.contains(day))
+        .collect();
+        let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
+        for sql in self.names.rebuild_final_sql(
+            &lease.repair_stage(),
+            lease.database(),
+            atomic,
+            &whole_days,
+            &cut_days,
+            from,
+        ) {
+            self.exec_fenced(lease, &sql).await?;
         }
         Ok(true)
     }
@@ -526,6 +546,26 @@ fn day_end_seconds(day: &str) -> Option<i64> {
     Some((days_from_civil(y, m, d) + 1) * 86_400)
 }
 
+/// The `YYYYMMDD` day before `day`, if `day` is one.
+pub(crate) fn previous_day(day: &str) -> Option<String> {
+    let end = day_end_seconds(day)?;
+    let (y, m, d) = civil_from_days(end / 86_400 - 2);
+    Some(format!("{y:04}{m:02}{d:02}"))
+}
+
+/// The proleptic Gregorian date of a day since 1970-01-01 (inverse of [`days_from_civil`]).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
 /// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
 fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
@@ -540,6 +580,20 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_day_before_crosses_months_years_and_leap_days() {
+        for (day, before) in [
+            ("20260921", "20260920"),
+            ("20260301", "20260228"),
+            ("20240301", "20240229"),
+            ("20270101", "20261231"),
+            ("19700102", "19700101"),
+        ] {
+            assert_eq!(previous_day(day).as_deref(), Some(before), "{day}");
+        }
+        assert_eq!(previous_day("2026-09-21"), None);
+    }
 
     #[test]
     fn frontier_is_the_end_of_the_last_final_window() {

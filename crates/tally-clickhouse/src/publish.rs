@@ -13,9 +13,10 @@
 //! 2. build the answer from `from` as of that cut in a stage table of the read side's
 //!    [`ReadLease`] (an insert the server finishes after its client died, or after a later
 //!    holder took over, lands there and nowhere else);
-//! 3. unless the live table already holds a later cut, replace its one partition with the
-//!    stage's (`REPLACE PARTITION … FROM` the lease's table, refused once a later holder fenced
-//!    this one): readers see the old snapshot or the new one, whole.
+//! 3. unless the live table already holds a later cut, swap the stage table in as the live
+//!    table (a RENAME or EXCHANGE naming the lease's table, refused once a later holder fenced
+//!    this one) and drop the one it replaced: readers see the old snapshot or the new one,
+//!    whole, also after the server restarts.
 //!
 //! `from` is never above the frontier of a view a reader may still use: the frontier of the
 //! snapshot before (safe then, and views only move forward), or one this process installed at
@@ -34,7 +35,7 @@ pub enum PublishStep {
     Inserting,
     /// The snapshot is built in the stage table; the live table still holds the one before.
     Staged,
-    /// The live table holds the new snapshot; the stage table is not emptied yet.
+    /// The live table holds the new snapshot; the one it replaced is not dropped yet.
     Replaced,
 }
 
@@ -160,10 +161,16 @@ impl ClickHouseSink {
         let rows: u64 = self
             .fetch_fenced(lease, &format!("SELECT count() FROM {stage}"))
             .await?;
-        let [replace, empty] = self.names.replace_live_sql(&stage);
-        self.exec_fenced(lease, &replace).await?;
+        let atomic = crate::schema::atomic_database(&self.client, &self.names, &self.url).await?;
+        let swap = self.names.swap_live_sql(&stage, lease.database(), atomic);
+        let Some((drop_replaced, swap)) = swap.split_last() else {
+            return Err(crate::SinkError::Schema("publish statements".into()));
+        };
+        for sql in swap {
+            self.exec_fenced(lease, sql).await?;
+        }
         fault(PublishStep::Replaced);
-        self.exec_fenced(lease, &empty).await?;
+        self.exec_fenced(lease, drop_replaced).await?;
         Ok(PublishOutcome {
             cut,
             from,

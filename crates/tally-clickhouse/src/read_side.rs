@@ -4,8 +4,8 @@
 //! A holder is a *generation*: a database of its own, `<database>__<table>__read<G>`, created
 //! with a plain `CREATE DATABASE` (the server's compare-and-set: of two claimants of `G` one
 //! fails). Every statement that changes what readers see names a table of that database: folds
-//! and publishes build their rows in its stage tables and move them with `ATTACH`/`REPLACE
-//! PARTITION … FROM`, the fold log is appended with `INSERT … SELECT … FROM` its lease table,
+//! and publishes build their rows in its stage tables and move them with `ATTACH PARTITION … FROM`
+//! or swap the tables in whole, the fold log is appended with `INSERT … SELECT … FROM` its lease table,
 //! and the view is built in it and swapped in. A new generation drops every older one's database
 //! (after killing their statements still running on the server, found by query id), so from then
 //! on an earlier holder (a process killed mid-step whose `INSERT` the server finishes, a worker

@@ -142,6 +142,10 @@ struct SchemaArgs {
     /// Statements for an Atomic database (current servers) instead of Ordinary (18.16).
     #[arg(long)]
     atomic: bool,
+    /// A job file whose `[aggregation]` shapes the statements (its keys and aggregates as
+    /// columns); default: revenue_agg's.
+    #[arg(long)]
+    config: Option<PathBuf>,
 }
 
 fn parse_cut(text: &str) -> Result<tally_clickhouse::Cut> {
@@ -457,7 +461,12 @@ fn schema(args: &SchemaArgs) -> Result<()> {
     if !args.print_sql {
         anyhow::bail!("nothing to do: pass --print-sql");
     }
-    let names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
+    let mut names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
+    if let Some(path) = &args.config
+        && let (_, Some(job)) = Config::load_declared(path)?
+    {
+        names = names.with_shape(tally_clickhouse::Shape::of(&job));
+    }
     let catalog = names.statement_catalog(
         tally_clickhouse::Frontier { seconds: args.from },
         tally_clickhouse::Frontier { seconds: args.to },

@@ -38,15 +38,18 @@ impl TableNames {
         // window_end follows from window_start, so it is carried, not grouped by; the source
         // partition is grouped by, not selected. sum(UInt64) is UInt64 on every server.
         format!(
-            "SELECT window_start, any(p_window_end) AS window_end, customer_id, currency, sum(p_orders) AS orders, toDecimal64(sum(p_revenue), 4) AS revenue \
-             FROM (SELECT window_start, any(window_end) AS p_window_end, customer_id, currency, \
-                          argMax(orders, version) AS p_orders, argMax(revenue, version) AS p_revenue \
+            "SELECT window_start, any(p_window_end) AS window_end, {keys}, {merged} \
+             FROM (SELECT window_start, any(window_end) AS p_window_end, {keys}, \
+                          {newest} \
                    FROM {data} \
                    WHERE window_start >= toDateTime({f}){upper} \
                      AND (toInt32(source_partition + 0), version + 0) IN \
                          (SELECT arrayJoin({pairs}) FROM {commits} WHERE max_window_start >= toDateTime({f})) \
-                   GROUP BY source_partition, window_start, customer_id, currency) \
-             GROUP BY window_start, customer_id, currency",
+                   GROUP BY source_partition, window_start, {keys}) \
+             GROUP BY window_start, {keys}",
+            keys = self.shape.key_list(),
+            merged = self.shape.merged(),
+            newest = self.shape.newest_per_partition(),
             data = self.data,
             commits = self.commits,
             f = from.seconds,
@@ -60,9 +63,11 @@ impl TableNames {
     pub fn create_view(&self, name: &str, frontier: Frontier) -> String {
         format!(
             "CREATE VIEW IF NOT EXISTS {name} AS \
-             SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
+             SELECT window_start, window_end, {keys}, {shown} FROM {final_rows} WHERE window_start < toDateTime({f}) \
              UNION ALL \
-             SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {live} WHERE window_start >= toDateTime({f})",
+             SELECT window_start, window_end, {keys}, {shown} FROM {live} WHERE window_start >= toDateTime({f})",
+            keys = self.shape.key_list(),
+            shown = self.shape.shown_list(),
             final_rows = self.final_rows,
             live = self.live,
             f = frontier.seconds,
@@ -94,8 +99,10 @@ impl TableNames {
             format!("CREATE TABLE IF NOT EXISTS {stage} AS {}", self.live),
             format!("TRUNCATE TABLE {stage}"),
             format!(
-                "INSERT INTO {stage} SELECT window_start, window_end, customer_id, currency, orders, revenue, \
+                "INSERT INTO {stage} SELECT window_start, window_end, {keys}, {kept}, \
                  toDateTime({f}), CAST([{partitions}], 'Array(Int32)'), CAST([{offsets}], 'Array(Int64)') FROM ({versions})",
+                keys = self.shape.key_list(),
+                kept = self.shape.kept_list(),
                 f = from.seconds,
                 partitions = cut.partitions_sql(),
                 offsets = cut.offsets_sql(),
@@ -104,15 +111,44 @@ impl TableNames {
         ]
     }
 
-    /// Installs a staged snapshot: the live table's one partition replaced at once.
-    pub(crate) fn replace_live_sql(&self, stage: &str) -> [String; 2] {
-        [
-            format!(
-                "ALTER TABLE {} REPLACE PARTITION tuple() FROM {stage}",
-                self.live
-            ),
-            format!("TRUNCATE TABLE {stage}"),
-        ]
+    /// Installs a staged snapshot: the stage table (in `lease_database`) becomes the live
+    /// table (see [`swap_in_sql`](Self::swap_in_sql)).
+    pub(crate) fn swap_live_sql(
+        &self,
+        stage: &str,
+        lease_database: &str,
+        atomic_database: bool,
+    ) -> Vec<String> {
+        self.swap_in_sql(&self.live, stage, lease_database, atomic_database)
+    }
+
+    /// Makes `stage` (a table of the read side's `lease_database`, shaped as `target`) the job's
+    /// `target` in one swap, as the view is swapped (EXCHANGE on Atomic databases, a two-table
+    /// RENAME on Ordinary ones), then drops the table it replaced; the last statement is that
+    /// drop. Not `REPLACE PARTITION`: on 18.16 the parts it replaces come back as active when the
+    /// server restarts within `old_parts_lifetime` (README, "Found on 18.16"); a dropped table
+    /// stays dropped. A crash before the drop leaves the replaced table in the lease's database,
+    /// where the next swap drops it first.
+    fn swap_in_sql(
+        &self,
+        target: &str,
+        stage: &str,
+        lease_database: &str,
+        atomic_database: bool,
+    ) -> Vec<String> {
+        if atomic_database {
+            vec![
+                format!("EXCHANGE TABLES {target} AND {stage}"),
+                format!("DROP TABLE {stage}"),
+            ]
+        } else {
+            let old = format!("{lease_database}.replaced");
+            vec![
+                format!("DROP TABLE IF EXISTS {old}"),
+                format!("RENAME TABLE {target} TO {old}, {stage} TO {target}"),
+                format!("DROP TABLE {old}"),
+            ]
+        }
     }
 
     /// Totals of the batches the published snapshot and the folded rows hold: those wholly
@@ -192,20 +228,36 @@ impl TableNames {
         )
     }
 
-    /// Rebuilds day partition `day` of the folded table with only its rows before `from`, in
-    /// `stage` (a table of the read side's lease).
-    pub(crate) fn rebuild_day_sql(&self, stage: &str, day: &str, from: u32) -> Vec<String> {
+    /// Rebuilds the folded table with only its rows before `from` in `stage` (a table of the
+    /// read side's `lease_database`) and swaps it in: the days in `whole_days` are linked from
+    /// the folded table as they are, those in `cut_days` (the days holding rows at or after
+    /// `from`) are copied without those rows. Every active day must be in one of the two.
+    pub(crate) fn rebuild_final_sql(
+        &self,
+        stage: &str,
+        lease_database: &str,
+        atomic_database: bool,
+        whole_days: &[String],
+        cut_days: &[String],
+        from: u32,
+    ) -> Vec<String> {
         let final_rows = &self.final_rows;
-        vec![
-            format!("CREATE TABLE IF NOT EXISTS {stage} AS {final_rows}"),
-            format!("TRUNCATE TABLE {stage}"),
+        let mut sql = vec![
+            format!("DROP TABLE IF EXISTS {stage}"),
+            format!("CREATE TABLE {stage} AS {final_rows}"),
+        ];
+        sql.extend(
+            whole_days
+                .iter()
+                .map(|day| format!("ALTER TABLE {stage} ATTACH PARTITION {day} FROM {final_rows}")),
+        );
+        sql.extend(cut_days.iter().map(|day| {
             format!(
                 "INSERT INTO {stage} SELECT * FROM {final_rows} WHERE toYYYYMMDD(window_start) = {day} AND window_start < toDateTime({from})"
-            ),
-            // An empty staging partition empties the target partition, as it should.
-            format!("ALTER TABLE {final_rows} REPLACE PARTITION {day} FROM {stage}"),
-            format!("TRUNCATE TABLE {stage}"),
-        ]
+            )
+        }));
+        sql.extend(self.swap_in_sql(final_rows, stage, lease_database, atomic_database));
+        sql
     }
 
     /// Folds the windows in `[from, to)` into `stage` (shaped as the folded table).
@@ -294,7 +346,9 @@ impl TableNames {
     /// Every row of the reader view, as a plain SELECT sees it.
     pub fn read_view_sql(&self) -> String {
         format!(
-            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM {}",
+            "SELECT toUInt32(window_start) AS ws, {}, {} FROM {}",
+            self.shape.key_list(),
+            self.shape.value_list(),
             self.view_q()
         )
     }
@@ -324,7 +378,9 @@ impl TableNames {
             )
         });
         format!(
-            "SELECT toUInt32(window_start) AS ws, customer_id, currency, orders, revenue FROM ({}){range}",
+            "SELECT toUInt32(window_start) AS ws, {}, {} FROM ({}){range}",
+            self.shape.key_list(),
+            self.shape.shown_list(),
             self.answer_sql(frontier, cut)
         )
     }
@@ -333,8 +389,10 @@ impl TableNames {
     /// frontier, committed versions from it on. What a publish would show.
     pub(crate) fn answer_sql(&self, frontier: Frontier, cut: Option<&Cut>) -> String {
         format!(
-            "SELECT window_start, window_end, customer_id, currency, orders, revenue FROM {final_rows} WHERE window_start < toDateTime({f}) \
+            "SELECT window_start, window_end, {keys}, {kept} FROM {final_rows} WHERE window_start < toDateTime({f}) \
              UNION ALL {versions}",
+            keys = self.shape.key_list(),
+            kept = self.shape.kept_list(),
             final_rows = self.final_rows,
             f = frontier.seconds,
             versions = self.versions_sql(frontier, None, cut),

@@ -9,18 +9,10 @@ use crate::{Result, SinkError};
 
 // Statements that build and read the answer (publish, fold, view), beside the tables' own here.
 mod answer;
+mod shape;
 
-const DATA_COLUMNS: &[(&str, &str)] = &[
-    ("version", "Int64"),
-    ("source_partition", "Int32"),
-    ("window_start", "DateTime"),
-    ("window_end", "DateTime"),
-    ("customer_id", "String"),
-    ("currency", "String"),
-    ("orders", "UInt64"),
-    ("revenue", "Decimal(18, 4)"),
-];
-const DATA_SORTING_KEY: &str = "window_start, customer_id, currency, source_partition, version";
+pub use shape::Shape;
+
 /// Versions live in 10-minute partitions, so the versions of folded windows are dropped whole
 /// and soon after they are folded.
 pub(crate) const DATA_PARTITION_SECONDS: i64 = 600;
@@ -47,35 +39,13 @@ const COMMIT_SORTING_KEY: &str = "max_window_start, batch_id";
 /// The key of commit logs created before the view pruned by window.
 const LEGACY_COMMIT_SORTING_KEY: &str = "epoch";
 
-const VIEW_COLUMNS: &[(&str, &str)] = &[
-    ("window_start", "DateTime"),
-    ("window_end", "DateTime"),
-    ("customer_id", "String"),
-    ("currency", "String"),
-    ("orders", "UInt64"),
-    ("revenue", "Decimal(18, 4)"),
-];
-/// Folded rows have exactly the view's shape. Sorted by time first: every dashboard query has a
-/// time range, and within it a customer's rows are found by the second key column.
-const FINAL_SORTING_KEY: &str = "window_start, customer_id, currency";
-
-/// The published answer for the windows folding has not reached has the view's columns, then
-/// these: the point of the commit log it was computed at (the same in every row of a snapshot).
+/// The published answer for the windows folding has not reached has the folded table's columns,
+/// then these: the point of the commit log it was computed at (the same in every row of a snapshot).
 const PUBLISHED_AT_COLUMNS: &[(&str, &str)] = &[
     ("published_from", "DateTime"),
     ("cut_partitions", "Array(Int32)"),
     ("cut_offsets", "Array(Int64)"),
 ];
-
-fn live_columns() -> Vec<(&'static str, &'static str)> {
-    VIEW_COLUMNS
-        .iter()
-        .chain(PUBLISHED_AT_COLUMNS)
-        .copied()
-        .collect()
-}
-/// Each publish replaces the table's one partition; its old part is of no use after that.
-const LIVE_SETTINGS: &str = "old_parts_lifetime = 60";
 
 const FOLD_COLUMNS: &[(&str, &str)] = &[
     ("frontier", "DateTime"),
@@ -119,6 +89,8 @@ pub struct TableNames {
     pub live: String,
     /// The source partitions the job knows: folding waits for a watermark from each.
     pub partitions: String,
+    /// The job's keys and aggregates as columns.
+    pub shape: Shape,
 }
 
 fn valid_identifier(s: &str) -> bool {
@@ -147,7 +119,24 @@ impl TableNames {
             folds: format!("{database}.{view}_folds"),
             live: format!("{database}.{view}_live"),
             partitions: format!("{database}.{view}_partitions"),
+            shape: Shape::revenue_agg(),
         })
+    }
+
+    /// The same names for a job of another shape.
+    pub fn with_shape(self, shape: Shape) -> TableNames {
+        TableNames { shape, ..self }
+    }
+
+    /// The live table's columns: the folded table's, then where its snapshot was computed.
+    fn live_columns(&self) -> Vec<(String, String)> {
+        let mut columns = self.shape.answer_columns();
+        columns.extend(
+            PUBLISHED_AT_COLUMNS
+                .iter()
+                .map(|(n, t)| ((*n).to_owned(), (*t).to_owned())),
+        );
+        columns
     }
 
     pub fn view_q(&self) -> String {
@@ -164,9 +153,10 @@ impl TableNames {
 
     fn create_data(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree PARTITION BY intDiv(toUInt32(window_start), {DATA_PARTITION_SECONDS}) ORDER BY ({DATA_SORTING_KEY})",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree PARTITION BY intDiv(toUInt32(window_start), {DATA_PARTITION_SECONDS}) ORDER BY ({})",
             self.data,
-            columns_sql(DATA_COLUMNS)
+            columns_sql(&borrowed(&self.shape.data_columns())),
+            self.shape.data_sorting_key(),
         )
     }
 
@@ -180,16 +170,18 @@ impl TableNames {
 
     fn create_final_like(&self, name: &str) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {name} ({}) ENGINE = MergeTree PARTITION BY toYYYYMMDD(window_start) ORDER BY ({FINAL_SORTING_KEY})",
-            columns_sql(VIEW_COLUMNS)
+            "CREATE TABLE IF NOT EXISTS {name} ({}) ENGINE = MergeTree PARTITION BY toYYYYMMDD(window_start) ORDER BY ({})",
+            columns_sql(&borrowed(&self.shape.answer_columns())),
+            self.shape.answer_sorting_key(),
         )
     }
 
     fn create_live(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({FINAL_SORTING_KEY}) SETTINGS {LIVE_SETTINGS}",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({})",
             self.live,
-            columns_sql(&live_columns())
+            columns_sql(&borrowed(&self.live_columns())),
+            self.shape.answer_sorting_key(),
         )
     }
 
@@ -328,8 +320,8 @@ impl TableNames {
     }
 
     /// Every statement tally issues, named: the read side's claim of generation 1, one fold
-    /// step from `from` to `to` (repair of day `day`, fold, log, install, drop of version
-    /// partition `data_partition`), a publish of the answer from `from` as of `as_of`, the
+    /// step from `from` to `to` (repair of day `day`, the day before it kept whole, fold, log,
+    /// install, drop of version partition `data_partition`), a publish of the answer from `from` as of `as_of`, the
     /// reads that verify, reconcile, publishing and folding make, and the release. For
     /// checking the SQL on other server versions: `tally schema --print-sql`.
     pub fn statement_catalog(
@@ -396,12 +388,21 @@ impl TableNames {
         let publish = self
             .stage_snapshot_sql(&stage, from, as_of)
             .into_iter()
-            .chain(self.replace_live_sql(&stage));
+            .chain(self.swap_live_sql(&stage, &lease_db, atomic_database));
         for (i, sql) in publish.enumerate() {
             out.push((format!("publish.{i}"), sql));
         }
         for (i, sql) in self
-            .rebuild_day_sql(&format!("{lease_db}.repair"), day, to.seconds)
+            .rebuild_final_sql(
+                &format!("{lease_db}.repair"),
+                &lease_db,
+                atomic_database,
+                &crate::fold::previous_day(day)
+                    .into_iter()
+                    .collect::<Vec<_>>(),
+                &[day.to_owned()],
+                to.seconds,
+            )
             .into_iter()
             .enumerate()
         {
@@ -504,6 +505,14 @@ fn join<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Borrowed (name, type) pairs of owned ones.
+fn borrowed(columns: &[(String, String)]) -> Vec<(&str, &str)> {
+    columns
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect()
 }
 
 pub(crate) fn columns_sql(columns: &[(&str, &str)]) -> String {
@@ -713,55 +722,62 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
     )
     .await?;
     let short = |suffix: &str| format!("{}{suffix}", names.view);
-    let live = live_columns();
+    let shape = &names.shape;
+    let (data_columns, answer_columns, live_columns, view_columns) = (
+        shape.data_columns(),
+        shape.answer_columns(),
+        names.live_columns(),
+        shape.view_columns(),
+    );
+    let (data_key, answer_key) = (shape.data_sorting_key(), shape.answer_sorting_key());
     let tables = [
         (
             names.data.clone(),
             short("_data"),
-            Some(DATA_SORTING_KEY),
-            DATA_COLUMNS,
+            Some(data_key.as_str()),
+            borrowed(&data_columns),
             names.create_data(),
         ),
         (
             names.commits.clone(),
             short("_commits"),
             Some(COMMIT_SORTING_KEY),
-            COMMIT_COLUMNS,
+            COMMIT_COLUMNS.to_vec(),
             names.create_commits(),
         ),
         (
             names.final_rows.clone(),
             short("_final"),
-            Some(FINAL_SORTING_KEY),
-            VIEW_COLUMNS,
+            Some(answer_key.as_str()),
+            borrowed(&answer_columns),
             names.create_final_like(&names.final_rows),
         ),
         (
             names.partitions.clone(),
             short("_partitions"),
             Some("partition"),
-            PARTITION_COLUMNS,
+            PARTITION_COLUMNS.to_vec(),
             names.create_partitions(),
         ),
         (
             names.read_side_log(),
             short("_read_side"),
             Some("generation, at"),
-            READ_SIDE_COLUMNS,
+            READ_SIDE_COLUMNS.to_vec(),
             names.create_read_side_log(),
         ),
         (
             names.folds.clone(),
             short("_folds"),
             Some(FOLD_SORTING_KEY),
-            FOLD_COLUMNS,
+            FOLD_COLUMNS.to_vec(),
             names.create_folds(),
         ),
         (
             names.live.clone(),
             short("_live"),
-            Some(FINAL_SORTING_KEY),
-            &live[..],
+            Some(answer_key.as_str()),
+            borrowed(&live_columns),
             names.create_live(),
         ),
     ];
@@ -775,7 +791,7 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
                 old_layout |= name == short("_data") && info.1.iter().any(|c| c.name == "epoch");
                 let legacy_commits = name == short("_commits")
                     && info.0.sorting_key.as_deref() == Some(LEGACY_COMMIT_SORTING_KEY);
-                let found = check(&full, &info, "MergeTree", key, columns);
+                let found = check(&full, &info, "MergeTree", key, &columns);
                 // Only the key differs: same rows, sorted for the view's pruning by window.
                 if legacy_commits && found.len() == 1 {
                     for sql in names.migrate_commits_sql(atomic_database(client, names, url).await?)
@@ -797,7 +813,13 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
         match inspect(client, url, &names.database, &names.view).await? {
             None => execute(client, &names.create_view(&names.view_q(), frontier), url).await?,
             Some(info) => {
-                problems.extend(check(&names.view_q(), &info, "View", None, VIEW_COLUMNS));
+                problems.extend(check(
+                    &names.view_q(),
+                    &info,
+                    "View",
+                    None,
+                    &borrowed(&view_columns),
+                ));
                 // A view of an earlier layout: it read the versions itself (which let a reader
                 // see half a batch), or pruned the commit log by epoch.
                 let reads_live = info

@@ -213,6 +213,50 @@ fn the_example_declarations_are_valid_and_say_why_this_release_does_not_run_them
     );
 }
 
+/// A declaration shapes the job's tables: revenue_agg's is the shape its tables always had; an
+/// average is kept as its sum and count (so source partitions merge exactly) and shown divided.
+#[test]
+fn declarations_shape_the_tables_and_the_view() {
+    let shape = |text: &str| {
+        let (_, job) = declared(text).expect("valid");
+        tally_clickhouse::Shape::of(&job.expect("declared"))
+    };
+    assert_eq!(shape(REVENUE_AGG), tally_clickhouse::Shape::revenue_agg());
+    assert!(shape(REVENUE_AGG).is_revenue_agg());
+    let page_views = shape(PAGE_VIEWS);
+    assert!(!page_views.is_revenue_agg());
+    let names = tally_clickhouse::TableNames::new("tally", "page_views")
+        .expect("names")
+        .with_shape(page_views);
+    let statements = names.create_statements().join("\n");
+    for expected in [
+        "CREATE TABLE IF NOT EXISTS tally.page_views_data (version Int64, source_partition Int32, window_start DateTime, window_end DateTime, page String, country String, device String, views UInt64, fastest_load_ms Int64, slowest_load_ms Int64, mean_load_ms__sum Int64, mean_load_ms__count UInt64) ENGINE = MergeTree PARTITION BY intDiv(toUInt32(window_start), 600) ORDER BY (window_start, page, country, device, source_partition, version)",
+        "SELECT window_start, window_end, page, country, device, views, fastest_load_ms, slowest_load_ms, mean_load_ms__sum / mean_load_ms__count AS mean_load_ms FROM tally.page_views_final",
+    ] {
+        assert!(statements.contains(expected), "{statements}");
+    }
+    let answer_of = |names: &tally_clickhouse::TableNames| {
+        names.read_view_at_sql(
+            tally_clickhouse::Frontier { seconds: 0 },
+            &tally_clickhouse::Cut::default(),
+            None,
+        )
+    };
+    let answer = answer_of(&names);
+    assert!(
+        answer.contains("sum(p_views) AS views, min(p_fastest_load_ms) AS fastest_load_ms, max(p_slowest_load_ms) AS slowest_load_ms, sum(p_mean_load_ms__sum) AS mean_load_ms__sum, sum(p_mean_load_ms__count) AS mean_load_ms__count"),
+        "{answer}"
+    );
+    let api_latency = tally_clickhouse::TableNames::new("tally", "api")
+        .expect("names")
+        .with_shape(shape(API_LATENCY));
+    let versions = answer_of(&api_latency);
+    assert!(
+        versions.contains("toDecimal64(sum(p_latency_total_ms), 3) AS latency_total_ms, max(p_latency_max_ms) AS latency_max_ms"),
+        "{versions}"
+    );
+}
+
 #[test]
 fn a_job_names_its_fields_one_way() {
     let both = format!("{REVENUE_AGG}\n[fields]\namount = \"total\"\n");
