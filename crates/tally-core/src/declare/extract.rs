@@ -51,11 +51,13 @@ impl FieldReader {
 
     /// The field's value, or the poison of a record whose field is missing or invalid.
     pub fn read(&self, raw: Option<&RawValue>) -> Result<Value, Poison> {
-        let label = self.label();
+        // Built only for a poison message: joining the path on every read cost 7 % of reading
+        // revenue_agg by declaration (perf).
+        let label = || self.label();
         let missing = || {
             poison(
                 PoisonReason::MissingField,
-                format!("field {label:?} is missing or null"),
+                format!("field {:?} is missing or null", label()),
             )
         };
         let raw_value = raw.ok_or_else(missing)?;
@@ -66,7 +68,7 @@ impl FieldReader {
         let wrong = |found: &str, expected: &str| {
             poison(
                 PoisonReason::WrongType,
-                format!("field {label:?} is {found}, expected {expected}"),
+                format!("field {:?} is {found}, expected {expected}", label()),
             )
         };
         match self.kind {
@@ -86,7 +88,7 @@ impl FieldReader {
                 if text.is_empty() && !self.allow_empty {
                     return Err(poison(
                         PoisonReason::MissingField,
-                        format!("field {label:?} is empty"),
+                        format!("field {:?} is empty", label()),
                     ));
                 }
                 Ok(Value::Str(CompactString::from(text.as_ref())))
@@ -107,7 +109,10 @@ impl FieldReader {
                 parse_decimal(&text, self.scale)
                     .map(Value::Decimal)
                     .map_err(|e| {
-                        poison(PoisonReason::InvalidAmount, format!("field {label:?}: {e}"))
+                        poison(
+                            PoisonReason::InvalidAmount,
+                            format!("field {:?}: {e}", label()),
+                        )
                     })
             }
             FieldKind::Float => match raw {
