@@ -65,16 +65,43 @@ async fn health_ready_and_metrics_are_served() {
         "{metrics}"
     );
     assert!(metrics.contains("tally_partition_lag_records"), "{metrics}");
+    // Every series names its job, so that one dashboard serves several.
+    let job_label = format!("tally_job=\"{}\"", job.name);
+    let series_lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("tally_"))
+        .collect();
+    assert!(series_lines.len() > 5, "{metrics}");
+    for line in series_lines {
+        assert!(line.contains(&job_label), "{line} lacks {job_label}");
+    }
+    assert!(series(&metrics, "tally_records_consumed_total").is_some_and(|n| n >= 1.0));
     sigterm(&worker);
     assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
 }
 
-/// The value of a series in a Prometheus text exposition, by its name and labels.
-fn series(metrics: &str, name_and_labels: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name_and_labels)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
+/// A series' name and its labels but the job's (`tally_job`, which every series carries).
+fn name_and_labels(series: &str) -> (&str, Vec<&str>) {
+    let Some((name, labels)) = series.split_once('{') else {
+        return (series, Vec::new());
+    };
+    let mut labels: Vec<&str> = labels
+        .trim_end_matches('}')
+        .split(',')
+        .filter(|l| !l.is_empty() && !l.starts_with("tally_job="))
+        .collect();
+    labels.sort_unstable();
+    (name, labels)
+}
+
+/// The value of a series in a Prometheus text exposition, by its name and exact labels.
+fn series(metrics: &str, wanted: &str) -> Option<f64> {
+    let wanted = name_and_labels(wanted);
+    metrics.lines().find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        (!l.starts_with('#') && name_and_labels(series) == wanted)
+            .then(|| value.trim().parse().ok())?
+    })
 }
 
 #[tokio::test(flavor = "multi_thread")]

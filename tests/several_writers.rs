@@ -38,11 +38,7 @@ async fn sink(database: &str) -> ClickHouseSink {
 fn row(partition: i32, minute: i64, customer: &str, orders: u64, revenue: &str) -> OutputRow {
     OutputRow {
         partition,
-        key: WindowKey {
-            window_start_ms: T0 + minute * MINUTE,
-            customer_id: customer.into(),
-            currency: "EUR".into(),
-        },
+        key: WindowKey::of_orders(T0 + minute * MINUTE, customer, "EUR"),
         window_end_ms: T0 + (minute + 1) * MINUTE,
         value: WindowAgg {
             orders,

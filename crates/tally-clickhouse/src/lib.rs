@@ -458,8 +458,8 @@ impl ClickHouseSink {
                 source_partition: row.partition,
                 window_start: seconds(row.key.window_start_ms)?,
                 window_end: seconds(row.window_end_ms)?,
-                customer_id: &row.key.customer_id,
-                currency: &row.key.currency,
+                customer_id: row.key.customer_id(),
+                currency: row.key.currency(),
                 orders: row.value.orders,
                 revenue: row.value.revenue.units(),
             };

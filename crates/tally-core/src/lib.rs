@@ -5,6 +5,7 @@
 pub mod amount;
 pub mod declare;
 pub mod decode;
+pub mod group_key;
 pub mod mem;
 pub mod operator;
 pub mod seen_filter;
@@ -14,6 +15,7 @@ pub mod window;
 
 pub use amount::{Amount, AmountError};
 pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
+pub use group_key::GroupKey;
 pub use mem::MemStore;
 pub use operator::{
     Checkpoint, EpochCut, OperatorConfig, PartitionCheckpoint, Record, RevenueOperator,

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
 use crate::decode::PoisonReason;
+use crate::group_key::GroupKey;
 
 /// A source partition of the job's topic.
 pub type PartitionId = i32;
@@ -40,12 +41,36 @@ pub struct CheckpointBarrier {
     pub is_final: bool,
 }
 
-/// Identity of one aggregate within a partition.
+/// Identity of one aggregate within a partition: its window and its group-by values. Ordered by
+/// window, then key.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct WindowKey {
     pub window_start_ms: i64,
-    pub customer_id: CompactString,
-    pub currency: CompactString,
+    pub key: GroupKey,
+}
+
+impl WindowKey {
+    /// revenue_agg's window of a customer's orders in a currency.
+    pub fn of_orders(
+        window_start_ms: i64,
+        customer_id: impl Into<CompactString>,
+        currency: impl Into<CompactString>,
+    ) -> WindowKey {
+        WindowKey {
+            window_start_ms,
+            key: GroupKey::new([customer_id.into(), currency.into()]),
+        }
+    }
+
+    /// revenue_agg's customer: the key's first part.
+    pub fn customer_id(&self) -> &str {
+        self.key.part(0)
+    }
+
+    /// revenue_agg's currency: the key's second part.
+    pub fn currency(&self) -> &str {
+        self.key.part(1)
+    }
 }
 
 /// The full current value of one window aggregate.

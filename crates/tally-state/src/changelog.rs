@@ -11,8 +11,12 @@ use tally_core::{
     WindowKey,
 };
 
-/// Version of the record layout; a reader refuses any other.
-pub const CHANGELOG_FORMAT: u8 = 1;
+/// Version of the record layout this build writes; a reader refuses any but this and
+/// [`CHANGELOG_FORMAT_V1`].
+/// 2: a window's group key is its parts (any number), not (customer, currency).
+pub const CHANGELOG_FORMAT: u8 = 2;
+/// Written by the releases before group keys: read as revenue_agg's (customer, currency).
+pub const CHANGELOG_FORMAT_V1: u8 = 1;
 /// Estimated bytes of windows and ids per record at most: records stay well below the
 /// producer's and the topic's message limit (16 MiB), however large an epoch.
 const CHUNK_BYTES: usize = 4 << 20;
@@ -22,7 +26,7 @@ pub enum ChangelogError {
     #[error("changelog record: {0}")]
     Undecodable(String),
     #[error(
-        "changelog record: format {found} is not supported (this build reads {CHANGELOG_FORMAT})"
+        "changelog record: format {found} is not supported (this build reads {CHANGELOG_FORMAT_V1} and {CHANGELOG_FORMAT}); a newer release wrote it: run that release"
     )]
     UnknownFormat { found: u8 },
     #[error("cannot encode a changelog record: {0}")]
@@ -38,6 +42,7 @@ pub enum ChangelogError {
 /// One partition's part of one epoch (or a chunk of it): what the store applies for the
 /// partition at that checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "RecordFields<WindowKey>")]
 pub struct ChangelogRecord {
     format: u8,
     pub epoch: Epoch,
@@ -54,9 +59,42 @@ pub struct ChangelogRecord {
     pub seen: Vec<(String, i64)>,
 }
 
-/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut.
+/// A record's fields with the window key of its format: one layout, read twice.
+#[derive(Deserialize)]
+struct RecordFields<K> {
+    format: u8,
+    epoch: Epoch,
+    partition: PartitionId,
+    chunk: u32,
+    chunks: u32,
+    progress: PartitionCheckpoint,
+    close_windows_before: Option<i64>,
+    expire_seen_before: Option<i64>,
+    windows: Vec<(K, WindowAgg)>,
+    seen: Vec<(String, i64)>,
+}
+
+impl<K: Into<WindowKey>> From<RecordFields<K>> for ChangelogRecord {
+    fn from(r: RecordFields<K>) -> ChangelogRecord {
+        ChangelogRecord {
+            format: r.format,
+            epoch: r.epoch,
+            partition: r.partition,
+            chunk: r.chunk,
+            chunks: r.chunks,
+            progress: r.progress,
+            close_windows_before: r.close_windows_before,
+            expire_seen_before: r.expire_seen_before,
+            windows: r.windows.into_iter().map(|(k, v)| (k.into(), v)).collect(),
+            seen: r.seen,
+        }
+    }
+}
+
+/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K`: the format's window
+/// key, a [`WindowKey`] but in tests).
 #[derive(Serialize)]
-struct RecordRef<'a> {
+struct RecordRef<'a, K = WindowKey> {
     format: u8,
     epoch: Epoch,
     partition: PartitionId,
@@ -65,7 +103,7 @@ struct RecordRef<'a> {
     progress: &'a PartitionCheckpoint,
     close_windows_before: Option<i64>,
     expire_seen_before: Option<i64>,
-    windows: &'a [(&'a WindowKey, &'a WindowAgg)],
+    windows: &'a [(&'a K, &'a WindowAgg)],
     seen: &'a [(&'a str, i64)],
 }
 
@@ -89,7 +127,7 @@ fn encode_in_chunks(
         let seen: Vec<_> = cut.seen_of(partition).collect();
         let (close_windows_before, expire_seen_before) = cut.cutoffs_of(partition);
         let window_size =
-            |(k, _): &(&WindowKey, &WindowAgg)| k.customer_id.len() + k.currency.len() + 40;
+            |(k, _): &(&WindowKey, &WindowAgg)| k.key.text_len() + 5 * k.key.parts().len() + 30;
         let id_size = |(id, _): &(&str, i64)| id.len() + 10;
         let mut parts: Vec<(&[_], &[_])> = chunks(&windows, chunk_bytes, window_size)
             .into_iter()
@@ -156,12 +194,17 @@ fn chunks<T>(items: &[T], limit: usize, size: impl Fn(&T) -> usize) -> Vec<&[T]>
 impl ChangelogRecord {
     pub fn decode(bytes: &[u8]) -> Result<ChangelogRecord, ChangelogError> {
         // The format is the first field: checked before the rest is trusted.
-        match bytes.first() {
-            Some(&CHANGELOG_FORMAT) => {}
+        let decoded = match bytes.first() {
+            Some(&CHANGELOG_FORMAT) => bincode::serde::decode_from_slice(bytes, config()),
+            Some(&CHANGELOG_FORMAT_V1) => bincode::serde::decode_from_slice::<
+                RecordFields<crate::legacy::WindowKeyV1>,
+                _,
+            >(bytes, config())
+            .map(|(fields, read)| (ChangelogRecord::from(fields), read)),
             Some(&found) => return Err(ChangelogError::UnknownFormat { found }),
             None => return Err(ChangelogError::Undecodable("empty".into())),
-        }
-        bincode::serde::decode_from_slice(bytes, config())
+        };
+        decoded
             .map(|(record, _)| record)
             .map_err(|e| ChangelogError::Undecodable(e.to_string()))
     }
@@ -854,6 +897,57 @@ mod tests {
             Err(ChangelogError::UnknownFormat { found: 9 })
         ));
         assert!(ChangelogRecord::decode(&[]).is_err());
+    }
+
+    /// Format 1, written by the releases before group keys, reads as the same record.
+    #[test]
+    fn records_of_the_releases_before_group_keys_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let owner = StateStore::open(dir.path(), "job").unwrap();
+        let events: Vec<Event> = (0..12).map(|i| (0, i, i % 3, 1_000, false)).collect();
+        let log = run_owner(&owner, &[events], usize::MAX);
+        let record = ChangelogRecord::decode(&log[0]).unwrap();
+        assert!(record.windows.len() >= 3 && !record.seen.is_empty());
+        let keys: Vec<_> = record
+            .windows
+            .iter()
+            .map(|(k, v)| {
+                let key = crate::legacy::WindowKeyV1 {
+                    window_start_ms: k.window_start_ms,
+                    customer_id: k.customer_id().into(),
+                    currency: k.currency().into(),
+                };
+                (key, *v)
+            })
+            .collect();
+        let windows: Vec<_> = keys.iter().map(|(k, v)| (k, v)).collect();
+        let seen: Vec<_> = record
+            .seen
+            .iter()
+            .map(|(id, t)| (id.as_str(), *t))
+            .collect();
+        let v1 = RecordRef {
+            format: CHANGELOG_FORMAT_V1,
+            epoch: record.epoch,
+            partition: record.partition,
+            chunk: record.chunk,
+            chunks: record.chunks,
+            progress: &record.progress,
+            close_windows_before: record.close_windows_before,
+            expire_seen_before: record.expire_seen_before,
+            windows: &windows,
+            seen: &seen,
+        };
+        let bytes = bincode::serde::encode_to_vec(&v1, config()).unwrap();
+        let read = ChangelogRecord::decode(&bytes).unwrap();
+        assert_eq!(read.format, CHANGELOG_FORMAT_V1);
+        assert_eq!(
+            ChangelogRecord {
+                format: CHANGELOG_FORMAT,
+                ..read
+            },
+            record
+        );
     }
 
     #[test]

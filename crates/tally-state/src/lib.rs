@@ -7,6 +7,7 @@
 
 pub mod changelog;
 mod keys;
+mod legacy;
 pub mod replay;
 
 use std::collections::BTreeMap;
@@ -26,9 +27,12 @@ use tally_core::{
 };
 
 /// Version of the on-disk layout. Bump on any change to keys or encodings.
+/// 3: a pending epoch's rows carry group keys of any number of parts; version 2 encoded them as
+/// (customer, currency), which an open rewrites (window keys and everything else are the same).
 /// 2: dedup ids expire in compaction; version 1 also kept them in a time index, which an open
 /// drops (the id entries are the same).
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
+const FORMAT_ORDER_KEYS: u32 = 2;
 const FORMAT_WITH_TIME_INDEX: u32 = 1;
 
 const CF_META: &str = "meta";
@@ -487,8 +491,11 @@ impl StateStore {
                     })?;
                 if found == FORMAT_VERSION {
                     Ok(())
-                } else if found == FORMAT_WITH_TIME_INDEX {
-                    self.drop_time_index()
+                } else if found == FORMAT_WITH_TIME_INDEX || found == FORMAT_ORDER_KEYS {
+                    if found == FORMAT_WITH_TIME_INDEX {
+                        self.drop_time_index()?;
+                    }
+                    self.rewrite_pending_outputs()
                 } else {
                     Err(StateError::UnknownFormat {
                         path: self.path.clone(),
@@ -499,24 +506,30 @@ impl StateStore {
         }
     }
 
-    /// Format 1 to 2: the time index goes (dropped first, so a crash in between leaves a
-    /// format 1 store without it, which this repeats harmlessly).
+    /// Format 1 to 2: the time index goes (dropped first, so a crash before the new version is
+    /// written leaves a format 1 store without it, which this repeats harmlessly).
     fn drop_time_index(&mut self) -> Result<(), StateError> {
         if self.db.cf_handle(CF_SEEN_TIME_V1).is_some() {
             self.db
                 .drop_cf(CF_SEEN_TIME_V1)
                 .map_err(|e| self.rocks(e))?;
         }
-        let mut opts = WriteOptions::default();
-        opts.set_sync(true);
-        self.db
-            .put_cf_opt(
-                self.cf(CF_META)?,
-                KEY_FORMAT,
-                FORMAT_VERSION.to_be_bytes(),
-                &opts,
-            )
-            .map_err(|e| self.rocks(e))
+        Ok(())
+    }
+
+    /// Format 2 to 3: the pending outputs of pre-committed epochs (and of the last committed
+    /// one) are rewritten with group keys, in one synced batch with the new version.
+    fn rewrite_pending_outputs(&mut self) -> Result<(), StateError> {
+        let cf = self.cf(CF_PENDING)?;
+        let mut batch = WriteBatch::default();
+        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
+            let (key, bytes) = item.map_err(|e| self.rocks(e))?;
+            let old: legacy::CheckpointV1 = self.decode(&bytes, "pending outputs (format 2)")?;
+            let outputs = Checkpoint::from(old);
+            batch.put_cf(cf, key, self.encode(&outputs, "pending outputs")?);
+        }
+        batch.put_cf(self.cf(CF_META)?, KEY_FORMAT, FORMAT_VERSION.to_be_bytes());
+        self.write(batch)
     }
 
     fn read_meta(&self) -> Result<Option<CheckpointMeta>, StateError> {
@@ -1070,7 +1083,9 @@ impl StateStore {
         let mut out = Vec::new();
         for item in self.db.iterator_cf(cf, IteratorMode::Start) {
             let (key, value) = item.map_err(|e| self.rocks(e))?;
-            let (p, k) = keys::decode_window(&key).ok_or_else(|| self.corrupt_key("window key"))?;
+            // revenue_agg's two key parts: the one shape the operator writes in this release.
+            let (p, k) =
+                keys::decode_window(&key, 2).ok_or_else(|| self.corrupt_key("window key"))?;
             out.push((p, k, self.decode(&value, "window aggregate")?));
         }
         Ok(out)
@@ -1135,6 +1150,72 @@ impl StateReader for StateStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tally_core::{Amount, OutputRow};
+
+    /// A store written by the releases before group keys: its pending epoch, rows encoded as
+    /// (customer, currency), reads back with group keys after the upgrade, and the rewrite is
+    /// done once.
+    #[test]
+    fn a_format_2_store_upgrades_with_its_pending_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let row = |customer: &str, orders: u64| legacy::OutputRowV1 {
+            partition: 3,
+            key: legacy::WindowKeyV1 {
+                window_start_ms: 60_000,
+                customer_id: customer.into(),
+                currency: "EUR".into(),
+            },
+            window_end_ms: 120_000,
+            value: WindowAgg {
+                orders,
+                revenue: Amount::parse("12.5").unwrap(),
+            },
+        };
+        let old = legacy::CheckpointV1 {
+            epoch: Epoch(7),
+            partitions: [(3, PartitionCheckpoint::default())].into(),
+            rows: vec![row("a\0b", 1), row("cust-1", 4)],
+            seen: Vec::new(),
+            dead_letters: Vec::new(),
+            close_windows_before: vec![(3, 0)],
+            expire_seen_before: Vec::new(),
+        };
+        {
+            let store = StateStore::open(dir.path(), "job").unwrap();
+            let mut batch = WriteBatch::default();
+            let bytes = bincode::serde::encode_to_vec(&old, bincode_config()).unwrap();
+            batch.put_cf(store.cf(CF_PENDING).unwrap(), 7u64.to_be_bytes(), bytes);
+            batch.put_cf(
+                store.cf(CF_META).unwrap(),
+                KEY_FORMAT,
+                FORMAT_ORDER_KEYS.to_be_bytes(),
+            );
+            store.write(batch).unwrap();
+        }
+        let expected = Checkpoint::from(old);
+        assert_eq!(
+            expected.rows[1],
+            OutputRow {
+                partition: 3,
+                key: WindowKey::of_orders(60_000, "cust-1", "EUR"),
+                window_end_ms: 120_000,
+                value: WindowAgg {
+                    orders: 4,
+                    revenue: Amount::parse("12.5").unwrap()
+                },
+            }
+        );
+        for _ in 0..2 {
+            let store = StateStore::open(dir.path(), "job").unwrap();
+            let (pending, _) = store.pending(Epoch(7), 60_000).unwrap();
+            assert_eq!(pending, expected);
+            let format = store
+                .db
+                .get_cf(store.cf(CF_META).unwrap(), KEY_FORMAT)
+                .unwrap();
+            assert_eq!(format.as_deref(), Some(&FORMAT_VERSION.to_be_bytes()[..]));
+        }
+    }
 
     #[test]
     fn the_shared_memory_is_set_once_for_the_process() {

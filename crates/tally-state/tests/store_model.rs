@@ -14,11 +14,7 @@ use tally_state::{EpochStatus, StateError, StateStore};
 const WINDOW_MS: i64 = 1000;
 
 fn key(start: i64, customer: u8) -> WindowKey {
-    WindowKey {
-        window_start_ms: start * 1000,
-        customer_id: format!("c{customer}").into(),
-        currency: "EUR".into(),
-    }
+    WindowKey::of_orders(start * 1000, format!("c{customer}"), "EUR")
 }
 
 #[derive(Debug, Clone)]
@@ -320,7 +316,7 @@ fn a_format_1_store_loses_its_time_index_and_keeps_its_ids() {
         .unwrap()
         .unwrap();
     assert_eq!(version, tally_state::FORMAT_VERSION.to_be_bytes());
-    assert_eq!(tally_state::FORMAT_VERSION, 2);
+    assert_eq!(tally_state::FORMAT_VERSION, 3);
 }
 
 #[test]

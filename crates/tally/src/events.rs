@@ -641,6 +641,10 @@ mod tests {
                 .chars()
                 .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
                 .collect();
+            // The job's label (and the dashboard's variable of that name) is not a metric.
+            if name == crate::health::JOB_LABEL {
+                continue;
+            }
             // Prometheus suffixes of histograms and summaries.
             let base = ["_bucket", "_sum", "_count"]
                 .iter()
@@ -678,5 +682,21 @@ mod tests {
         }
         // Names that are not tally's own (the dashboard's datasource uid) are not metrics.
         assert!(referenced("tally_x_bucket").contains("tally_x"));
+        // The job is the dashboard's variable, and every panel shows the jobs chosen.
+        let variables = parsed["templating"]["list"].as_array().expect("variables");
+        assert!(variables.iter().any(|v| v["name"] == "tally_job"));
+        let selector = format!("{}=~\"$tally_job\"", crate::health::JOB_LABEL);
+        for panel in parsed["panels"].as_array().expect("panels") {
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                let expr = target["expr"].as_str().expect("an expression");
+                let metrics = referenced(expr).len();
+                assert_eq!(
+                    expr.matches(&selector).count(),
+                    expr.matches("tally_").count() - expr.matches("tally_job").count(),
+                    "{expr} selects every metric by job"
+                );
+                assert!(metrics >= 1, "{expr}");
+            }
+        }
     }
 }

@@ -93,8 +93,13 @@ pub fn route(
     }
 }
 
-/// Installs the Prometheus recorder and serves the three paths on `address` (empty: none).
-pub async fn serve(address: &str, readiness: Arc<Readiness>) -> Result<()> {
+/// The label every series carries with its job's name, so that one dashboard and one set of
+/// alerts serve every job a Prometheus scrapes (`job` itself is Prometheus's scrape job).
+pub const JOB_LABEL: &str = "tally_job";
+
+/// Installs the Prometheus recorder, every series labelled with `job`, and serves the three
+/// paths on `address` (empty: none).
+pub async fn serve(address: &str, job: &str, readiness: Arc<Readiness>) -> Result<()> {
     if address.is_empty() {
         return Ok(());
     }
@@ -102,6 +107,7 @@ pub async fn serve(address: &str, readiness: Arc<Readiness>) -> Result<()> {
         .parse()
         .with_context(|| format!("metrics.address {address:?}"))?;
     let handle: PrometheusHandle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .add_global_label(JOB_LABEL, job)
         .install_recorder()
         .context("installing the metrics recorder")?;
     let listener = tokio::net::TcpListener::bind(addr)

@@ -554,7 +554,11 @@ mod tests {
             let mut summed: BTreeMap<(i64, String, String), (u64, i64)> = BTreeMap::new();
             for ((_, k), v) in view {
                 let e = summed
-                    .entry((k.window_start_ms, k.customer_id.into(), k.currency.into()))
+                    .entry((
+                        k.window_start_ms,
+                        k.customer_id().into(),
+                        k.currency().into(),
+                    ))
                     .or_default();
                 e.0 += v.orders;
                 e.1 += v.revenue.units();

@@ -327,7 +327,7 @@ fn run(cfg: &Config) -> Result<()> {
     let shutdown = Arc::new(AtomicBool::new(false));
     rt.block_on(async {
         let readiness = Arc::new(tally::health::Readiness::default());
-        tally::health::serve(&cfg.metrics.address, readiness.clone()).await?;
+        tally::health::serve(&cfg.metrics.address, &cfg.job.name, readiness.clone()).await?;
         tokio::spawn(tally::memory::report());
         spawn_signal_handler(shutdown.clone());
         // A worker whose rules or resources clash with its job's, or another job's, stops

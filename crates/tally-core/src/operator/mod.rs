@@ -388,12 +388,12 @@ impl RevenueOperator {
         event: OrderEvent,
         id_hash: u64,
     ) -> Result<Outcome, S::Error> {
-        let key = WindowKey {
-            window_start_ms: self.config.window.start_of(event.event_time_ms),
-            customer_id: event.customer_id,
-            currency: event.currency,
-        };
-        let window_bytes = key.customer_id.len() + key.currency.len() + WINDOW_ENTRY_BYTES;
+        let key = WindowKey::of_orders(
+            self.config.window.start_of(event.event_time_ms),
+            event.customer_id,
+            event.currency,
+        );
+        let window_bytes = key.key.text_len() + WINDOW_ENTRY_BYTES;
         let add = |current: WindowAgg| {
             current
                 .revenue

@@ -98,8 +98,8 @@ impl SourceReplay {
         for row in cp.rows {
             let key: ViewKey = (
                 row.key.window_start_ms,
-                row.key.customer_id.into(),
-                row.key.currency.into(),
+                row.key.customer_id().into(),
+                row.key.currency().into(),
             );
             self.values
                 .entry(key.clone())
@@ -539,7 +539,7 @@ pub async fn reconcile_every(
 ) -> Result<()> {
     let readiness = Arc::new(crate::health::Readiness::default());
     readiness.set_restored();
-    crate::health::serve(&config.metrics.address, readiness).await?;
+    crate::health::serve(&config.metrics.address, &config.job.name, readiness).await?;
     let mut reconciler = IncrementalReconciler::new(config, full_every);
     loop {
         let round = reconciler.round(filter).await.map(|round| {
