@@ -20,13 +20,15 @@
 #          tasks, whose tasks move to the others)  --fold-kills F (SIGKILL the read side's holder
 #          while the server runs its fold step's insert, and start it again at once)
 #          --customers C (distinct customers, default 1000)  --zombie-seconds S (how long a zombie
-#          stays paused, default 9)
+#          stays paused, default 9)  --upgrade-from BIN (each worker's first start runs BIN, an
+#          earlier build; every start after a kill, zombie or leave runs this one, on the state,
+#          changelog and tables BIN wrote: an upgrade in place under the chaos)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
-workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9
+workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9 upgrade_from=""
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -44,6 +46,7 @@ while (($#)); do
     --fold-kills) fold_kills=$2; shift 2 ;;
     --customers) customers=$2; shift 2 ;;
     --zombie-seconds) zombie_seconds=$2; shift 2 ;;
+    --upgrade-from) upgrade_from=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -91,14 +94,18 @@ chq() { curl -sS "${TALLY_CLICKHOUSE__URL:-http://127.0.0.1:8123}/" --data-binar
 table=${TALLY_CLICKHOUSE__TABLE:-revenue_agg}
 
 # Worker i: its own state directory and log; pids[i], and where its log was when it started.
-pids=() log_at=()
+pids=() log_at=() first_started=() upgraded=0
 worker_log() { echo "$dir/worker-$1.log"; }
 start_worker() {
-  local log; log=$(worker_log "$1")
+  local log bin=$TALLY_BIN; log=$(worker_log "$1")
   touch "$log"; log_at[$1]=$(stat -c %s "$log")
+  if [ -n "$upgrade_from" ]; then
+    if [ -z "${first_started[$1]:-}" ]; then bin=$upgrade_from; else upgraded=$((upgraded + 1)); fi
+    first_started[$1]=1
+  fi
   # tally::events at debug: a line per publish, counted below.
   RUST_LOG="${RUST_LOG:-info,rdkafka=warn,tally::events=debug}" \
-    TALLY_JOB__STATE_DIR="$dir/state-$1" "$TALLY_BIN" run --config "$config" >>"$log" 2>&1 &
+    TALLY_JOB__STATE_DIR="$dir/state-$1" "$bin" run --config "$config" >>"$log" 2>&1 &
   pids[$1]=$!
 }
 # The worker running the job: it took the lease since its last start. With tasks, a random
@@ -244,6 +251,10 @@ printf '%-40s %s\n' "events produced" "$produced"
 printf '%-40s %s\n' "duplicates injected" "$dups"
 printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
 printf '%-40s %s\n' "workers (replicas of the job)" "$workers"
+if [ -n "$upgrade_from" ]; then
+  printf '%-40s %s\n' "first starts by the earlier build" "$upgrade_from"
+  printf '%-40s %s\n' "starts of this build on its state" "$upgraded"
+fi
 if ((tasks > 1)); then
   printf '%-40s %s\n' "tasks shared by the workers" "$tasks"
   printf '%-40s %s\n' "task starts (a worker given a task)" "$(cat "$dir"/worker-*.log | grep -c "starting task" || true)"
