@@ -241,7 +241,7 @@ impl ClickHouseSink {
         .into_iter()
         .filter(|day| !cut_days.contains(day))
         .collect();
-        let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
+        let atomic = self.atomic_database().await?;
         for sql in self.names.rebuild_final_sql(
             &lease.repair_stage(),
             lease.database(),
@@ -257,7 +257,7 @@ impl ClickHouseSink {
 
     /// Swaps in the view for `frontier`, built in the lease's database.
     pub(crate) async fn install_view(&self, lease: &ReadLease, frontier: Frontier) -> Result<()> {
-        let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
+        let atomic = self.atomic_database().await?;
         for sql in self
             .names
             .install_view_sql(frontier, atomic, lease.database())

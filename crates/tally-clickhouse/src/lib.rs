@@ -216,6 +216,9 @@ pub struct ClickHouseSink {
     request_timeout: Duration,
     /// The newest fold frontier this process installed in the view, and when it first did.
     installed: std::sync::Mutex<Option<(Frontier, std::time::Instant)>>,
+    /// Whether the job's database is Atomic, once asked: a database keeps its engine, and each
+    /// publish and repair swaps tables by it.
+    atomic: std::sync::OnceLock<bool>,
 }
 
 fn seconds(ms: i64) -> Result<u32> {
@@ -224,6 +227,16 @@ fn seconds(ms: i64) -> Result<u32> {
 }
 
 impl ClickHouseSink {
+    /// Whether the job's database is Atomic (current servers) rather than Ordinary (18.16),
+    /// asked of the server once.
+    pub(crate) async fn atomic_database(&self) -> Result<bool> {
+        if let Some(&atomic) = self.atomic.get() {
+            return Ok(atomic);
+        }
+        let atomic = schema::atomic_database(&self.client, &self.names, &self.url).await?;
+        Ok(*self.atomic.get_or_init(|| atomic))
+    }
+
     /// Connects and detects the server version.
     pub async fn connect(settings: &SinkSettings) -> Result<ClickHouseSink> {
         let client = tls::client(settings.ca_file.as_deref())?
@@ -241,6 +254,7 @@ impl ClickHouseSink {
             version: String::new(),
             request_timeout: settings.request_timeout,
             installed: std::sync::Mutex::new(None),
+            atomic: std::sync::OnceLock::new(),
         };
         // The first request: a failure no retry can cure becomes `Refused`, naming the cause.
         sink.version = sink.fetch_version().await.map_err(|e| match &e {

@@ -161,7 +161,7 @@ impl ClickHouseSink {
         let rows: u64 = self
             .fetch_fenced(lease, &format!("SELECT count() FROM {stage}"))
             .await?;
-        let atomic = crate::schema::atomic_database(&self.client, &self.names, &self.url).await?;
+        let atomic = self.atomic_database().await?;
         let swap = self.names.swap_live_sql(&stage, lease.database(), atomic);
         let Some((drop_replaced, swap)) = swap.split_last() else {
             return Err(crate::SinkError::Schema("publish statements".into()));

@@ -6,34 +6,30 @@
 //! synced `WriteBatch`. Restoring is opening the database.
 
 pub mod changelog;
+mod expiry;
 mod keys;
-mod legacy;
+mod memory;
+mod reads;
 pub mod replay;
+mod upgrade;
+
+pub use memory::{
+    DEFAULT_SHARED_MEMORY_MIB, SharedMemoryUsage, set_shared_memory_mib, shared_memory_usage,
+};
+pub use upgrade::FORMAT_VERSION;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Mutex, MutexGuard};
 
-use rocksdb::compaction_filter::{CompactionFilter, Decision};
-use rocksdb::compaction_filter_factory::{CompactionFilterContext, CompactionFilterFactory};
+use expiry::ExpiryCutoffs;
+use memory::{MEMTABLE_BYTES, process_memory};
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options,
-    WriteBatch, WriteBufferManager, WriteOptions,
+    BlockBasedOptions, ColumnFamilyDescriptor, DB, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
-use tally_core::{
-    Checkpoint, Epoch, PartitionCheckpoint, PartitionId, StateReader, WindowAgg, WindowKey,
-};
-
-/// Version of the on-disk layout. Bump on any change to keys or encodings.
-/// 3: a pending epoch's rows carry group keys of any number of parts; version 2 encoded them as
-/// (customer, currency), which an open rewrites (window keys and everything else are the same).
-/// 2: dedup ids expire in compaction; version 1 also kept them in a time index, which an open
-/// drops (the id entries are the same).
-pub const FORMAT_VERSION: u32 = 3;
-const FORMAT_ORDER_KEYS: u32 = 2;
-const FORMAT_WITH_TIME_INDEX: u32 = 1;
+use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId};
 
 const CF_META: &str = "meta";
 const CF_WINDOWS: &str = "windows";
@@ -55,52 +51,6 @@ const KEY_WRITER: &[u8] = b"writer_id";
 /// is: if Kafka undoes its transaction afterwards (a hanging transaction aborted by hand), they
 /// are what a restart sends again.
 const KEY_LAST_COMMITTED: &[u8] = b"last_committed";
-/// The memory RocksDB shares across every store of this process (the tasks it runs, their
-/// standbys, restores), so that a worker's memory does not grow with its tasks: half for all
-/// memtables together (each column family's is `MEMTABLE_BYTES` at most), half for the block
-/// cache, which holds index and filter blocks too. With the epochs in flight, the id filter and
-/// the consumer's prefetch they make up most of a worker's memory (BENCHMARKS.md, "Memory").
-pub const DEFAULT_SHARED_MEMORY_MIB: u64 = 64;
-const MEMTABLE_BYTES: usize = 8 << 20;
-
-static SHARED_MEMORY_MIB: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-
-/// Sets the shared memory for this process, before its first store opens (`job.state_memory_mib`).
-/// Fails when it was set already, or a store opened with another size.
-pub fn set_shared_memory_mib(mib: u64) -> Result<(), u64> {
-    let set = *SHARED_MEMORY_MIB.get_or_init(|| mib);
-    if set == mib { Ok(()) } else { Err(set) }
-}
-
-/// The block cache and the memtable budget of every store of this process.
-fn process_memory() -> &'static (Cache, WriteBufferManager) {
-    static SHARED: std::sync::OnceLock<(Cache, WriteBufferManager)> = std::sync::OnceLock::new();
-    SHARED.get_or_init(|| {
-        let mib = *SHARED_MEMORY_MIB.get_or_init(|| DEFAULT_SHARED_MEMORY_MIB);
-        let half = usize::try_from(mib << 19).unwrap_or(usize::MAX);
-        (
-            Cache::new_lru_cache(half),
-            WriteBufferManager::new_write_buffer_manager(half, false),
-        )
-    })
-}
-
-/// What the memory RocksDB shares across this process's stores holds now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SharedMemoryUsage {
-    pub memtables: usize,
-    /// Data, index and filter blocks (index and filters live in the cache).
-    pub block_cache: usize,
-}
-
-pub fn shared_memory_usage() -> SharedMemoryUsage {
-    let (cache, memtables) = process_memory();
-    SharedMemoryUsage {
-        memtables: memtables.get_usage(),
-        block_cache: cache.get_usage(),
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("state store {path}: {source}")]
@@ -203,82 +153,6 @@ pub struct StateStore {
     /// size at once, rather than doubled up to it (each doubling held the old and the new
     /// buffer, tens of MiB at 1M live keys).
     last_batch_bytes: AtomicUsize,
-}
-
-/// Per partition, dedup entries with event time before the cutoff are expired.
-#[derive(Debug, Clone, Default)]
-struct ExpiryCutoffs(Arc<RwLock<Cutoffs>>);
-
-#[derive(Debug, Default)]
-struct Cutoffs {
-    /// Of the metadata as it is now: what reads see.
-    current: BTreeMap<PartitionId, i64>,
-    /// Of synced metadata only, for compaction: dropping ids by a cutoff that a crash then
-    /// lost would leave the reopened store without ids it still needs.
-    durable: BTreeMap<PartitionId, i64>,
-}
-
-impl ExpiryCutoffs {
-    fn publish(&self, cutoffs: &BTreeMap<PartitionId, i64>, synced: bool) {
-        let mut c = self.0.write().unwrap_or_else(PoisonError::into_inner);
-        if c.current != *cutoffs {
-            c.current.clone_from(cutoffs);
-        }
-        if synced && c.durable != *cutoffs {
-            c.durable.clone_from(cutoffs);
-        }
-    }
-
-    fn durable(&self) -> BTreeMap<PartitionId, i64> {
-        self.0
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .durable
-            .clone()
-    }
-
-    fn is_expired(&self, partition: PartitionId, event_time_ms: i64) -> bool {
-        self.0
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .current
-            .get(&partition)
-            .is_some_and(|cutoff| event_time_ms < *cutoff)
-    }
-}
-
-/// Compaction of the id column family drops expired ids: an id is written once and never
-/// deleted (no time index to walk, no tombstones).
-impl CompactionFilterFactory for ExpiryCutoffs {
-    type Filter = ExpiredIds;
-
-    fn create(&mut self, _: CompactionFilterContext) -> ExpiredIds {
-        ExpiredIds(self.durable())
-    }
-
-    fn name(&self) -> &std::ffi::CStr {
-        c"tally-expired-ids"
-    }
-}
-
-struct ExpiredIds(BTreeMap<PartitionId, i64>);
-
-impl CompactionFilter for ExpiredIds {
-    fn filter(&mut self, _level: u32, key: &[u8], value: &[u8]) -> Decision {
-        let expired = keys::decode_seen_id(key)
-            .map(|(p, _)| p)
-            .zip(<[u8; 8]>::try_from(value).ok().map(i64::from_be_bytes))
-            .is_some_and(|(p, t)| self.0.get(&p).is_some_and(|cutoff| t < *cutoff));
-        if expired {
-            Decision::Remove
-        } else {
-            Decision::Keep
-        }
-    }
-
-    fn name(&self) -> &std::ffi::CStr {
-        c"tally-expired-ids"
-    }
 }
 
 fn bincode_config() -> bincode::config::Configuration {
@@ -469,67 +343,6 @@ impl StateStore {
             what: "column family",
             detail: format!("{name} is missing"),
         })
-    }
-
-    fn check_format(&mut self) -> Result<(), StateError> {
-        let cf = self.cf(CF_META)?;
-        match self.db.get_cf(cf, KEY_FORMAT).map_err(|e| self.rocks(e))? {
-            None => {
-                let mut opts = WriteOptions::default();
-                opts.set_sync(true);
-                self.db
-                    .put_cf_opt(cf, KEY_FORMAT, FORMAT_VERSION.to_be_bytes(), &opts)
-                    .map_err(|e| self.rocks(e))
-            }
-            Some(bytes) => {
-                let found = <[u8; 4]>::try_from(bytes.as_slice())
-                    .map(u32::from_be_bytes)
-                    .map_err(|_| StateError::Corrupt {
-                        path: self.path.clone(),
-                        what: "format version",
-                        detail: format!("{} bytes", bytes.len()),
-                    })?;
-                if found == FORMAT_VERSION {
-                    Ok(())
-                } else if found == FORMAT_WITH_TIME_INDEX || found == FORMAT_ORDER_KEYS {
-                    if found == FORMAT_WITH_TIME_INDEX {
-                        self.drop_time_index()?;
-                    }
-                    self.rewrite_pending_outputs()
-                } else {
-                    Err(StateError::UnknownFormat {
-                        path: self.path.clone(),
-                        found,
-                    })
-                }
-            }
-        }
-    }
-
-    /// Format 1 to 2: the time index goes (dropped first, so a crash before the new version is
-    /// written leaves a format 1 store without it, which this repeats harmlessly).
-    fn drop_time_index(&mut self) -> Result<(), StateError> {
-        if self.db.cf_handle(CF_SEEN_TIME_V1).is_some() {
-            self.db
-                .drop_cf(CF_SEEN_TIME_V1)
-                .map_err(|e| self.rocks(e))?;
-        }
-        Ok(())
-    }
-
-    /// Format 2 to 3: the pending outputs of pre-committed epochs (and of the last committed
-    /// one) are rewritten with group keys, in one synced batch with the new version.
-    fn rewrite_pending_outputs(&mut self) -> Result<(), StateError> {
-        let cf = self.cf(CF_PENDING)?;
-        let mut batch = WriteBatch::default();
-        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
-            let (key, bytes) = item.map_err(|e| self.rocks(e))?;
-            let old: legacy::CheckpointV1 = self.decode(&bytes, "pending outputs (format 2)")?;
-            let outputs = Checkpoint::from(old);
-            batch.put_cf(cf, key, self.encode(&outputs, "pending outputs")?);
-        }
-        batch.put_cf(self.cf(CF_META)?, KEY_FORMAT, FORMAT_VERSION.to_be_bytes());
-        self.write(batch)
     }
 
     fn read_meta(&self) -> Result<Option<CheckpointMeta>, StateError> {
@@ -1041,191 +854,5 @@ impl StateStore {
             what,
             detail: "undecodable key or value".into(),
         }
-    }
-
-    /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, in id
-    /// order, from a consistent snapshot (the operator rebuilds its id filter from it).
-    pub fn scan_seen(
-        &self,
-        partition: PartitionId,
-        mut f: impl FnMut(&[u8], i64),
-    ) -> Result<u64, StateError> {
-        let id_cf = self.cf(CF_SEEN_ID)?;
-        let start = keys::seen_id(partition, b"");
-        let mut opts = rocksdb::ReadOptions::default();
-        if let Some(next) = partition.checked_add(1) {
-            opts.set_iterate_upper_bound(keys::seen_id(next, b""));
-        }
-        // A one-off walk: leave the cache to the lookups.
-        opts.fill_cache(false);
-        let iter =
-            self.db
-                .iterator_cf_opt(id_cf, opts, IteratorMode::From(&start, Direction::Forward));
-        let mut count = 0;
-        for item in iter {
-            let (key, value) = item.map_err(|e| self.rocks(e))?;
-            let (p, id) = keys::decode_seen_id(&key).ok_or_else(|| self.corrupt_key("dedup id"))?;
-            if p != partition {
-                break;
-            }
-            let t = self.seen_time(&value)?;
-            if !self.expiry.is_expired(partition, t) {
-                f(id, t);
-                count += 1;
-            }
-        }
-        Ok(count)
-    }
-
-    /// Every stored window, in key order (tests, `doctor`).
-    pub fn windows(&self) -> Result<Vec<(PartitionId, WindowKey, WindowAgg)>, StateError> {
-        let cf = self.cf(CF_WINDOWS)?;
-        let mut out = Vec::new();
-        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
-            let (key, value) = item.map_err(|e| self.rocks(e))?;
-            // revenue_agg's two key parts: the one shape the operator writes in this release.
-            let (p, k) =
-                keys::decode_window(&key, 2).ok_or_else(|| self.corrupt_key("window key"))?;
-            out.push((p, k, self.decode(&value, "window aggregate")?));
-        }
-        Ok(out)
-    }
-
-    /// Every live dedup entry as (partition, event id, event time), sorted.
-    pub fn seen_entries(&self) -> Result<Vec<(PartitionId, String, i64)>, StateError> {
-        let id_cf = self.cf(CF_SEEN_ID)?;
-        let mut out = Vec::new();
-        for item in self.db.iterator_cf(id_cf, IteratorMode::Start) {
-            let (key, value) = item.map_err(|e| self.rocks(e))?;
-            let (p, id) = keys::decode_seen_id(&key).ok_or_else(|| self.corrupt_key("dedup id"))?;
-            let t = self.seen_time(&value)?;
-            if !self.expiry.is_expired(p, t) {
-                out.push((p, String::from_utf8_lossy(id).into_owned(), t));
-            }
-        }
-        out.sort();
-        Ok(out)
-    }
-}
-
-impl StateReader for StateStore {
-    type Error = StateError;
-
-    fn window(
-        &self,
-        partition: PartitionId,
-        key: &WindowKey,
-    ) -> Result<Option<WindowAgg>, StateError> {
-        let cf = self.cf(CF_WINDOWS)?;
-        match self
-            .db
-            .get_pinned_cf(cf, keys::window(partition, key))
-            .map_err(|e| self.rocks(e))?
-        {
-            Some(bytes) => self.decode(&bytes, "window aggregate").map(Some),
-            None => Ok(None),
-        }
-    }
-
-    fn seen_event_time(
-        &self,
-        partition: PartitionId,
-        event_id: &str,
-    ) -> Result<Option<i64>, StateError> {
-        let key = keys::seen_id(partition, event_id.as_bytes());
-        match self
-            .db
-            .get_pinned_cf(self.cf(CF_SEEN_ID)?, key)
-            .map_err(|e| self.rocks(e))?
-        {
-            None => Ok(None),
-            Some(v) => {
-                let t = self.seen_time(&v)?;
-                Ok((!self.expiry.is_expired(partition, t)).then_some(t))
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tally_core::{Amount, OutputRow};
-
-    /// A store written by the releases before group keys: its pending epoch, rows encoded as
-    /// (customer, currency), reads back with group keys after the upgrade, and the rewrite is
-    /// done once.
-    #[test]
-    fn a_format_2_store_upgrades_with_its_pending_epoch() {
-        let dir = tempfile::tempdir().unwrap();
-        let row = |customer: &str, orders: u64| legacy::OutputRowV1 {
-            partition: 3,
-            key: legacy::WindowKeyV1 {
-                window_start_ms: 60_000,
-                customer_id: customer.into(),
-                currency: "EUR".into(),
-            },
-            window_end_ms: 120_000,
-            value: WindowAgg {
-                orders,
-                revenue: Amount::parse("12.5").unwrap(),
-            },
-        };
-        let old = legacy::CheckpointV1 {
-            epoch: Epoch(7),
-            partitions: [(3, PartitionCheckpoint::default())].into(),
-            rows: vec![row("a\0b", 1), row("cust-1", 4)],
-            seen: Vec::new(),
-            dead_letters: Vec::new(),
-            close_windows_before: vec![(3, 0)],
-            expire_seen_before: Vec::new(),
-        };
-        {
-            let store = StateStore::open(dir.path(), "job").unwrap();
-            let mut batch = WriteBatch::default();
-            let bytes = bincode::serde::encode_to_vec(&old, bincode_config()).unwrap();
-            batch.put_cf(store.cf(CF_PENDING).unwrap(), 7u64.to_be_bytes(), bytes);
-            batch.put_cf(
-                store.cf(CF_META).unwrap(),
-                KEY_FORMAT,
-                FORMAT_ORDER_KEYS.to_be_bytes(),
-            );
-            store.write(batch).unwrap();
-        }
-        let expected = Checkpoint::from(old);
-        assert_eq!(
-            expected.rows[1],
-            OutputRow {
-                partition: 3,
-                key: WindowKey::of_orders(60_000, "cust-1", "EUR"),
-                window_end_ms: 120_000,
-                value: WindowAgg {
-                    orders: 4,
-                    revenue: Amount::parse("12.5").unwrap()
-                },
-            }
-        );
-        for _ in 0..2 {
-            let store = StateStore::open(dir.path(), "job").unwrap();
-            let (pending, _) = store.pending(Epoch(7), 60_000).unwrap();
-            assert_eq!(pending, expected);
-            let format = store
-                .db
-                .get_cf(store.cf(CF_META).unwrap(), KEY_FORMAT)
-                .unwrap();
-            assert_eq!(format.as_deref(), Some(&FORMAT_VERSION.to_be_bytes()[..]));
-        }
-    }
-
-    #[test]
-    fn the_shared_memory_is_set_once_for_the_process() {
-        // Stores opened by other tests of this binary size it by the default, as no one sets it.
-        assert_eq!(set_shared_memory_mib(DEFAULT_SHARED_MEMORY_MIB), Ok(()));
-        assert_eq!(
-            set_shared_memory_mib(DEFAULT_SHARED_MEMORY_MIB / 2),
-            Err(DEFAULT_SHARED_MEMORY_MIB)
-        );
-        let usage = shared_memory_usage();
-        assert!(usage.memtables <= (DEFAULT_SHARED_MEMORY_MIB as usize) << 19);
     }
 }

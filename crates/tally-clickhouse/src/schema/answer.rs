@@ -112,43 +112,19 @@ impl TableNames {
     }
 
     /// Installs a staged snapshot: the stage table (in `lease_database`) becomes the live
-    /// table (see [`swap_in_sql`](Self::swap_in_sql)).
+    /// table (see [`swap_tables_sql`]).
     pub(crate) fn swap_live_sql(
         &self,
         stage: &str,
         lease_database: &str,
         atomic_database: bool,
     ) -> Vec<String> {
-        self.swap_in_sql(&self.live, stage, lease_database, atomic_database)
-    }
-
-    /// Makes `stage` (a table of the read side's `lease_database`, shaped as `target`) the job's
-    /// `target` in one swap, as the view is swapped (EXCHANGE on Atomic databases, a two-table
-    /// RENAME on Ordinary ones), then drops the table it replaced; the last statement is that
-    /// drop. Not `REPLACE PARTITION`: on 18.16 the parts it replaces come back as active when the
-    /// server restarts within `old_parts_lifetime` (README, "Found on 18.16"); a dropped table
-    /// stays dropped. A crash before the drop leaves the replaced table in the lease's database,
-    /// where the next swap drops it first.
-    fn swap_in_sql(
-        &self,
-        target: &str,
-        stage: &str,
-        lease_database: &str,
-        atomic_database: bool,
-    ) -> Vec<String> {
-        if atomic_database {
-            vec![
-                format!("EXCHANGE TABLES {target} AND {stage}"),
-                format!("DROP TABLE {stage}"),
-            ]
-        } else {
-            let old = format!("{lease_database}.replaced");
-            vec![
-                format!("DROP TABLE IF EXISTS {old}"),
-                format!("RENAME TABLE {target} TO {old}, {stage} TO {target}"),
-                format!("DROP TABLE {old}"),
-            ]
-        }
+        swap_tables_sql(
+            &self.live,
+            stage,
+            &replaced_in(lease_database),
+            atomic_database,
+        )
     }
 
     /// Totals of the batches the published snapshot and the folded rows hold: those wholly
@@ -256,7 +232,12 @@ impl TableNames {
                 "INSERT INTO {stage} SELECT * FROM {final_rows} WHERE toYYYYMMDD(window_start) = {day} AND window_start < toDateTime({from})"
             )
         }));
-        sql.extend(self.swap_in_sql(final_rows, stage, lease_database, atomic_database));
+        sql.extend(swap_tables_sql(
+            final_rows,
+            stage,
+            &replaced_in(lease_database),
+            atomic_database,
+        ));
         sql
     }
 

@@ -286,11 +286,7 @@ impl TableNames {
     /// A commit log of the earlier layout (sorted by epoch) rebuilt with the current key: built
     /// aside, swapped in atomically, the old one dropped. Every step can be rerun.
     pub(crate) fn migrate_commits_sql(&self, atomic_database: bool) -> Vec<String> {
-        let (commits, next, old) = (
-            &self.commits,
-            format!("{}__next", self.commits),
-            format!("{}__old", self.commits),
-        );
+        let (commits, next) = (&self.commits, format!("{}__next", self.commits));
         let mut sql = vec![
             format!("DROP TABLE IF EXISTS {next}"),
             format!(
@@ -306,16 +302,12 @@ impl TableNames {
                     .join(", ")
             ),
         ];
-        if atomic_database {
-            sql.push(format!("EXCHANGE TABLES {commits} AND {next}"));
-            sql.push(format!("DROP TABLE {next}"));
-        } else {
-            sql.push(format!("DROP TABLE IF EXISTS {old}"));
-            sql.push(format!(
-                "RENAME TABLE {commits} TO {old}, {next} TO {commits}"
-            ));
-            sql.push(format!("DROP TABLE {old}"));
-        }
+        sql.extend(swap_tables_sql(
+            commits,
+            &next,
+            &format!("{commits}__old"),
+            atomic_database,
+        ));
         sql
     }
 
@@ -578,6 +570,38 @@ pub(crate) async fn execute(client: &Client, sql: &str, url: &str) -> Result<()>
             context: format!("executing {sql}"),
             source,
         })
+}
+
+/// Makes `stage` (shaped as `target`) the table `target` in one swap (EXCHANGE on Atomic
+/// databases, a two-table RENAME on Ordinary ones) and drops the table it replaced, which the
+/// RENAME parks as `parked`; the last statement is that drop. Not `REPLACE PARTITION`: on 18.16
+/// the parts it replaces come back as active when the server restarts within
+/// `old_parts_lifetime` (README, "Found on 18.16"); a dropped table stays dropped. A crash before
+/// the drop leaves the replaced table parked, where the next swap drops it first.
+pub(crate) fn swap_tables_sql(
+    target: &str,
+    stage: &str,
+    parked: &str,
+    atomic_database: bool,
+) -> Vec<String> {
+    if atomic_database {
+        vec![
+            format!("EXCHANGE TABLES {target} AND {stage}"),
+            format!("DROP TABLE {stage}"),
+        ]
+    } else {
+        vec![
+            format!("DROP TABLE IF EXISTS {parked}"),
+            format!("RENAME TABLE {target} TO {parked}, {stage} TO {target}"),
+            format!("DROP TABLE {parked}"),
+        ]
+    }
+}
+
+/// Where the read side parks a table its swap replaced: in the lease's database, which fences
+/// the swap (a holder whose lease was taken finds its database gone).
+pub(crate) fn replaced_in(lease_database: &str) -> String {
+    format!("{lease_database}.replaced")
 }
 
 /// Checks one object against what tally needs; `None` when it does not exist.

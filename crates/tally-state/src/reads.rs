@@ -1,0 +1,112 @@
+//! Reading what the store holds: the operator's lookups of windows and dedup ids, and scans of
+//! every entry (restores, tests, `doctor`).
+
+use rocksdb::{Direction, IteratorMode};
+use tally_core::{PartitionId, StateReader, WindowAgg, WindowKey};
+
+use crate::{CF_SEEN_ID, CF_WINDOWS, StateError, StateStore, keys};
+
+impl StateStore {
+    /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, in id
+    /// order, from a consistent snapshot (the operator rebuilds its id filter from it).
+    pub fn scan_seen(
+        &self,
+        partition: PartitionId,
+        mut f: impl FnMut(&[u8], i64),
+    ) -> Result<u64, StateError> {
+        let id_cf = self.cf(CF_SEEN_ID)?;
+        let start = keys::seen_id(partition, b"");
+        let mut opts = rocksdb::ReadOptions::default();
+        if let Some(next) = partition.checked_add(1) {
+            opts.set_iterate_upper_bound(keys::seen_id(next, b""));
+        }
+        // A one-off walk: leave the cache to the lookups.
+        opts.fill_cache(false);
+        let iter =
+            self.db
+                .iterator_cf_opt(id_cf, opts, IteratorMode::From(&start, Direction::Forward));
+        let mut count = 0;
+        for item in iter {
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            let (p, id) = keys::decode_seen_id(&key).ok_or_else(|| self.corrupt_key("dedup id"))?;
+            if p != partition {
+                break;
+            }
+            let t = self.seen_time(&value)?;
+            if !self.expiry.is_expired(partition, t) {
+                f(id, t);
+                count += 1;
+            }
+        }
+        Ok(count)
+    }
+
+    /// Every stored window, in key order (tests, `doctor`).
+    pub fn windows(&self) -> Result<Vec<(PartitionId, WindowKey, WindowAgg)>, StateError> {
+        let cf = self.cf(CF_WINDOWS)?;
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            // revenue_agg's two key parts: the one shape the operator writes in this release.
+            let (p, k) =
+                keys::decode_window(&key, 2).ok_or_else(|| self.corrupt_key("window key"))?;
+            out.push((p, k, self.decode(&value, "window aggregate")?));
+        }
+        Ok(out)
+    }
+
+    /// Every live dedup entry as (partition, event id, event time), sorted.
+    pub fn seen_entries(&self) -> Result<Vec<(PartitionId, String, i64)>, StateError> {
+        let id_cf = self.cf(CF_SEEN_ID)?;
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(id_cf, IteratorMode::Start) {
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            let (p, id) = keys::decode_seen_id(&key).ok_or_else(|| self.corrupt_key("dedup id"))?;
+            let t = self.seen_time(&value)?;
+            if !self.expiry.is_expired(p, t) {
+                out.push((p, String::from_utf8_lossy(id).into_owned(), t));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+impl StateReader for StateStore {
+    type Error = StateError;
+
+    fn window(
+        &self,
+        partition: PartitionId,
+        key: &WindowKey,
+    ) -> Result<Option<WindowAgg>, StateError> {
+        let cf = self.cf(CF_WINDOWS)?;
+        match self
+            .db
+            .get_pinned_cf(cf, keys::window(partition, key))
+            .map_err(|e| self.rocks(e))?
+        {
+            Some(bytes) => self.decode(&bytes, "window aggregate").map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn seen_event_time(
+        &self,
+        partition: PartitionId,
+        event_id: &str,
+    ) -> Result<Option<i64>, StateError> {
+        let key = keys::seen_id(partition, event_id.as_bytes());
+        match self
+            .db
+            .get_pinned_cf(self.cf(CF_SEEN_ID)?, key)
+            .map_err(|e| self.rocks(e))?
+        {
+            None => Ok(None),
+            Some(v) => {
+                let t = self.seen_time(&v)?;
+                Ok((!self.expiry.is_expired(partition, t)).then_some(t))
+            }
+        }
+    }
+}
