@@ -392,9 +392,30 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::E
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    print_stacks(child.id());
     let _ = child.kill();
     let _ = child.wait();
     None
+}
+
+/// Prints every thread's stack of a process that did not exit in time, when gdb is at hand:
+/// a hang found in CI then says where it waits.
+fn print_stacks(pid: u32) {
+    let out = Command::new("gdb")
+        .args([
+            "-p",
+            &pid.to_string(),
+            "-batch",
+            "-ex",
+            "thread apply all bt",
+        ])
+        .output();
+    if let Ok(out) = out {
+        eprintln!(
+            "stacks of process {pid} (still running after its timeout):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
 }
 
 pub fn clickhouse() -> clickhouse::Client {

@@ -299,8 +299,20 @@ pub async fn ensure_topics(
                 }
             }
             Err((name, code @ RDKafkaErrorCode::InvalidReplicationFactor)) => {
-                return Err(Error::Refused(format!(
-                    "creating topic {name}: {code}: the cluster has fewer brokers than the replication factor asked for (kafka.topic_replication_factor)"
+                // Also the answer of a broker that has just started and is not yet registered
+                // with its controller: only a factor above the brokers it lists is a refusal.
+                let brokers = admin
+                    .inner()
+                    .fetch_metadata(None, Duration::from_secs(10))
+                    .map_or(0, |m| m.brokers().len());
+                let wanted = spec.replication.and_then(|r| usize::try_from(r).ok());
+                if brokers > 0 && wanted.is_some_and(|w| w > brokers) {
+                    return Err(Error::Refused(format!(
+                        "creating topic {name}: {code}: the cluster has {brokers} broker(s), fewer than the replication factor asked for (kafka.topic_replication_factor)"
+                    )));
+                }
+                return Err(Error::Other(format!(
+                    "creating topic {name}: {code}: no broker can hold it yet (one starting), or the broker's default.replication.factor exceeds its {brokers} broker(s) (then set kafka.topic_replication_factor)"
                 )));
             }
             Err((name, code)) => {

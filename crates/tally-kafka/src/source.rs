@@ -13,6 +13,9 @@ use crate::{Error, KafkaSettings, Result, kafka, set_default};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long dropping a source waits for its consumer to close (to leave its group).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Where a partition without a checkpoint starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StartFrom {
@@ -21,7 +24,8 @@ pub enum StartFrom {
 }
 
 pub struct Source {
-    consumer: BaseConsumer<MemberContext>,
+    /// `None` only while the source is dropped ([`Drop for Source`](Source#impl-Drop-for-Source)).
+    consumer: Option<BaseConsumer<MemberContext>>,
     topic: String,
     group: String,
     settings: KafkaSettings,
@@ -163,6 +167,37 @@ pub fn record_of<'a>(message: &'a BorrowedMessage<'_>) -> Record<'a> {
     }
 }
 
+/// Closing a group member can hang for good: a revocation that reaches the member as it
+/// closes calls `incremental_unassign`, whose request librdkafka never answers once its group
+/// handle is terminating (seen when a worker standing by was stopped just as the lease moved to
+/// it). A member is static, so its close sends nothing the group needs: the close runs on a
+/// thread of its own and is abandoned, with a warning, after [`CLOSE_TIMEOUT`].
+impl Drop for Source {
+    fn drop(&mut self) {
+        let Some(consumer) = self.consumer.take() else {
+            return;
+        };
+        let (closed, wait) = std::sync::mpsc::channel();
+        let closing = std::thread::Builder::new()
+            .name("tally-close".into())
+            .spawn(move || {
+                drop(consumer);
+                let _ = closed.send(());
+            });
+        if let Err(e) = closing {
+            tracing::warn!(error = %e, "could not start a thread to close the consumer; it is left open");
+            return;
+        }
+        if wait.recv_timeout(CLOSE_TIMEOUT).is_err() {
+            tracing::warn!(
+                group = %self.group,
+                timeout_s = CLOSE_TIMEOUT.as_secs(),
+                "the consumer did not close in time; going on without it"
+            );
+        }
+    }
+}
+
 impl Source {
     pub fn connect(settings: &KafkaSettings, topic: &str, group_id: &str) -> Result<Source> {
         let mut config = settings.client_config();
@@ -190,7 +225,7 @@ impl Source {
             .create_with_context(MemberContext::default())
             .map_err(kafka("creating consumer"))?;
         Ok(Source {
-            consumer,
+            consumer: Some(consumer),
             topic: topic.to_owned(),
             group: group_id.to_owned(),
             settings: settings.clone(),
@@ -238,7 +273,7 @@ impl Source {
             .subscribe(&[lease_topic])
             .map_err(kafka(format!("subscribing to {lease_topic}")))?;
         Ok(Source {
-            consumer,
+            consumer: Some(consumer),
             topic: source_topic.to_owned(),
             group: group_id.to_owned(),
             settings: settings.clone(),
@@ -249,7 +284,7 @@ impl Source {
     /// instance id, its client id) and what each is assigned, and whether the group is stable.
     pub fn group_members(&self, group: &str, timeout: Duration) -> Result<GroupMembers> {
         let list = self
-            .consumer
+            .consumer()
             .fetch_group_list(Some(group), timeout)
             .map_err(kafka(format!("describing consumer group {group}")))?;
         let Some(info) = list.groups().iter().find(|g| g.name() == group) else {
@@ -280,8 +315,8 @@ impl Source {
     /// Serves the group protocol and returns the partitions of `lease_topic` this member holds.
     pub fn poll_leases(&self, lease_topic: &str, timeout: Duration) -> Vec<PartitionId> {
         // Nothing is ever produced to the lease topic: a poll only serves the protocol.
-        let _ = self.consumer.poll(timeout);
-        self.consumer.assignment().map_or_else(
+        let _ = self.consumer().poll(timeout);
+        self.consumer().assignment().map_or_else(
             |_| Vec::new(),
             |a| {
                 a.elements_for_topic(lease_topic)
@@ -300,7 +335,7 @@ impl Source {
     /// revocation takes effect (see [`MemberContext`]); it replaces an earlier hook.
     pub fn on_revoke(&self, hook: impl Fn(&[PartitionId]) + Send + Sync + 'static) {
         *self
-            .consumer
+            .consumer()
             .context()
             .on_revoke
             .lock()
@@ -308,14 +343,17 @@ impl Source {
     }
 
     pub fn consumer(&self) -> &BaseConsumer<MemberContext> {
-        &self.consumer
+        match &self.consumer {
+            Some(consumer) => consumer,
+            None => unreachable!("the consumer is taken only when the source is dropped"),
+        }
     }
 
     /// The partition count of every topic of the cluster, from one metadata request: asking
     /// by name could create a missing one.
     pub fn partition_counts(&self) -> Result<BTreeMap<String, usize>> {
         let metadata = self
-            .consumer
+            .consumer()
             .fetch_metadata(None, TIMEOUT)
             .map_err(kafka("fetching the cluster's metadata".to_owned()))?;
         Ok(crate::partition_counts(&metadata))
@@ -323,7 +361,7 @@ impl Source {
 
     pub fn partitions(&self) -> Result<Vec<PartitionId>> {
         let metadata = self
-            .consumer
+            .consumer()
             .fetch_metadata(Some(&self.topic), TIMEOUT)
             .map_err(kafka(format!("fetching metadata of {}", self.topic)))?;
         let topic = metadata
@@ -351,7 +389,7 @@ impl Source {
 
     /// (low, high) watermarks of a partition.
     pub fn watermarks(&self, partition: PartitionId) -> Result<(Offset, Offset)> {
-        self.consumer
+        self.consumer()
             .fetch_watermarks(&self.topic, partition, TIMEOUT)
             .map_err(kafka(format!(
                 "fetching watermarks of {}/{partition}",
@@ -367,7 +405,7 @@ impl Source {
     ) -> Result<BTreeMap<PartitionId, Offset>> {
         partitions
             .map(|p| {
-                self.consumer
+                self.consumer()
                     .fetch_watermarks(topic, p, TIMEOUT)
                     .map(|(_, high)| (p, high))
                     .map_err(kafka(format!("fetching the end of {topic}/{p}")))
@@ -391,14 +429,14 @@ impl Source {
             tpl.add_partition_offset(&self.topic, p, KOffset::Offset(o))
                 .map_err(kafka("building assignment"))?;
         }
-        self.consumer
+        self.consumer()
             .assign(&tpl)
             .map_err(kafka(format!("assigning partitions of {}", self.topic)))
     }
 
     /// The next record, `None` when nothing arrived within `timeout`.
     pub fn poll(&self, timeout: Duration) -> Result<Option<SourceRecord<'_>>> {
-        match self.consumer.poll(timeout) {
+        match self.consumer().poll(timeout) {
             None => Ok(None),
             Some(Ok(message)) => Ok(Some(SourceRecord { message })),
             Some(Err(e)) => Err(Error::Kafka {
@@ -419,7 +457,7 @@ impl Source {
         }
         // read_committed: an open transaction on the group's offsets makes the broker answer
         // "unstable" until it ends, which librdkafka retries until this times out.
-        match self.consumer.committed_offsets(tpl.clone(), TIMEOUT) {
+        match self.consumer().committed_offsets(tpl.clone(), TIMEOUT) {
             Ok(committed) => Ok(offsets_of(&committed)),
             Err(error) => match self.committed_ignoring_open_transactions(tpl) {
                 Some(last_committed) => Err(Error::UnstableOffsets {
@@ -460,7 +498,7 @@ impl Source {
     /// find a hanging transaction.
     fn offsets_partition(&self) -> Option<i32> {
         let metadata = self
-            .consumer
+            .consumer()
             .fetch_metadata(Some("__consumer_offsets"), Duration::from_secs(10))
             .ok()?;
         let partitions = metadata.topics().first()?.partitions().len();
