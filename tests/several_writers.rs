@@ -40,10 +40,7 @@ fn row(partition: i32, minute: i64, customer: &str, orders: u64, revenue: &str) 
         partition,
         key: WindowKey::of_orders(T0 + minute * MINUTE, customer, "EUR"),
         window_end_ms: T0 + (minute + 1) * MINUTE,
-        value: WindowAgg {
-            orders,
-            revenue: Amount::parse(revenue).unwrap(),
-        },
+        value: WindowAgg::of_orders(orders, Amount::parse(revenue).unwrap()),
     }
 }
 
@@ -60,7 +57,7 @@ fn batch<'a>(
         offsets: offsets.to_vec(),
         watermarks: watermark_minutes.iter().map(|m| T0 + m * MINUTE).collect(),
         rows,
-        event_count: rows.iter().map(|r| r.value.orders).sum(),
+        event_count: rows.iter().map(|r| r.value.orders()).sum(),
         revenue_units: 0,
         dead_letters: 0,
     }

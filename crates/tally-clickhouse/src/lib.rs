@@ -474,8 +474,8 @@ impl ClickHouseSink {
                 window_end: seconds(row.window_end_ms)?,
                 customer_id: row.key.customer_id(),
                 currency: row.key.currency(),
-                orders: row.value.orders,
-                revenue: row.value.revenue.units(),
+                orders: row.value.orders(),
+                revenue: row.value.revenue().units(),
             };
             insert
                 .write(&data)

@@ -12,6 +12,7 @@ pub mod seen_filter;
 pub mod time;
 pub mod types;
 pub mod window;
+pub mod window_agg;
 
 pub use amount::{Amount, AmountError};
 pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
@@ -23,7 +24,7 @@ pub use operator::{
 };
 pub use seen_filter::SeenIdFilter;
 pub use types::{
-    Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,
-    WindowKey,
+    Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };
 pub use window::{Watermark, WindowSpec};
+pub use window_agg::{ORDERS_WORDS, WindowAgg, Word, WordKind};

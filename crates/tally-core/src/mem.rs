@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 
 use crate::operator::{Checkpoint, PartitionCheckpoint, StateReader};
-use crate::types::{Epoch, PartitionId, WindowAgg, WindowKey};
+use crate::types::{Epoch, PartitionId, WindowKey};
+use crate::window_agg::WindowAgg;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemStore {
@@ -24,7 +25,7 @@ impl MemStore {
         }
         for row in &checkpoint.rows {
             self.windows
-                .insert((row.partition, row.key.clone()), row.value);
+                .insert((row.partition, row.key.clone()), row.value.clone());
         }
         for (p, id, t) in &checkpoint.seen {
             self.seen.insert((*p, id.clone()), *t);
@@ -47,7 +48,7 @@ impl StateReader for MemStore {
         partition: PartitionId,
         key: &WindowKey,
     ) -> Result<Option<WindowAgg>, Infallible> {
-        Ok(self.windows.get(&(partition, key.clone())).copied())
+        Ok(self.windows.get(&(partition, key.clone())).cloned())
     }
 
     fn seen_event_time(

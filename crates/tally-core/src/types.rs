@@ -4,9 +4,9 @@
 use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 
-use crate::amount::Amount;
 use crate::decode::PoisonReason;
 use crate::group_key::GroupKey;
+use crate::window_agg::WindowAgg;
 
 /// A source partition of the job's topic.
 pub type PartitionId = i32;
@@ -71,13 +71,6 @@ impl WindowKey {
     pub fn currency(&self) -> &str {
         self.key.part(1)
     }
-}
-
-/// The full current value of one window aggregate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct WindowAgg {
-    pub orders: u64,
-    pub revenue: Amount,
 }
 
 /// One row of a checkpoint's output batch: a window's full value in one source partition.

@@ -198,7 +198,7 @@ fn commit(store: &mut MemStore, outputs: &mut Outputs, cp: &Checkpoint) {
     for row in &cp.rows {
         outputs
             .view
-            .insert((row.partition, row.key.clone()), row.value);
+            .insert((row.partition, row.key.clone()), row.value.clone());
     }
     for dl in &cp.dead_letters {
         let previous = outputs
@@ -352,8 +352,8 @@ proptest! {
     fn view_matches_accounting(items in stream()) {
         let records = records(&items);
         let r = run(&records, &BTreeSet::new());
-        let view_orders: u64 = r.outputs.view.values().map(|v| v.orders).sum();
-        let view_revenue: i128 = r.outputs.view.values().map(|v| i128::from(v.revenue.units())).sum();
+        let view_orders: u64 = r.outputs.view.values().map(|v| v.orders()).sum();
+        let view_revenue: i128 = r.outputs.view.values().map(|v| i128::from(v.revenue().units())).sum();
         let aggregated: u64 = r.outputs.totals.values().map(|a| a.aggregated).sum();
         let revenue: i128 = r.outputs.totals.values().map(|a| a.revenue_units).sum();
         prop_assert_eq!(view_orders, aggregated);

@@ -12,6 +12,7 @@ mod memory;
 mod reads;
 pub mod replay;
 mod upgrade;
+mod values;
 
 pub use memory::{
     DEFAULT_SHARED_MEMORY_MIB, SharedMemoryUsage, set_shared_memory_mib, shared_memory_usage,
@@ -29,7 +30,9 @@ use rocksdb::{
     BlockBasedOptions, ColumnFamilyDescriptor, DB, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
-use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId};
+use tally_core::{
+    Checkpoint, Epoch, ORDERS_WORDS, PartitionCheckpoint, PartitionId, WindowAgg, WordKind,
+};
 
 const CF_META: &str = "meta";
 const CF_WINDOWS: &str = "windows";
@@ -154,6 +157,10 @@ pub struct StateStore {
     /// buffer, tens of MiB at 1M live keys).
     last_batch_bytes: AtomicUsize,
 }
+
+/// The words of a window's value (and, in reads.rs, two key parts): revenue_agg's, the one
+/// shape the operator writes in this release.
+const WINDOW_WORDS: &[WordKind] = &ORDERS_WORDS;
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
@@ -367,6 +374,34 @@ impl StateStore {
                 what,
                 detail: e.to_string(),
             })
+    }
+
+    /// A window's value in its words (`values.rs`); one of another shape than the job's is
+    /// refused, since it could not be read back.
+    fn encode_window_value(&self, value: &WindowAgg, out: &mut Vec<u8>) -> Result<(), StateError> {
+        let refused = |detail: String| StateError::Encode {
+            path: self.path.clone(),
+            what: "window aggregate",
+            detail,
+        };
+        if !value.has_kinds(WINDOW_WORDS) {
+            return Err(refused(format!(
+                "{:?} is not a value of the job's words {WINDOW_WORDS:?}",
+                value.words()
+            )));
+        }
+        values::encode_value(value, out).map_err(|e| refused(e.to_string()))
+    }
+
+    fn decode_window_value(&self, bytes: &[u8]) -> Result<WindowAgg, StateError> {
+        values::decode_value(bytes, WINDOW_WORDS).ok_or_else(|| StateError::Corrupt {
+            path: self.path.clone(),
+            what: "window aggregate",
+            detail: format!(
+                "{} bytes are not a value of words {WINDOW_WORDS:?}",
+                bytes.len()
+            ),
+        })
     }
 
     fn encode<T: Serialize>(&self, value: &T, what: &'static str) -> Result<Vec<u8>, StateError> {
@@ -621,7 +656,7 @@ impl StateStore {
         seen.sort_unstable_by(|a, b| {
             keys::seen_id_order(a.0, a.1.as_bytes()).cmp(&keys::seen_id_order(b.0, b.1.as_bytes()))
         });
-        let mut key = Vec::new();
+        let (mut key, mut value) = (Vec::new(), Vec::new());
         for (p, id, t) in seen {
             keys::seen_id_into(&mut key, p, id.as_bytes());
             batch.put_cf(id_cf, &key, t.to_be_bytes());
@@ -645,9 +680,10 @@ impl StateStore {
             keys::window_order(a.partition, &a.key).cmp(&keys::window_order(b.partition, &b.key))
         });
         for row in rows {
-            let value = self.encode(&row.value, "window aggregate")?;
+            value.clear();
+            self.encode_window_value(&row.value, &mut value)?;
             keys::window_into(&mut key, row.partition, &row.key);
-            batch.put_cf(windows_cf, &key, value);
+            batch.put_cf(windows_cf, &key, &value);
         }
         for &(p, cutoff) in &checkpoint.close_windows_before {
             let done = closed_windows_before.get(&p).copied().unwrap_or(i64::MIN);

@@ -50,7 +50,7 @@ impl StateStore {
             // revenue_agg's two key parts: the one shape the operator writes in this release.
             let (p, k) =
                 keys::decode_window(&key, 2).ok_or_else(|| self.corrupt_key("window key"))?;
-            out.push((p, k, self.decode(&value, "window aggregate")?));
+            out.push((p, k, self.decode_window_value(&value)?));
         }
         Ok(out)
     }
@@ -86,7 +86,7 @@ impl StateReader for StateStore {
             .get_pinned_cf(cf, keys::window(partition, key))
             .map_err(|e| self.rocks(e))?
         {
-            Some(bytes) => self.decode(&bytes, "window aggregate").map(Some),
+            Some(bytes) => self.decode_window_value(&bytes).map(Some),
             None => Ok(None),
         }
     }

@@ -544,7 +544,7 @@ mod tests {
                     });
                     store.apply(&cp);
                     for row in &cp.rows {
-                        view.insert((row.partition, row.key.clone()), row.value);
+                        view.insert((row.partition, row.key.clone()), row.value.clone());
                     }
                     for d in &cp.dead_letters {
                         dead.insert((d.partition, d.offset, d.reason));
@@ -560,8 +560,8 @@ mod tests {
                         k.currency().into(),
                     ))
                     .or_default();
-                e.0 += v.orders;
-                e.1 += v.revenue.units();
+                e.0 += v.orders();
+                e.1 += v.revenue().units();
             }
             assert_eq!(summed, manifest.rows, "seed {seed}");
             let expected: BTreeSet<_> = manifest

@@ -5,6 +5,7 @@
 use serde::Deserialize;
 
 use super::value::{FieldKind, FieldType, MAX_DECIMAL18_UNITS, Value};
+use crate::window_agg::{Word, WordKind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -52,75 +53,36 @@ impl Aggregate {
         }
     }
 
-    /// An empty accumulator of this aggregate.
-    pub fn empty(&self) -> Acc {
-        match self.function {
-            Function::Count => Acc::Count(0),
-            Function::Sum => Acc::Sum(Number::zero(self.input)),
-            Function::Min | Function::Max => Acc::Extreme(None),
-            Function::Avg => Acc::Avg {
-                sum: Number::zero(self.input),
-                count: 0,
-            },
-        }
-    }
-}
-
-/// A running sum: exact for integers and decimals (within the column's range), `f64` for floats.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Number {
-    Exact(i64),
-    Float(f64),
-}
-
-impl Number {
-    fn zero(input: Option<FieldType>) -> Number {
-        match input.map(|t| t.kind) {
-            Some(FieldKind::Float) => Number::Float(0.0),
-            _ => Number::Exact(0),
+    /// The words a window keeps for this aggregate, in order: one, or a sum and a count for
+    /// `avg`.
+    pub fn word_kinds(&self) -> &'static [WordKind] {
+        let float = self.input.is_some_and(|t| t.kind == FieldKind::Float);
+        match (self.function, float) {
+            (Function::Count, _) => &[WordKind::Count],
+            (Function::Avg, false) => &[WordKind::Exact, WordKind::Count],
+            (Function::Avg, true) => &[WordKind::Float, WordKind::Count],
+            (_, false) => &[WordKind::Exact],
+            (_, true) => &[WordKind::Float],
         }
     }
 
-    fn checked_add(self, other: Number, limit: i64) -> Option<Number> {
-        match (self, other) {
-            (Number::Exact(a), Number::Exact(b)) => a
-                .checked_add(b)
-                .filter(|s| s.unsigned_abs() <= limit.unsigned_abs())
-                .map(Number::Exact),
-            (Number::Float(a), Number::Float(b)) => Some(Number::Float(a + b)),
-            _ => None,
-        }
+    /// This aggregate's words of a window no record was added to yet. A min starts at the
+    /// largest value and a max at the smallest, so that the first record's value replaces it
+    /// (a window exists only once a record was added to it).
+    pub fn empty(&self) -> impl Iterator<Item = Word> + '_ {
+        self.word_kinds()
+            .iter()
+            .map(|kind| match (self.function, kind) {
+                (_, WordKind::Count) => Word::Count(0),
+                (Function::Min, WordKind::Exact) => Word::Exact(i64::MAX),
+                (Function::Max, WordKind::Exact) => Word::Exact(i64::MIN),
+                (Function::Min, WordKind::Float) => Word::Float(f64::INFINITY),
+                (Function::Max, WordKind::Float) => Word::Float(f64::NEG_INFINITY),
+                (_, WordKind::Exact) => Word::Exact(0),
+                (_, WordKind::Float) => Word::Float(0.0),
+            })
     }
 
-    fn of(value: &Value) -> Option<Number> {
-        match value {
-            Value::Int(i) | Value::Decimal(i) => Some(Number::Exact(*i)),
-            Value::Float(x) => Some(Number::Float(*x)),
-            _ => None,
-        }
-    }
-}
-
-/// What one window keeps for one aggregate.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Acc {
-    Count(u64),
-    Sum(Number),
-    /// The smallest (min) or largest (max) value seen; `None` before the first.
-    Extreme(Option<Value>),
-    Avg {
-        sum: Number,
-        count: u64,
-    },
-}
-
-/// Why a record cannot be added: the window's value would leave its column's range.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Overflow {
-    pub column: String,
-}
-
-impl Aggregate {
     fn sum_limit(&self) -> i64 {
         match self.input.map(|t| t.kind) {
             Some(FieldKind::Decimal) => MAX_DECIMAL18_UNITS,
@@ -128,66 +90,96 @@ impl Aggregate {
         }
     }
 
-    /// Adds one record's value (`None` for `count`) to the accumulator.
-    pub fn add(&self, acc: &Acc, value: Option<&Value>) -> Result<Acc, Overflow> {
+    /// Adds one record's value (`None` for `count`) to this aggregate's `words`; on an overflow
+    /// they are left as they were.
+    pub fn add(&self, words: &mut [Word], value: Option<&Value>) -> Result<(), Overflow> {
         let overflow = || Overflow {
             column: self.column.clone(),
         };
-        let number = || value.and_then(Number::of).ok_or_else(overflow);
-        Ok(match (self.function, acc) {
-            (Function::Count, Acc::Count(n)) => Acc::Count(n.checked_add(1).ok_or_else(overflow)?),
-            (Function::Sum, Acc::Sum(s)) => Acc::Sum(
-                s.checked_add(number()?, self.sum_limit())
-                    .ok_or_else(overflow)?,
-            ),
-            (Function::Min | Function::Max, Acc::Extreme(held)) => {
-                let value = value.ok_or_else(overflow)?;
-                Acc::Extreme(Some(self.pick(held.as_ref(), value)))
+        let input = || value.and_then(Word::of).ok_or_else(overflow);
+        let limit = self.sum_limit();
+        match (self.function, &mut *words) {
+            (Function::Count, [Word::Count(n)]) => *n = n.checked_add(1).ok_or_else(overflow)?,
+            (Function::Sum, [sum]) => {
+                *sum = add_within(*sum, input()?, limit).ok_or_else(overflow)?
             }
-            (Function::Avg, Acc::Avg { sum, count }) => Acc::Avg {
-                sum: sum
-                    .checked_add(number()?, self.sum_limit())
-                    .ok_or_else(overflow)?,
-                count: count.checked_add(1).ok_or_else(overflow)?,
-            },
+            (Function::Min | Function::Max, [held]) => *held = self.pick(*held, input()?),
+            (Function::Avg, [sum, Word::Count(n)]) => {
+                let (s, c) = (
+                    add_within(*sum, input()?, limit).ok_or_else(overflow)?,
+                    n.checked_add(1).ok_or_else(overflow)?,
+                );
+                (*sum, *n) = (s, c);
+            }
             _ => return Err(overflow()),
-        })
+        }
+        Ok(())
     }
 
-    fn pick(&self, held: Option<&Value>, value: &Value) -> Value {
-        match held {
-            None => value.clone(),
-            Some(held) => {
-                let keep_new = match self.function {
-                    Function::Min => value.compare(held).is_lt(),
-                    _ => value.compare(held).is_gt(),
-                };
-                if keep_new { value } else { held }.clone()
-            }
+    /// The smaller (min) or larger (max) of two words of this aggregate.
+    fn pick(&self, held: Word, new: Word) -> Word {
+        let new_wins = match (held, new) {
+            (Word::Exact(a), Word::Exact(b)) => b.cmp(&a),
+            (Word::Float(a), Word::Float(b)) => b.total_cmp(&a),
+            _ => return held,
+        };
+        let keep_new = match self.function {
+            Function::Min => new_wins.is_lt(),
+            _ => new_wins.is_gt(),
+        };
+        if keep_new { new } else { held }
+    }
+
+    /// Merges into `into` the words another source partition holds for the window, as the view
+    /// does (sum of sums, min of mins, ...); across partitions sums may reach the full `i64`,
+    /// since only the shown value must fit its column.
+    pub fn merge(&self, into: &mut [Word], other: &[Word]) -> Result<(), Overflow> {
+        let overflow = || Overflow {
+            column: self.column.clone(),
+        };
+        if into.len() != other.len() {
+            return Err(overflow());
+        }
+        for (a, b) in into.iter_mut().zip(other) {
+            *a = match (self.function, *a, *b) {
+                (_, Word::Count(x), Word::Count(y)) => {
+                    Word::Count(x.checked_add(y).ok_or_else(overflow)?)
+                }
+                (Function::Min | Function::Max, x, y) => self.pick(x, y),
+                (_, x, y) => add_within(x, y, i64::MAX).ok_or_else(overflow)?,
+            };
+        }
+        Ok(())
+    }
+}
+
+/// `a + b` for two exact words within `±limit`, or two floats; `None` otherwise.
+fn add_within(a: Word, b: Word, limit: i64) -> Option<Word> {
+    match (a, b) {
+        (Word::Exact(a), Word::Exact(b)) => a
+            .checked_add(b)
+            .filter(|s| s.unsigned_abs() <= limit.unsigned_abs())
+            .map(Word::Exact),
+        (Word::Float(a), Word::Float(b)) => Some(Word::Float(a + b)),
+        _ => None,
+    }
+}
+
+impl Word {
+    /// The word a field's value adds to a sum, min or max: numbers and times as they are held.
+    fn of(value: &Value) -> Option<Word> {
+        match value {
+            Value::Int(i) | Value::Decimal(i) | Value::Time(i) => Some(Word::Exact(*i)),
+            Value::Float(x) => Some(Word::Float(*x)),
+            Value::Str(_) | Value::Bool(_) => None,
         }
     }
+}
 
-    /// Merges the values two source partitions hold for one window, as the view does.
-    pub fn merge(&self, a: &Acc, b: &Acc) -> Result<Acc, Overflow> {
-        let overflow = || Overflow {
-            column: self.column.clone(),
-        };
-        // Across partitions the view sums in a wider type: only the shown value must fit.
-        let wide = i64::MAX;
-        Ok(match (a, b) {
-            (Acc::Count(x), Acc::Count(y)) => Acc::Count(x.checked_add(*y).ok_or_else(overflow)?),
-            (Acc::Sum(x), Acc::Sum(y)) => Acc::Sum(x.checked_add(*y, wide).ok_or_else(overflow)?),
-            (Acc::Extreme(x), Acc::Extreme(y)) => Acc::Extreme(match (x, y) {
-                (None, other) | (other, None) => other.clone(),
-                (Some(x), Some(y)) => Some(self.pick(Some(x), y)),
-            }),
-            (Acc::Avg { sum: s1, count: c1 }, Acc::Avg { sum: s2, count: c2 }) => Acc::Avg {
-                sum: s1.checked_add(*s2, wide).ok_or_else(overflow)?,
-                count: c1.checked_add(*c2).ok_or_else(overflow)?,
-            },
-            _ => return Err(overflow()),
-        })
-    }
+/// Why a record cannot be added: the window's value would leave its column's range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Overflow {
+    pub column: String,
 }
 
 #[cfg(test)]
@@ -204,21 +196,26 @@ mod tests {
         }
     }
 
-    fn fold(a: &Aggregate, values: &[i64]) -> Acc {
-        values.iter().fold(a.empty(), |acc, v| {
-            a.add(&acc, Some(&Value::Decimal(*v))).expect("in range")
-        })
+    fn fold(a: &Aggregate, values: &[i64]) -> Vec<Word> {
+        let mut words: Vec<Word> = a.empty().collect();
+        for v in values {
+            a.add(&mut words, Some(&Value::Decimal(*v)))
+                .expect("in range");
+        }
+        words
     }
 
     #[test]
     fn a_decimal_sum_stops_at_the_columns_range() {
         let a = agg(Function::Sum, FieldKind::Decimal);
         let near = fold(&a, &[MAX_DECIMAL18_UNITS - 1]);
-        assert!(a.add(&near, Some(&Value::Decimal(1))).is_ok());
+        assert!(a.add(&mut near.clone(), Some(&Value::Decimal(1))).is_ok());
+        let mut words = near.clone();
         assert_eq!(
-            a.add(&near, Some(&Value::Decimal(2))),
+            a.add(&mut words, Some(&Value::Decimal(2))),
             Err(Overflow { column: "c".into() })
         );
+        assert_eq!(words, near, "an overflow leaves the words as they were");
     }
 
     #[test]
@@ -253,7 +250,8 @@ mod tests {
             let a = agg(function, FieldKind::Decimal);
             let cut = cut.min(values.len());
             let whole = fold(&a, &values);
-            let merged = a.merge(&fold(&a, &values[..cut]), &fold(&a, &values[cut..])).expect("in range");
+            let mut merged = fold(&a, &values[..cut]);
+            a.merge(&mut merged, &fold(&a, &values[cut..])).expect("in range");
             prop_assert_eq!(merged, whole);
         }
     }

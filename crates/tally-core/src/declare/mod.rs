@@ -19,7 +19,7 @@ use compact_str::CompactString;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-pub use aggregate::{Acc, Aggregate, Function, Number, Overflow};
+pub use aggregate::{Aggregate, Function, Overflow};
 pub use extract::{FieldReader, PathTree, StringFormat, TimeUnit};
 pub use filter::{Condition, ConditionDecl, Test};
 pub use value::{
@@ -28,6 +28,7 @@ pub use value::{
 };
 
 use crate::decode::{Poison, document, not_a_json_object};
+use crate::window_agg::{WindowAgg, WordKind};
 
 /// Record formats a job can read. JSON today; Avro and Protobuf would add a variant and a reader
 /// producing the same raw field values.
@@ -337,15 +338,17 @@ impl Declaration {
                     let Some(input) = fields.get(index) else {
                         continue;
                     };
+                    // A window keeps each aggregate in a word or two: a min or max of
+                    // strings would need the string.
                     let fits = match f {
                         Function::Sum | Function::Avg => input.kind.is_numeric(),
-                        _ => input.kind.is_ordered(),
+                        _ => input.kind.is_numeric() || input.kind == FieldKind::Timestamp,
                     };
                     if !fits {
                         let needs = if matches!(f, Function::Sum | Function::Avg) {
                             "an integer, decimal or float field"
                         } else {
-                            "a field with an order (not a boolean)"
+                            "an integer, decimal, float or timestamp field"
                         };
                         c.refuse(
                             format!("{key}.function"),
@@ -696,6 +699,50 @@ impl Job {
                 .map(|a| a.field.and_then(take))
                 .collect(),
         }))
+    }
+
+    /// The words of a window's value, aggregate by aggregate (what the store reads back).
+    pub fn word_kinds(&self) -> Vec<WordKind> {
+        self.aggregates
+            .iter()
+            .flat_map(|a| a.word_kinds().iter().copied())
+            .collect()
+    }
+
+    /// A window's value before its first record.
+    pub fn empty_value(&self) -> WindowAgg {
+        WindowAgg::new(self.aggregates.iter().flat_map(|a| a.empty()))
+    }
+
+    /// Adds an event's inputs ([`DeclaredEvent::inputs`]) to a window's value. On an overflow
+    /// the value is left as it was and the error names the column.
+    pub fn add(&self, value: &mut WindowAgg, inputs: &[Option<Value>]) -> Result<(), Overflow> {
+        let mut next = value.clone();
+        let mut words = next.words_mut();
+        for (a, input) in self.aggregates.iter().zip(inputs) {
+            let (mine, rest) = words.split_at_mut(a.word_kinds().len().min(words.len()));
+            a.add(mine, input.as_ref())?;
+            words = rest;
+        }
+        *value = next;
+        Ok(())
+    }
+
+    /// Merges into `into` another source partition's value of the same window, as the view does.
+    pub fn merge(&self, into: &mut WindowAgg, other: &WindowAgg) -> Result<(), Overflow> {
+        let (mut words, mut theirs) = (into.words_mut(), other.words());
+        for a in &self.aggregates {
+            let n = a.word_kinds().len();
+            if words.len() < n || theirs.len() < n {
+                return Err(Overflow {
+                    column: a.column.clone(),
+                });
+            }
+            let (mine, rest) = words.split_at_mut(n);
+            a.merge(mine, &theirs[..n])?;
+            (words, theirs) = (rest, &theirs[n..]);
+        }
+        Ok(())
     }
 
     /// The view's columns and their ClickHouse types: window bounds, keys, aggregates.

@@ -2,6 +2,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::decode::{FieldMapping, PoisonReason, RecordDecoder};
+use crate::window_agg::{WindowAgg, Word};
 
 const REVENUE_AGG: &str = r#"
 event_id = "event_id"
@@ -319,7 +320,7 @@ fn replace(text: &str, from: &str, to: &str) -> String {
 
 #[test]
 fn each_mistake_is_named_by_its_key() {
-    let cases: [(String, WindowRules, &str, &str); 12] = [
+    let cases: [(String, WindowRules, &str, &str); 13] = [
         (
             replace(
                 REVENUE_AGG,
@@ -335,6 +336,16 @@ fn each_mistake_is_named_by_its_key() {
             TUMBLING,
             "aggregation.aggregate[1].function",
             "sum needs an integer, decimal or float field; \"currency\" is a string",
+        ),
+        (
+            replace(
+                REVENUE_AGG,
+                "function = \"sum\"\nfield = \"amount\"",
+                "function = \"max\"\nfield = \"customer_id\"",
+            ),
+            TUMBLING,
+            "aggregation.aggregate[1].function",
+            "max needs an integer, decimal, float or timestamp field; \"customer_id\" is a string",
         ),
         (
             REVENUE_AGG.to_owned(),
@@ -500,12 +511,11 @@ fn min_and_max_keep_the_extremes_of_their_type() {
         ("first_seen".to_owned(), "DateTime".to_owned())
     );
     let min = &job.aggregates[1];
-    let acc = [300_000, 120_000, 240_000]
-        .iter()
-        .fold(min.empty(), |acc, t| {
-            min.add(&acc, Some(&Value::Time(*t))).expect("adds")
-        });
-    assert_eq!(acc, Acc::Extreme(Some(Value::Time(120_000))));
+    let mut words: Vec<Word> = min.empty().collect();
+    for t in [300_000, 120_000, 240_000] {
+        min.add(&mut words, Some(&Value::Time(t))).expect("adds");
+    }
+    assert_eq!(words, [Word::Exact(120_000)]);
 }
 
 /// Jobs of more than 16 fields read each record with scratch on the heap: the same values in the
@@ -547,5 +557,62 @@ fn a_job_of_many_fields_reads_every_one() {
             .expect_err("k0 missing");
         assert_eq!(poison.reason, PoisonReason::MissingField);
         assert!(poison.message.contains("\"k0\""), "{}", poison.message);
+    }
+}
+
+#[test]
+fn revenue_agg_declared_keeps_the_words_the_built_in_value_has() {
+    let job = job(REVENUE_AGG, TUMBLING);
+    assert_eq!(job.word_kinds(), crate::window_agg::ORDERS_WORDS);
+    let mut value = job.empty_value();
+    assert_eq!(value, WindowAgg::of_orders(0, crate::Amount(0)));
+    job.add(&mut value, &[None, Some(Value::Decimal(12_500))])
+        .expect("fits");
+    assert_eq!(value, WindowAgg::of_orders(1, crate::Amount(12_500)));
+}
+
+#[test]
+fn an_add_that_overflows_one_column_changes_no_column() {
+    let job = job(REVENUE_AGG, TUMBLING);
+    let mut value = WindowAgg::of_orders(4, crate::Amount(MAX_DECIMAL18_UNITS));
+    let before = value.clone();
+    let overflow = job.add(&mut value, &[None, Some(Value::Decimal(1))]);
+    assert_eq!(
+        overflow,
+        Err(Overflow {
+            column: "revenue".into()
+        })
+    );
+    assert_eq!(value, before);
+}
+
+proptest! {
+    /// A hopping job's window split among source partitions any way: merging the partitions'
+    /// values gives the value of all its records at once (count, max, avg of floats).
+    #[test]
+    fn a_jobs_partition_values_merge_to_the_whole(
+        loads in proptest::collection::vec(0u32..60_000, 1..40),
+        cut in 0usize..40,
+    ) {
+        let job = job(PAGE_VIEWS, TUMBLING);
+        let fold = |loads: &[u32]| {
+            let mut value = job.empty_value();
+            for load in loads {
+                let inputs = [None, Some(Value::Float(f64::from(*load))), Some(Value::Float(f64::from(*load)))];
+                job.add(&mut value, &inputs).expect("fits");
+            }
+            value
+        };
+        let cut = cut.min(loads.len());
+        let mut merged = fold(&loads[..cut]);
+        job.merge(&mut merged, &fold(&loads[cut..])).expect("fits");
+        let whole = fold(&loads);
+        // Float sums may differ in their last bits by the order of the additions.
+        prop_assert_eq!(&merged.words()[..2], &whole.words()[..2]);
+        prop_assert_eq!(merged.words()[3], whole.words()[3]);
+        let (Word::Float(a), Word::Float(b)) = (merged.words()[2], whole.words()[2]) else {
+            return Err(TestCaseError::fail("avg keeps a float sum"));
+        };
+        prop_assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0));
     }
 }

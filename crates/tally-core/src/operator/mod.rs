@@ -17,10 +17,10 @@ use crate::amount::Amount;
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
 use crate::seen_filter::{self, SeenIdFilter};
 use crate::types::{
-    Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowAgg,
-    WindowKey,
+    Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };
 use crate::window::{Watermark, WindowSpec};
+use crate::window_agg::{WindowAgg, Word};
 
 /// The maps every record touches: a fast hash, seeded per process.
 type FastMap<K, V> = HashMap<K, V, foldhash::quality::RandomState>;
@@ -30,7 +30,9 @@ type FastMap<K, V> = HashMap<K, V, foldhash::quality::RandomState>;
 /// The strings' lengths are added although short ones live inline: they are bytes again in
 /// the epoch's rows, changelog and write batch.
 const SEEN_ENTRY_BYTES: usize = 72;
-const WINDOW_ENTRY_BYTES: usize = 144;
+/// A window's value is 24 bytes more than the two plain numbers it was (`window_agg.rs`), its
+/// key 8 bytes less (smallvec's `union`).
+const WINDOW_ENTRY_BYTES: usize = 160;
 
 /// Event-time rules of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -394,13 +396,18 @@ impl RevenueOperator {
             event.currency,
         );
         let window_bytes = key.key.text_len() + WINDOW_ENTRY_BYTES;
-        let add = |current: WindowAgg| {
-            current
-                .revenue
+        // In place, and only if both fit: an overflow leaves the window as it was.
+        let add = |value: &mut WindowAgg| -> Result<(), Amount> {
+            let current = value.revenue();
+            let [Word::Count(orders), Word::Exact(revenue)] = value.words_mut() else {
+                return Err(current);
+            };
+            let added = Amount(*revenue)
                 .checked_add_decimal18(event.amount)
-                .zip(current.orders.checked_add(1))
-                .map(|(revenue, orders)| WindowAgg { orders, revenue })
-                .ok_or(current)
+                .zip(orders.checked_add(1));
+            let (new_revenue, new_orders) = added.ok_or(current)?;
+            (*revenue, *orders) = (new_revenue.0, new_orders);
+            Ok(())
         };
         // One hash of the key per record: the entry is looked up once and filled in place.
         let added = match self
@@ -409,21 +416,21 @@ impl RevenueOperator {
             .or_default()
             .entry(key)
         {
-            Entry::Occupied(mut held) => add(*held.get()).map(|updated| *held.get_mut() = updated),
+            Entry::Occupied(mut held) => add(held.get_mut()),
             Entry::Vacant(slot) => {
-                let current = store
+                let mut current = store
                     .window(record.partition, slot.key())?
-                    .unwrap_or_default();
-                add(current).map(|updated| {
-                    slot.insert(updated);
+                    .unwrap_or_else(|| WindowAgg::of_orders(0, Amount(0)));
+                add(&mut current).map(|()| {
+                    slot.insert(current);
                     self.state_bytes += window_bytes;
                 })
             }
         };
         if let Err(current) = added {
             let message = format!(
-                "adding {} to window revenue {} would exceed Decimal(18,4)",
-                event.amount, current.revenue
+                "adding {} to window revenue {current} would exceed Decimal(18,4)",
+                event.amount
             );
             return Ok(self.dead_letter(
                 record,
@@ -626,7 +633,7 @@ impl EpochCut {
                 partition,
                 window_end_ms: key.window_start_ms + self.window_size_ms,
                 key: key.clone(),
-                value: *value,
+                value: value.clone(),
             })
         }));
         OutputRow::sort_batch(&mut rows);
@@ -698,7 +705,7 @@ impl<S: StateReader> StateReader for WithInFlight<'_, S> {
     ) -> Result<Option<WindowAgg>, S::Error> {
         for cut in self.cuts.iter().rev() {
             if let Some(agg) = cut.windows.get(&partition).and_then(|w| w.get(key)) {
-                return Ok(Some(*agg));
+                return Ok(Some(agg.clone()));
             }
         }
         self.store.window(partition, key)

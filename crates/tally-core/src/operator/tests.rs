@@ -219,13 +219,7 @@ fn duplicates_are_counted_not_aggregated_across_checkpoints() {
     });
     assert!(cp2.rows.is_empty());
     assert_eq!(cp2.accounting().duplicates, 1);
-    assert_eq!(
-        cp.rows[0].value,
-        WindowAgg {
-            orders: 1,
-            revenue: Amount(15_000)
-        }
-    );
+    assert_eq!(cp.rows[0].value, WindowAgg::of_orders(1, Amount(15_000)));
 }
 
 #[test]
@@ -296,10 +290,7 @@ fn window_revenue_overflow_goes_to_dead_letters() {
     });
     assert_eq!(
         cp.rows[0].value,
-        WindowAgg {
-            orders: 3,
-            revenue: Amount(999_999_999_999_990_000)
-        }
+        WindowAgg::of_orders(3, Amount(999_999_999_999_990_000))
     );
     assert_eq!(cp.dead_letters[0].reason, PoisonReason::TooLarge);
     assert!(cp.accounting().balances());

@@ -11,11 +11,15 @@ use tally_core::{
     WindowKey,
 };
 
-/// Version of the record layout this build writes; a reader refuses any but this and
-/// [`CHANGELOG_FORMAT_V1`].
+/// Version of the record layout this build writes; a reader refuses any but this,
+/// [`CHANGELOG_FORMAT_V2`] and [`CHANGELOG_FORMAT_V1`].
+/// 3: a window's value is its tagged words (any shape), not (orders, revenue).
 /// 2: a window's group key is its parts (any number), not (customer, currency).
-pub const CHANGELOG_FORMAT: u8 = 2;
-/// Written by the releases before group keys: read as revenue_agg's (customer, currency).
+pub const CHANGELOG_FORMAT: u8 = 3;
+/// Written by the releases before values of any shape: read as revenue_agg's (orders, revenue).
+pub const CHANGELOG_FORMAT_V2: u8 = 2;
+/// Written by the releases before group keys: read as revenue_agg's (customer, currency) and
+/// (orders, revenue).
 pub const CHANGELOG_FORMAT_V1: u8 = 1;
 /// Estimated bytes of windows and ids per record at most: records stay well below the
 /// producer's and the topic's message limit (16 MiB), however large an epoch.
@@ -26,7 +30,7 @@ pub enum ChangelogError {
     #[error("changelog record: {0}")]
     Undecodable(String),
     #[error(
-        "changelog record: format {found} is not supported (this build reads {CHANGELOG_FORMAT_V1} and {CHANGELOG_FORMAT}); a newer release wrote it: run that release"
+        "changelog record: format {found} is not supported (this build reads {CHANGELOG_FORMAT_V1} to {CHANGELOG_FORMAT}); a newer release wrote it: run that release"
     )]
     UnknownFormat { found: u8 },
     #[error("cannot encode a changelog record: {0}")]
@@ -40,10 +44,11 @@ pub enum ChangelogError {
 }
 
 /// One partition's part of one epoch (or a chunk of it): what the store applies for the
-/// partition at that checkpoint. `K`: the window key of the record's format, a [`WindowKey`]
-/// once read (format 1's are brought forward by [`ChangelogRecord::decode`]).
+/// partition at that checkpoint. `K` and `V`: the window key and value of the record's format,
+/// a [`WindowKey`] and [`WindowAgg`] once read (earlier formats' are brought forward by
+/// [`ChangelogRecord::decode`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ChangelogRecord<K = WindowKey> {
+pub struct ChangelogRecord<K = WindowKey, V = WindowAgg> {
     format: u8,
     pub epoch: Epoch,
     pub partition: PartitionId,
@@ -54,15 +59,21 @@ pub struct ChangelogRecord<K = WindowKey> {
     pub close_windows_before: Option<i64>,
     pub expire_seen_before: Option<i64>,
     /// Full current values of the windows changed in this epoch.
-    pub windows: Vec<(K, WindowAgg)>,
+    pub windows: Vec<(K, V)>,
     /// Event ids aggregated in this epoch, with their event times.
     pub seen: Vec<(String, i64)>,
 }
 
-impl From<ChangelogRecord<crate::upgrade::WindowKeyV1>> for ChangelogRecord {
-    fn from(r: ChangelogRecord<crate::upgrade::WindowKeyV1>) -> ChangelogRecord {
+impl<K: Into<WindowKey>, V: Into<WindowAgg>> ChangelogRecord<K, V> {
+    /// The record with its format's keys and values brought forward (its `format` kept).
+    fn brought_forward(self) -> ChangelogRecord {
+        let r = self;
         ChangelogRecord {
-            windows: r.windows.into_iter().map(|(k, v)| (k.into(), v)).collect(),
+            windows: r
+                .windows
+                .into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
             format: r.format,
             epoch: r.epoch,
             partition: r.partition,
@@ -76,10 +87,10 @@ impl From<ChangelogRecord<crate::upgrade::WindowKeyV1>> for ChangelogRecord {
     }
 }
 
-/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K`: the format's window
-/// key, a [`WindowKey`] but in tests).
+/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K` and `V`: the format's
+/// window key and value, a [`WindowKey`] and [`WindowAgg`] but in tests).
 #[derive(Serialize)]
-struct RecordRef<'a, K = WindowKey> {
+struct RecordRef<'a, K = WindowKey, V = WindowAgg> {
     format: u8,
     epoch: Epoch,
     partition: PartitionId,
@@ -88,7 +99,7 @@ struct RecordRef<'a, K = WindowKey> {
     progress: &'a PartitionCheckpoint,
     close_windows_before: Option<i64>,
     expire_seen_before: Option<i64>,
-    windows: &'a [(&'a K, &'a WindowAgg)],
+    windows: &'a [(&'a K, &'a V)],
     seen: &'a [(&'a str, i64)],
 }
 
@@ -179,13 +190,19 @@ fn chunks<T>(items: &[T], limit: usize, size: impl Fn(&T) -> usize) -> Vec<&[T]>
 impl ChangelogRecord {
     pub fn decode(bytes: &[u8]) -> Result<ChangelogRecord, ChangelogError> {
         // The format is the first field: checked before the rest is trusted.
+        use crate::upgrade::{WindowAggV2, WindowKeyV1};
         let decoded = match bytes.first() {
             Some(&CHANGELOG_FORMAT) => bincode::serde::decode_from_slice(bytes, config()),
-            Some(&CHANGELOG_FORMAT_V1) => bincode::serde::decode_from_slice::<
-                ChangelogRecord<crate::upgrade::WindowKeyV1>,
+            Some(&CHANGELOG_FORMAT_V2) => bincode::serde::decode_from_slice::<
+                ChangelogRecord<WindowKey, WindowAggV2>,
                 _,
             >(bytes, config())
-            .map(|(record, read)| (ChangelogRecord::from(record), read)),
+            .map(|(record, read)| (record.brought_forward(), read)),
+            Some(&CHANGELOG_FORMAT_V1) => bincode::serde::decode_from_slice::<
+                ChangelogRecord<WindowKeyV1, WindowAggV2>,
+                _,
+            >(bytes, config())
+            .map(|(record, read)| (record.brought_forward(), read)),
             Some(&found) => return Err(ChangelogError::UnknownFormat { found }),
             None => return Err(ChangelogError::Undecodable("empty".into())),
         };
@@ -200,7 +217,7 @@ impl ChangelogRecord {
             partition: self.partition,
             window_end_ms: key.window_start_ms + window_size_ms,
             key: key.clone(),
-            value: *value,
+            value: value.clone(),
         })
     }
 

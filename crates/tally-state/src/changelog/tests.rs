@@ -403,35 +403,27 @@ fn a_gap_a_missing_start_or_another_format_is_refused() {
     assert!(ChangelogRecord::decode(&[]).is_err());
 }
 
-/// Format 1, written by the releases before group keys, reads as the same record.
-#[test]
-fn records_of_the_releases_before_group_keys_are_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let owner = StateStore::open(dir.path(), "job").unwrap();
-    let events: Vec<Event> = (0..12).map(|i| (0, i, i % 3, 1_000, false)).collect();
-    let log = run_owner(&owner, &[events], usize::MAX);
-    let record = ChangelogRecord::decode(&log[0]).unwrap();
-    assert!(record.windows.len() >= 3 && !record.seen.is_empty());
-    let keys: Vec<_> = record
+/// Writes `record` as an earlier format would have: `key` and `value` give its windows' keys
+/// and values in that format.
+fn in_earlier_format<K: Serialize, V: Serialize>(
+    record: &ChangelogRecord,
+    format: u8,
+    key: impl Fn(&WindowKey) -> K,
+    value: impl Fn(&WindowAgg) -> V,
+) -> Vec<u8> {
+    let windows: Vec<(K, V)> = record
         .windows
         .iter()
-        .map(|(k, v)| {
-            let key = crate::upgrade::WindowKeyV1 {
-                window_start_ms: k.window_start_ms,
-                customer_id: k.customer_id().into(),
-                currency: k.currency().into(),
-            };
-            (key, *v)
-        })
+        .map(|(k, v)| (key(k), value(v)))
         .collect();
-    let windows: Vec<_> = keys.iter().map(|(k, v)| (k, v)).collect();
+    let windows: Vec<_> = windows.iter().map(|(k, v)| (k, v)).collect();
     let seen: Vec<_> = record
         .seen
         .iter()
         .map(|(id, t)| (id.as_str(), *t))
         .collect();
-    let v1 = RecordRef {
-        format: CHANGELOG_FORMAT_V1,
+    let old = RecordRef {
+        format,
         epoch: record.epoch,
         partition: record.partition,
         chunk: record.chunk,
@@ -442,16 +434,45 @@ fn records_of_the_releases_before_group_keys_are_read() {
         windows: &windows,
         seen: &seen,
     };
-    let bytes = bincode::serde::encode_to_vec(&v1, config()).unwrap();
-    let read = ChangelogRecord::decode(&bytes).unwrap();
-    assert_eq!(read.format, CHANGELOG_FORMAT_V1);
-    assert_eq!(
-        ChangelogRecord {
-            format: CHANGELOG_FORMAT,
-            ..read
+    bincode::serde::encode_to_vec(&old, config()).unwrap()
+}
+
+/// Formats 1 (written by the releases before group keys) and 2 (before values of any shape)
+/// read as the same record.
+#[test]
+fn records_of_the_releases_before_group_keys_and_values_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let owner = StateStore::open(dir.path(), "job").unwrap();
+    let events: Vec<Event> = (0..12).map(|i| (0, i, i % 3, 1_000, false)).collect();
+    let log = run_owner(&owner, &[events], usize::MAX);
+    let record = ChangelogRecord::decode(&log[0]).unwrap();
+    assert!(record.windows.len() >= 3 && !record.seen.is_empty());
+    let value_v2 = |v: &WindowAgg| crate::upgrade::WindowAggV2 {
+        orders: v.orders(),
+        revenue: v.revenue(),
+    };
+    let v1 = in_earlier_format(
+        &record,
+        CHANGELOG_FORMAT_V1,
+        |k| crate::upgrade::WindowKeyV1 {
+            window_start_ms: k.window_start_ms,
+            customer_id: k.customer_id().into(),
+            currency: k.currency().into(),
         },
-        record
+        value_v2,
     );
+    let v2 = in_earlier_format(&record, CHANGELOG_FORMAT_V2, WindowKey::clone, value_v2);
+    for (bytes, format) in [(v1, CHANGELOG_FORMAT_V1), (v2, CHANGELOG_FORMAT_V2)] {
+        let read = ChangelogRecord::decode(&bytes).unwrap();
+        assert_eq!(read.format, format);
+        assert_eq!(
+            ChangelogRecord {
+                format: CHANGELOG_FORMAT,
+                ..read
+            },
+            record
+        );
+    }
 }
 
 #[test]

@@ -101,10 +101,10 @@ impl SourceReplay {
                 row.key.customer_id().into(),
                 row.key.currency().into(),
             );
-            self.values
-                .entry(key.clone())
-                .or_default()
-                .insert(row.partition, (row.value.orders, row.value.revenue.units()));
+            self.values.entry(key.clone()).or_default().insert(
+                row.partition,
+                (row.value.orders(), row.value.revenue().units()),
+            );
             back.changed.insert(key);
         }
     }
