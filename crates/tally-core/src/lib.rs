@@ -27,4 +27,4 @@ pub use types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };
 pub use window::{Watermark, WindowSpec};
-pub use window_agg::{ORDERS_WORDS, WindowAgg, Word, WordKind};
+pub use window_agg::{ORDERS_WORDS, RowShape, WindowAgg, Word, WordKind};

@@ -20,7 +20,7 @@ pub enum Word {
 
 /// What a word holds, without its value: what the store needs to read a value it wrote without
 /// tags.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum WordKind {
     Count,
     Exact,
@@ -59,6 +59,34 @@ pub struct WindowAgg(SmallVec<[Word; 2]>);
 
 /// revenue_agg's words: its order count, then its revenue in 10^-4 units.
 pub const ORDERS_WORDS: [WordKind; 2] = [WordKind::Count, WordKind::Exact];
+
+/// The shape of a job's rows: the parts of its window keys and the words of its values, which
+/// the store's bytes cannot say (it records the shape beside them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowShape {
+    pub key_parts: usize,
+    pub words: Vec<WordKind>,
+}
+
+impl RowShape {
+    /// revenue_agg's rows: (customer, currency) and (orders, revenue).
+    pub fn orders() -> RowShape {
+        RowShape {
+            key_parts: 2,
+            words: ORDERS_WORDS.to_vec(),
+        }
+    }
+}
+
+impl std::fmt::Display for RowShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "keys of {} part(s), values of words {:?}",
+            self.key_parts, self.words
+        )
+    }
+}
 
 impl WindowAgg {
     pub fn new(words: impl IntoIterator<Item = Word>) -> WindowAgg {

@@ -30,9 +30,7 @@ use rocksdb::{
     BlockBasedOptions, ColumnFamilyDescriptor, DB, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
-use tally_core::{
-    Checkpoint, Epoch, ORDERS_WORDS, PartitionCheckpoint, PartitionId, WindowAgg, WordKind,
-};
+use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId, RowShape, WindowAgg};
 
 const CF_META: &str = "meta";
 const CF_WINDOWS: &str = "windows";
@@ -48,6 +46,8 @@ const KEY_ADOPTED: &[u8] = b"adopted_writer";
 const KEY_REPLAYING: &[u8] = b"replaying";
 const KEY_RESTORE_POINTS: &[u8] = b"restore_points";
 const KEY_FORMAT: &[u8] = b"format_version";
+/// The rows' shape (`RowShape`); absent in a directory written before format 4: revenue_agg's.
+const KEY_ROW_SHAPE: &[u8] = b"row_shape";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
 const KEY_WRITER: &[u8] = b"writer_id";
 /// The last epoch marked committed. Its outputs and changelog records stay until the next epoch
@@ -72,6 +72,14 @@ pub enum StateError {
         path: PathBuf,
         found: String,
         expected: String,
+    },
+    #[error(
+        "state store {path} holds rows with {found}, but this job's declaration makes rows with {expected}: the directory was written by another declaration of the job. A job's declaration is fixed for its life: run the new one as a new job (another job.name, job.state_dir, clickhouse.table and kafka.consumer_group)"
+    )]
+    ShapeMismatch {
+        path: PathBuf,
+        found: RowShape,
+        expected: RowShape,
     },
     #[error("state store {path}: corrupt {what}: {detail}")]
     Corrupt {
@@ -156,11 +164,9 @@ pub struct StateStore {
     /// size at once, rather than doubled up to it (each doubling held the old and the new
     /// buffer, tens of MiB at 1M live keys).
     last_batch_bytes: AtomicUsize,
+    /// The shape of the rows it holds, as recorded (or implied, before format 4).
+    shape: RowShape,
 }
-
-/// The words of a window's value (and, in reads.rs, two key parts): revenue_agg's, the one
-/// shape the operator writes in this release.
-const WINDOW_WORDS: &[WordKind] = &ORDERS_WORDS;
 
 fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
@@ -274,8 +280,16 @@ impl StateStore {
             writer: String::new(),
             expiry,
             last_batch_bytes: AtomicUsize::new(0),
+            shape: RowShape::orders(),
         };
         store.check_format()?;
+        if let Some(bytes) = store
+            .db
+            .get_cf(store.cf(CF_META)?, KEY_ROW_SHAPE)
+            .map_err(|e| store.rocks(e))?
+        {
+            store.shape = store.decode(&bytes, "row shape")?;
+        }
         store.writer = store.read_or_create_writer()?;
         let meta = store.read_meta()?;
         if let Some(meta) = &meta {
@@ -292,6 +306,42 @@ impl StateStore {
             });
         }
         Ok(store)
+    }
+
+    /// Opens the store to run the job whose rows have `shape`: a new directory records it, one
+    /// holding rows of another shape is refused ([`StateError::ShapeMismatch`]).
+    pub fn open_for(path: &Path, job: &str, shape: &RowShape) -> Result<StateStore, StateError> {
+        let mut store = StateStore::open(path, job)?;
+        let recorded = store
+            .db
+            .get_cf(store.cf(CF_META)?, KEY_ROW_SHAPE)
+            .map_err(|e| store.rocks(e))?
+            .is_some();
+        if recorded && store.shape == *shape {
+            return Ok(store);
+        }
+        // A directory without a checkpoint holds no rows yet: it takes the job's shape.
+        if store.shape != *shape && store.meta().is_some() {
+            return Err(StateError::ShapeMismatch {
+                path: store.path.clone(),
+                found: store.shape.clone(),
+                expected: shape.clone(),
+            });
+        }
+        let mut batch = rocksdb::WriteBatch::default();
+        batch.put_cf(
+            store.cf(CF_META)?,
+            KEY_ROW_SHAPE,
+            store.encode(shape, "row shape")?,
+        );
+        store.write(batch)?;
+        store.shape = shape.clone();
+        Ok(store)
+    }
+
+    /// The shape of the rows the store holds.
+    pub fn row_shape(&self) -> &RowShape {
+        &self.shape
     }
 
     pub fn path(&self) -> &Path {
@@ -384,22 +434,24 @@ impl StateStore {
             what: "window aggregate",
             detail,
         };
-        if !value.has_kinds(WINDOW_WORDS) {
+        if !value.has_kinds(&self.shape.words) {
             return Err(refused(format!(
-                "{:?} is not a value of the job's words {WINDOW_WORDS:?}",
-                value.words()
+                "{:?} is not a value of the store's words {:?}",
+                value.words(),
+                self.shape.words
             )));
         }
         values::encode_value(value, out).map_err(|e| refused(e.to_string()))
     }
 
     fn decode_window_value(&self, bytes: &[u8]) -> Result<WindowAgg, StateError> {
-        values::decode_value(bytes, WINDOW_WORDS).ok_or_else(|| StateError::Corrupt {
+        values::decode_value(bytes, &self.shape.words).ok_or_else(|| StateError::Corrupt {
             path: self.path.clone(),
             what: "window aggregate",
             detail: format!(
-                "{} bytes are not a value of words {WINDOW_WORDS:?}",
-                bytes.len()
+                "{} bytes are not a value of words {:?}",
+                bytes.len(),
+                self.shape.words
             ),
         })
     }

@@ -47,9 +47,8 @@ impl StateStore {
         let mut out = Vec::new();
         for item in self.db.iterator_cf(cf, IteratorMode::Start) {
             let (key, value) = item.map_err(|e| self.rocks(e))?;
-            // revenue_agg's two key parts: the one shape the operator writes in this release.
-            let (p, k) =
-                keys::decode_window(&key, 2).ok_or_else(|| self.corrupt_key("window key"))?;
+            let (p, k) = keys::decode_window(&key, self.shape.key_parts)
+                .ok_or_else(|| self.corrupt_key("window key"))?;
             out.push((p, k, self.decode_window_value(&value)?));
         }
         Ok(out)

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use tally_core::amount::Amount;
 use tally_core::{
-    Checkpoint, Epoch, MemStore, OutputRow, PartitionCheckpoint, StateReader, WindowAgg, WindowKey,
+    Checkpoint, Epoch, MemStore, OutputRow, PartitionCheckpoint, RowShape, StateReader, WindowAgg,
+    WindowKey, Word, WordKind,
 };
 use tally_state::{EpochStatus, StateError, StateStore};
 
@@ -220,6 +221,120 @@ fn another_jobs_state_is_refused() {
     drop(store);
     let err = StateStore::open(dir.path(), "job-b").err().unwrap();
     assert!(matches!(err, StateError::JobMismatch { .. }), "{err}");
+}
+
+/// A page_views-like row: three key parts, a count, a float max and an avg (float sum, count).
+fn hopping_row(p: i32, start: i64, page: &str, views: u64, slowest: f64) -> OutputRow {
+    let key = WindowKey {
+        window_start_ms: start * 1000,
+        key: tally_core::GroupKey::new([page.into(), "DE".into(), "mobile".into()]),
+    };
+    OutputRow {
+        partition: p,
+        window_end_ms: key.window_start_ms + 5 * WINDOW_MS,
+        key,
+        value: WindowAgg::new([
+            Word::Count(views),
+            Word::Float(slowest),
+            Word::Float(slowest * views as f64),
+            Word::Count(views),
+        ]),
+    }
+}
+
+fn hopping_shape() -> RowShape {
+    RowShape {
+        key_parts: 3,
+        words: vec![
+            WordKind::Count,
+            WordKind::Float,
+            WordKind::Float,
+            WordKind::Count,
+        ],
+    }
+}
+
+/// Rows of any shape go in and come back as written, in a directory that records their shape;
+/// another shape is refused, naming both, once the directory holds a checkpoint.
+#[test]
+fn a_store_keeps_rows_of_its_recorded_shape_and_refuses_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = vec![
+        hopping_row(0, 60, "/", 3, 812.5),
+        hopping_row(0, 60, "/pricing", 1, 0.25),
+        hopping_row(1, 120, "/", 7, 1e9),
+    ];
+    {
+        let store = StateStore::open_for(dir.path(), "job", &hopping_shape()).unwrap();
+        let mut cp = checkpoint(1, &[]);
+        cp.rows = rows.clone();
+        store.pre_commit(&cp).unwrap();
+        store.mark_committed(Epoch(1)).unwrap();
+        let wrong = WindowAgg::of_orders(1, Amount(1));
+        let mut other = checkpoint(2, &[]);
+        other.rows = vec![OutputRow {
+            value: wrong,
+            ..rows[0].clone()
+        }];
+        let refused = store.pre_commit(&other).unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("is not a value of the store's words"),
+            "{refused}"
+        );
+    }
+    for shaped in [false, true] {
+        let store = if shaped {
+            StateStore::open_for(dir.path(), "job", &hopping_shape()).unwrap()
+        } else {
+            StateStore::open(dir.path(), "job").unwrap()
+        };
+        assert_eq!(store.row_shape(), &hopping_shape());
+        let held: Vec<_> = rows
+            .iter()
+            .map(|r| (r.partition, r.key.clone(), r.value.clone()))
+            .collect();
+        assert_eq!(store.windows().unwrap(), held);
+        assert_eq!(
+            store.window(0, &rows[1].key).unwrap(),
+            Some(rows[1].value.clone())
+        );
+    }
+    let err = StateStore::open_for(dir.path(), "job", &RowShape::orders())
+        .err()
+        .unwrap();
+    assert!(matches!(err, StateError::ShapeMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("keys of 3 part(s)"), "{err}");
+}
+
+/// A directory written before format 4 records no shape: it holds revenue_agg's rows, which a
+/// worker of revenue_agg then records; a new directory takes whatever shape it is opened for.
+#[test]
+fn a_directory_without_a_recorded_shape_holds_revenue_aggs_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path(), "job").unwrap();
+    store
+        .pre_commit(&checkpoint(
+            1,
+            &[Op::Row {
+                p: 0,
+                start: 1,
+                customer: 1,
+                orders: 2,
+            }],
+        ))
+        .unwrap();
+    drop(store);
+    assert!(matches!(
+        StateStore::open_for(dir.path(), "job", &hopping_shape()).err(),
+        Some(StateError::ShapeMismatch { .. })
+    ));
+    let store = StateStore::open_for(dir.path(), "job", &RowShape::orders()).unwrap();
+    assert_eq!(store.windows().unwrap().len(), 1);
+    let fresh = tempfile::tempdir().unwrap();
+    let store = StateStore::open_for(fresh.path(), "job", &hopping_shape()).unwrap();
+    assert_eq!(store.row_shape(), &hopping_shape());
 }
 
 #[test]

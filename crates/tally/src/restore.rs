@@ -126,7 +126,7 @@ fn restore_into(
     let started = Instant::now();
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
-    let store = StateStore::open(dir, &config.state_identity())?;
+    let store = StateStore::open_for(dir, &config.state_identity(), &config.row_shape())?;
     let Some(job) = committed(marks)? else {
         bail!(
             "consumer group {} has no commits of this job: there is nothing to restore; `tally run` starts the job",
@@ -165,7 +165,7 @@ pub fn catch_up(
     if !dir.exists() {
         return Ok(None);
     }
-    let store = StateStore::open(dir, &config.state_identity())?;
+    let store = StateStore::open_for(dir, &config.state_identity(), &config.row_shape())?;
     let partitions: Vec<PartitionId> = job.marks.keys().copied().collect();
     let replay = match Replay::continuing(
         &store,
@@ -297,7 +297,7 @@ pub fn make_state_current(
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
     let (local, foreign, replica) = {
-        let store = StateStore::open(dir, &config.state_identity())?;
+        let store = StateStore::open_for(dir, &config.state_identity(), &config.row_shape())?;
         let ours = store.writer_id().to_owned();
         // The last commit is the writer's this directory was restored from: the batch of
         // that epoch may still be missing in ClickHouse, which a catch-up checks.

@@ -66,9 +66,10 @@ impl Worker {
             )
         })?;
         let opening = Instant::now();
-        let store = Arc::new(StateStore::open(
+        let store = Arc::new(StateStore::open_for(
             &config.job.state_dir,
             &config.state_identity(),
+            &config.row_shape(),
         )?);
         tracing::info!(
             millis = opening.elapsed().as_millis() as u64,

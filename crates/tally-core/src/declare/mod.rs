@@ -28,7 +28,7 @@ pub use value::{
 };
 
 use crate::decode::{Poison, document, not_a_json_object};
-use crate::window_agg::{WindowAgg, WordKind};
+use crate::window_agg::{RowShape, WindowAgg, WordKind};
 
 /// Record formats a job can read. JSON today; Avro and Protobuf would add a variant and a reader
 /// producing the same raw field values.
@@ -707,6 +707,14 @@ impl Job {
             .iter()
             .flat_map(|a| a.word_kinds().iter().copied())
             .collect()
+    }
+
+    /// The shape of the job's rows: its group-by keys and its values' words.
+    pub fn row_shape(&self) -> RowShape {
+        RowShape {
+            key_parts: self.keys.len(),
+            words: self.word_kinds(),
+        }
     }
 
     /// A window's value before its first record.

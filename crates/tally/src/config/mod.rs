@@ -805,6 +805,12 @@ impl Config {
     }
 
     /// Identity stored in the state directory: the job and the topic it reads.
+    /// The shape of the job's rows: the built-in operator's, the one this release runs
+    /// ([`Config::parse`] refuses a declaration of any other).
+    pub fn row_shape(&self) -> tally_core::RowShape {
+        tally_core::RowShape::orders()
+    }
+
     pub fn state_identity(&self) -> String {
         match self.job.task {
             Some(task) => format!("{}@{}#task-{task}", self.job.name, self.kafka.source_topic),
