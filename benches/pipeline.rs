@@ -3,14 +3,14 @@
 //! declaration (`[aggregation]`) against the built-in decoder.
 #![allow(clippy::expect_used)] // a benchmark that cannot set up should stop at once
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use tally_core::declare::{Declaration, Evaluation, Job, WindowRules};
+use tally_core::declare::{Declaration, Evaluation, Job, Value, WindowRules};
 use tally_core::{
-    CheckpointBarrier, Epoch, FieldMapping, MemStore, OperatorConfig, Record, RecordDecoder,
-    RevenueOperator, StateReader, WindowSpec,
+    CheckpointBarrier, Epoch, FieldMapping, GroupKey, MemStore, OperatorConfig, Record,
+    RecordDecoder, RevenueOperator, StateReader, WindowAgg, WindowKey, WindowSpec,
 };
 use tally_state::StateStore;
 
@@ -185,6 +185,33 @@ fn declared(c: &mut Criterion) {
                 }
             }
             black_box(windows)
+        })
+    });
+    // And the aggregation itself: each record's value added to its five windows' (count, min,
+    // max, avg), windows held in a map hashed as the operator's (no dedup, no store).
+    group.bench_function("page_views_hopping_aggregated", |b| {
+        b.iter(|| {
+            let mut windows: HashMap<WindowKey, WindowAgg, foldhash::quality::RandomState> =
+                HashMap::default();
+            for v in &views {
+                let Ok(Evaluation::Event(e)) = hopping.evaluate(Some(v), 1 << 20) else {
+                    continue;
+                };
+                let key = GroupKey::new(e.key.iter().map(|k| match k {
+                    Value::Str(s) => s.clone(),
+                    other => other.display(0).to_string().into(),
+                }));
+                for start in hopping.windows.starts_of(e.event_time_ms) {
+                    let value = windows
+                        .entry(WindowKey {
+                            window_start_ms: start,
+                            key: key.clone(),
+                        })
+                        .or_insert_with(|| hopping.empty_value());
+                    hopping.add(value, &e.inputs).expect("in range");
+                }
+            }
+            black_box(windows.len())
         })
     });
     group.finish();
