@@ -30,7 +30,7 @@ use rocksdb::{
     BlockBasedOptions, ColumnFamilyDescriptor, DB, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
-use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId, RowShape, WindowAgg};
+use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId, RowShape};
 
 const CF_META: &str = "meta";
 const CF_WINDOWS: &str = "windows";
@@ -46,8 +46,6 @@ const KEY_ADOPTED: &[u8] = b"adopted_writer";
 const KEY_REPLAYING: &[u8] = b"replaying";
 const KEY_RESTORE_POINTS: &[u8] = b"restore_points";
 const KEY_FORMAT: &[u8] = b"format_version";
-/// The rows' shape (`RowShape`); absent in a directory written before format 4: revenue_agg's.
-const KEY_ROW_SHAPE: &[u8] = b"row_shape";
 const KEY_CHECKPOINT: &[u8] = b"checkpoint";
 const KEY_WRITER: &[u8] = b"writer_id";
 /// The last epoch marked committed. Its outputs and changelog records stay until the next epoch
@@ -206,6 +204,15 @@ fn new_writer_id() -> String {
 impl StateStore {
     /// Opens (or creates) the store for `job`, refusing another job's or another format's data.
     pub fn open(path: &Path, job: &str) -> Result<StateStore, StateError> {
+        StateStore::open_with(path, job, None)
+    }
+
+    /// [`StateStore::open`], and with `want`, [`StateStore::open_for`].
+    fn open_with(
+        path: &Path,
+        job: &str,
+        want: Option<&RowShape>,
+    ) -> Result<StateStore, StateError> {
         let path = path.to_path_buf();
         let rocks = |source| StateError::Rocks {
             path: path.clone(),
@@ -283,12 +290,9 @@ impl StateStore {
             shape: RowShape::orders(),
         };
         store.check_format()?;
-        if let Some(bytes) = store
-            .db
-            .get_cf(store.cf(CF_META)?, KEY_ROW_SHAPE)
-            .map_err(|e| store.rocks(e))?
-        {
-            store.shape = store.decode(&bytes, "row shape")?;
+        let recorded = store.recorded_shape()?;
+        if let Some(shape) = &recorded {
+            store.shape = shape.clone();
         }
         store.writer = store.read_or_create_writer()?;
         let meta = store.read_meta()?;
@@ -305,43 +309,10 @@ impl StateStore {
                 expected: job.to_owned(),
             });
         }
-        Ok(store)
-    }
-
-    /// Opens the store to run the job whose rows have `shape`: a new directory records it, one
-    /// holding rows of another shape is refused ([`StateError::ShapeMismatch`]).
-    pub fn open_for(path: &Path, job: &str, shape: &RowShape) -> Result<StateStore, StateError> {
-        let mut store = StateStore::open(path, job)?;
-        let recorded = store
-            .db
-            .get_cf(store.cf(CF_META)?, KEY_ROW_SHAPE)
-            .map_err(|e| store.rocks(e))?
-            .is_some();
-        if recorded && store.shape == *shape {
-            return Ok(store);
+        if let Some(want) = want {
+            store.take_shape(want, recorded.is_some())?;
         }
-        // A directory without a checkpoint holds no rows yet: it takes the job's shape.
-        if store.shape != *shape && store.meta().is_some() {
-            return Err(StateError::ShapeMismatch {
-                path: store.path.clone(),
-                found: store.shape.clone(),
-                expected: shape.clone(),
-            });
-        }
-        let mut batch = rocksdb::WriteBatch::default();
-        batch.put_cf(
-            store.cf(CF_META)?,
-            KEY_ROW_SHAPE,
-            store.encode(shape, "row shape")?,
-        );
-        store.write(batch)?;
-        store.shape = shape.clone();
         Ok(store)
-    }
-
-    /// The shape of the rows the store holds.
-    pub fn row_shape(&self) -> &RowShape {
-        &self.shape
     }
 
     pub fn path(&self) -> &Path {
@@ -424,36 +395,6 @@ impl StateStore {
                 what,
                 detail: e.to_string(),
             })
-    }
-
-    /// A window's value in its words (`values.rs`); one of another shape than the job's is
-    /// refused, since it could not be read back.
-    fn encode_window_value(&self, value: &WindowAgg, out: &mut Vec<u8>) -> Result<(), StateError> {
-        let refused = |detail: String| StateError::Encode {
-            path: self.path.clone(),
-            what: "window aggregate",
-            detail,
-        };
-        if !value.has_kinds(&self.shape.words) {
-            return Err(refused(format!(
-                "{:?} is not a value of the store's words {:?}",
-                value.words(),
-                self.shape.words
-            )));
-        }
-        values::encode_value(value, out).map_err(|e| refused(e.to_string()))
-    }
-
-    fn decode_window_value(&self, bytes: &[u8]) -> Result<WindowAgg, StateError> {
-        values::decode_value(bytes, &self.shape.words).ok_or_else(|| StateError::Corrupt {
-            path: self.path.clone(),
-            what: "window aggregate",
-            detail: format!(
-                "{} bytes are not a value of words {:?}",
-                bytes.len(),
-                self.shape.words
-            ),
-        })
     }
 
     fn encode<T: Serialize>(&self, value: &T, what: &'static str) -> Result<Vec<u8>, StateError> {

@@ -1,11 +1,100 @@
-//! A window's value as the store keeps it: its words in order without tags (a count as a
-//! varint, an exact number zigzag, a float as 8 bytes), as bincode writes those numbers. For
-//! revenue_agg (a count, then an exact sum) these are the bytes every release wrote for
-//! `(orders, revenue)`, so its windows need no rewrite; decoding takes the job's word kinds,
-//! since the bytes cannot say them (keys.rs takes its key count the same way).
+//! A window's value as the store keeps it, and the shape of its rows: its words in order without
+//! tags (a count as a varint, an exact number zigzag, a float as 8 bytes), as bincode writes
+//! those numbers. For revenue_agg (a count, then an exact sum) these are the bytes every release
+//! wrote for `(orders, revenue)`, so its windows need no rewrite. Decoding takes the rows' shape
+//! (value words, and key parts for keys.rs), since the bytes cannot say it: the directory
+//! records it.
 
 use bincode::config::Configuration;
-use tally_core::{WindowAgg, Word, WordKind};
+use tally_core::{RowShape, WindowAgg, Word, WordKind};
+
+use crate::{CF_META, StateError, StateStore};
+
+/// The rows' shape (`RowShape`); absent in a directory written before format 4: revenue_agg's.
+const KEY_ROW_SHAPE: &[u8] = b"row_shape";
+
+impl StateStore {
+    /// Opens the store to run the job whose rows have `shape`: a new directory records it, one
+    /// holding rows of another shape is refused ([`StateError::ShapeMismatch`]).
+    pub fn open_for(
+        path: &std::path::Path,
+        job: &str,
+        shape: &RowShape,
+    ) -> Result<StateStore, StateError> {
+        StateStore::open_with(path, job, Some(shape))
+    }
+
+    /// The shape of the rows the store holds.
+    pub fn row_shape(&self) -> &RowShape {
+        &self.shape
+    }
+
+    pub(crate) fn recorded_shape(&self) -> Result<Option<RowShape>, StateError> {
+        self.db
+            .get_cf(self.cf(CF_META)?, KEY_ROW_SHAPE)
+            .map_err(|e| self.rocks(e))?
+            .map(|bytes| self.decode(&bytes, "row shape"))
+            .transpose()
+    }
+
+    /// Makes `want` the store's shape, recording it, unless the store holds rows of another.
+    pub(crate) fn take_shape(&mut self, want: &RowShape, recorded: bool) -> Result<(), StateError> {
+        if recorded && self.shape == *want {
+            return Ok(());
+        }
+        // A directory without a checkpoint holds no rows yet: it takes the job's shape.
+        if self.shape != *want && self.meta().is_some() {
+            return Err(StateError::ShapeMismatch {
+                path: self.path.clone(),
+                found: self.shape.clone(),
+                expected: want.clone(),
+            });
+        }
+        let mut batch = rocksdb::WriteBatch::default();
+        batch.put_cf(
+            self.cf(CF_META)?,
+            KEY_ROW_SHAPE,
+            self.encode(want, "row shape")?,
+        );
+        self.write(batch)?;
+        self.shape = want.clone();
+        Ok(())
+    }
+
+    /// A window's value in its words; one of another shape than the store's is refused, since
+    /// it could not be read back.
+    pub(crate) fn encode_window_value(
+        &self,
+        value: &WindowAgg,
+        out: &mut Vec<u8>,
+    ) -> Result<(), StateError> {
+        let refused = |detail: String| StateError::Encode {
+            path: self.path.clone(),
+            what: "window aggregate",
+            detail,
+        };
+        if !value.has_kinds(&self.shape.words) {
+            return Err(refused(format!(
+                "{:?} is not a value of the store's words {:?}",
+                value.words(),
+                self.shape.words
+            )));
+        }
+        encode_value(value, out).map_err(|e| refused(e.to_string()))
+    }
+
+    pub(crate) fn decode_window_value(&self, bytes: &[u8]) -> Result<WindowAgg, StateError> {
+        decode_value(bytes, &self.shape.words).ok_or_else(|| StateError::Corrupt {
+            path: self.path.clone(),
+            what: "window aggregate",
+            detail: format!(
+                "{} bytes are not a value of words {:?}",
+                bytes.len(),
+                self.shape.words
+            ),
+        })
+    }
+}
 
 fn config() -> Configuration {
     bincode::config::standard()

@@ -398,14 +398,13 @@ impl RevenueOperator {
         let window_bytes = key.key.text_len() + WINDOW_ENTRY_BYTES;
         // In place, and only if both fit: an overflow leaves the window as it was.
         let add = |value: &mut WindowAgg| -> Result<(), Amount> {
-            let current = value.revenue();
             let [Word::Count(orders), Word::Exact(revenue)] = value.words_mut() else {
-                return Err(current);
+                return Err(Amount(0));
             };
             let added = Amount(*revenue)
                 .checked_add_decimal18(event.amount)
                 .zip(orders.checked_add(1));
-            let (new_revenue, new_orders) = added.ok_or(current)?;
+            let (new_revenue, new_orders) = added.ok_or(Amount(*revenue))?;
             (*revenue, *orders) = (new_revenue.0, new_orders);
             Ok(())
         };
