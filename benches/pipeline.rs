@@ -10,7 +10,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use tally_core::declare::{Declaration, Evaluation, Job, Value, WindowRules};
 use tally_core::{
     CheckpointBarrier, Epoch, FieldMapping, GroupKey, MemStore, OperatorConfig, Record,
-    RecordDecoder, RevenueOperator, StateReader, WindowAgg, WindowKey, WindowSpec,
+    RecordDecoder, StateReader, WindowAgg, WindowKey, WindowOperator, WindowSpec,
 };
 use tally_state::StateStore;
 
@@ -44,7 +44,7 @@ fn process_and_pre_commit(store: &StateStore, values: &[Vec<u8>]) {
 
 fn rules() -> OperatorConfig {
     OperatorConfig {
-        window: WindowSpec { size_ms: 60_000 },
+        window: WindowSpec::tumbling(60_000),
         out_of_orderness_ms: 5_000,
         allowed_lateness_ms: 60_000,
         dedup_horizon_ms: 3_600_000,
@@ -55,8 +55,8 @@ fn decoder() -> RecordDecoder {
     RecordDecoder::new(FieldMapping::default(), 1 << 20)
 }
 
-fn run<S: StateReader>(store: &S, values: &[Vec<u8>]) -> RevenueOperator {
-    let mut op = RevenueOperator::restore(rules(), decoder(), Epoch(0), &BTreeMap::new());
+fn run<S: StateReader>(store: &S, values: &[Vec<u8>]) -> WindowOperator {
+    let mut op = WindowOperator::restore(rules(), decoder(), Epoch(0), &BTreeMap::new());
     for (i, v) in values.iter().enumerate() {
         let r = Record {
             partition: (i % 4) as i32,

@@ -29,6 +29,7 @@ async fn sink(database: &str) -> ClickHouseSink {
         password: tally_clickhouse::Secret::default(),
         ca_file: None,
         request_timeout: Duration::from_secs(30),
+        shape: tally_clickhouse::Shape::revenue_agg(),
     };
     let sink = ClickHouseSink::connect(&settings).await.unwrap();
     sink.ensure_schema().await.unwrap();
@@ -60,6 +61,7 @@ fn batch<'a>(
         event_count: rows.iter().map(|r| r.value.orders()).sum(),
         revenue_units: 0,
         dead_letters: 0,
+        filtered_count: 0,
     }
 }
 

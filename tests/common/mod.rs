@@ -77,7 +77,7 @@ pub async fn produce(topic: &str, records: &[(i32, Vec<u8>, Vec<u8>)]) -> Vec<i6
 
 pub fn rules() -> OperatorConfig {
     OperatorConfig {
-        window: WindowSpec { size_ms: 60_000 },
+        window: WindowSpec::tumbling(60_000),
         out_of_orderness_ms: 5_000,
         allowed_lateness_ms: 60_000,
         dedup_horizon_ms: 3_600_000,
@@ -439,6 +439,7 @@ pub async fn view(
         password: tally_clickhouse::Secret::default(),
         ca_file: None,
         request_timeout: Duration::from_secs(10),
+        shape: tally_clickhouse::Shape::revenue_agg(),
     };
     tally_clickhouse::ClickHouseSink::connect(&settings)
         .await?

@@ -19,8 +19,8 @@ pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
 pub use group_key::GroupKey;
 pub use mem::MemStore;
 pub use operator::{
-    Checkpoint, EpochCut, OperatorConfig, PartitionCheckpoint, Record, RevenueOperator,
-    StateReader, WithInFlight,
+    Checkpoint, EpochCut, OperatorConfig, Outcome, PartitionCheckpoint, Program, Record,
+    StateReader, WindowOperator, WithInFlight,
 };
 pub use seen_filter::SeenIdFilter;
 pub use types::{

@@ -102,7 +102,8 @@ pub struct DeadLetter {
     pub error: String,
 }
 
-/// Where every consumed record went. Invariant: `consumed == aggregated + duplicates + late + dead_lettered`.
+/// Where every consumed record went. Invariant:
+/// `consumed == aggregated + duplicates + late + dead_lettered + filtered`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Accounting {
     pub consumed: u64,
@@ -113,11 +114,14 @@ pub struct Accounting {
     pub dead_lettered: u64,
     /// Sum of the amounts aggregated, in 10^-4 units; i128 because totals outgrow a window.
     pub revenue_units: i128,
+    /// Valid records the declaration's filter leaves out.
+    pub filtered: u64,
 }
 
 impl Accounting {
     pub fn balances(&self) -> bool {
-        self.consumed == self.aggregated + self.duplicates + self.late + self.dead_lettered
+        self.consumed
+            == self.aggregated + self.duplicates + self.late + self.dead_lettered + self.filtered
     }
 
     pub fn add(&mut self, other: &Accounting) {
@@ -127,5 +131,6 @@ impl Accounting {
         self.late += other.late;
         self.dead_lettered += other.dead_lettered;
         self.revenue_units += other.revenue_units;
+        self.filtered += other.filtered;
     }
 }

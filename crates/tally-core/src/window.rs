@@ -1,20 +1,40 @@
-//! Tumbling event-time windows and per-partition watermarks.
+//! Tumbling and hopping event-time windows and per-partition watermarks.
 
 use serde::{Deserialize, Serialize};
 
-/// Tumbling windows aligned to the Unix epoch.
+/// Windows of `size_ms` starting every `slide_ms`, aligned to the Unix epoch: tumbling when the
+/// slide is the size, hopping when it divides it (the declaration checks that it does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowSpec {
     pub size_ms: i64,
+    pub slide_ms: i64,
 }
 
 impl WindowSpec {
-    pub fn start_of(&self, event_time_ms: i64) -> i64 {
-        event_time_ms.div_euclid(self.size_ms) * self.size_ms
+    pub const fn tumbling(size_ms: i64) -> WindowSpec {
+        WindowSpec {
+            size_ms,
+            slide_ms: size_ms,
+        }
     }
 
+    /// Start of the newest window holding `event_time_ms` (its only one, when tumbling).
+    pub fn start_of(&self, event_time_ms: i64) -> i64 {
+        event_time_ms.div_euclid(self.slide_ms) * self.slide_ms
+    }
+
+    /// End of the newest window holding `event_time_ms`: the last of its windows to close.
     pub fn end_of(&self, event_time_ms: i64) -> i64 {
         self.start_of(event_time_ms) + self.size_ms
+    }
+
+    /// Starts of the windows holding `event_time_ms`, newest first: `size / slide` of them.
+    pub fn starts_of(&self, event_time_ms: i64) -> impl Iterator<Item = i64> + use<> {
+        let WindowSpec { size_ms, slide_ms } = *self;
+        let newest = self.start_of(event_time_ms);
+        (0..size_ms / slide_ms)
+            .map(move |i| newest - i * slide_ms)
+            .take_while(move |start| *start > event_time_ms - size_ms)
     }
 }
 
@@ -44,7 +64,7 @@ mod tests {
 
     #[test]
     fn event_exactly_on_a_boundary_opens_the_next_window() {
-        let w = WindowSpec { size_ms: 60_000 };
+        let w = WindowSpec::tumbling(60_000);
         assert_eq!(w.start_of(60_000), 60_000);
         assert_eq!(w.start_of(59_999), 0);
         assert_eq!(w.end_of(59_999), 60_000);

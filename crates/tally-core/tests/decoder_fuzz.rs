@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use tally_core::decode::FieldMapping;
 use tally_core::{
-    CheckpointBarrier, Epoch, MemStore, OperatorConfig, Record, RecordDecoder, RevenueOperator,
+    CheckpointBarrier, Epoch, MemStore, OperatorConfig, Record, RecordDecoder, WindowOperator,
     WindowSpec,
 };
 
@@ -108,12 +108,12 @@ proptest! {
     ) {
         let decoder = RecordDecoder::new(FieldMapping::default(), 4096);
         let config = OperatorConfig {
-            window: WindowSpec { size_ms: 60_000 },
+            window: WindowSpec::tumbling(60_000),
             out_of_orderness_ms: 5_000,
             allowed_lateness_ms: 60_000,
             dedup_horizon_ms: 3_600_000,
         };
-        let mut op = RevenueOperator::restore(config, decoder.clone(), Epoch(0), &BTreeMap::new());
+        let mut op = WindowOperator::restore(config, decoder.clone(), Epoch(0), &BTreeMap::new());
         op.add_partition(0, 0);
         let store = MemStore::default();
         for (offset, value) in values.iter().enumerate() {

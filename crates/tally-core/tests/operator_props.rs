@@ -9,12 +9,12 @@ use tally_core::decode::FieldMapping;
 use tally_core::seen_filter::id_hash;
 use tally_core::{
     Accounting, Checkpoint, CheckpointBarrier, EpochCut, MemStore, OperatorConfig, PartitionId,
-    Record, RecordDecoder, RevenueOperator, SeenIdFilter, WindowAgg, WindowKey, WindowSpec,
+    Record, RecordDecoder, SeenIdFilter, WindowAgg, WindowKey, WindowOperator, WindowSpec,
     WithInFlight,
 };
 
 const CONFIG: OperatorConfig = OperatorConfig {
-    window: WindowSpec { size_ms: 10_000 },
+    window: WindowSpec::tumbling(10_000),
     out_of_orderness_ms: 2_000,
     allowed_lateness_ms: 5_000,
     dedup_horizon_ms: 20_000,
@@ -116,8 +116,8 @@ enum Filter {
     Adopted(usize),
 }
 
-fn restore(store: &MemStore, filter: Filter) -> RevenueOperator {
-    let op = RevenueOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
+fn restore(store: &MemStore, filter: Filter) -> WindowOperator {
+    let op = WindowOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
     let Filter::Adopted(capacity) = filter else {
         return op;
     };
@@ -143,7 +143,7 @@ fn process(
     filter: Filter,
 ) {
     let mut op = restore(store, filter);
-    let checkpoint = |op: &mut RevenueOperator, store: &mut MemStore, outputs: &mut Outputs| {
+    let checkpoint = |op: &mut WindowOperator, store: &mut MemStore, outputs: &mut Outputs| {
         let cp = op.handle_checkpoint(CheckpointBarrier {
             epoch: op.current_epoch(),
             is_final: false,
@@ -224,8 +224,8 @@ fn run_pipelined(
     let mut store = MemStore::default();
     let mut outputs = Outputs::default();
     let mut in_flight: VecDeque<Arc<EpochCut>> = VecDeque::new();
-    let mut op = RevenueOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
-    let barrier = |op: &mut RevenueOperator| {
+    let mut op = WindowOperator::restore(CONFIG, decoder(), store.epoch, &store.partitions);
+    let barrier = |op: &mut WindowOperator| {
         Arc::new(op.cut(CheckpointBarrier {
             epoch: op.current_epoch(),
             is_final: false,

@@ -1,17 +1,21 @@
 //! What earlier releases wrote, and how opening a store brings it forward: the on-disk format
 //! versions, the window keys of the releases before group keys, (window start, customer,
-//! currency), and the window values of the releases before values of any shape, (orders,
-//! revenue), read so that a state directory and changelog they left carry on after an upgrade.
+//! currency), the window values of the releases before values of any shape, (orders,
+//! revenue), and the accounting of the releases before filters (no `filtered` count), read so
+//! that a state directory and changelog they left carry on after an upgrade.
 
 use std::collections::BTreeMap;
 
-use crate::{CF_META, CF_PENDING, CF_SEEN_TIME_V1, KEY_FORMAT, StateError, StateStore};
+use crate::{
+    CF_META, CF_PENDING, CF_SEEN_TIME_V1, CheckpointMeta, EpochStatus, KEY_CHECKPOINT, KEY_FORMAT,
+    StateError, StateStore,
+};
 use compact_str::CompactString;
 use rocksdb::{IteratorMode, WriteBatch, WriteOptions};
 use serde::{Deserialize, Serialize};
 use tally_core::{
-    Amount, Checkpoint, DeadLetter, Epoch, OutputRow, PartitionCheckpoint, PartitionId, WindowAgg,
-    WindowKey,
+    Accounting, Amount, Checkpoint, DeadLetter, Epoch, Offset, OutputRow, PartitionCheckpoint,
+    PartitionId, Watermark, WindowAgg, WindowKey,
 };
 
 /// revenue_agg's window key as changelog format 1 and store format 2 encode it.
@@ -51,33 +55,131 @@ pub struct OutputRowV1<K = WindowKeyV1> {
     pub value: WindowAggV2,
 }
 
-/// A [`Checkpoint`] as store formats 2 and 3 keep an epoch's pending outputs.
+impl<K: Into<WindowKey>> From<OutputRowV1<K>> for OutputRow {
+    fn from(r: OutputRowV1<K>) -> OutputRow {
+        OutputRow {
+            partition: r.partition,
+            key: r.key.into(),
+            window_end_ms: r.window_end_ms,
+            value: r.value.into(),
+        }
+    }
+}
+
+/// [`Accounting`] as the releases before filters encode it (store formats 1 to 4, changelog
+/// formats 1 to 3): no `filtered` count, which is 0 for every job they ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct AccountingV1 {
+    pub consumed: u64,
+    pub aggregated: u64,
+    pub duplicates: u64,
+    pub late: u64,
+    pub dead_lettered: u64,
+    pub revenue_units: i128,
+}
+
+impl From<AccountingV1> for Accounting {
+    fn from(a: AccountingV1) -> Accounting {
+        Accounting {
+            consumed: a.consumed,
+            aggregated: a.aggregated,
+            duplicates: a.duplicates,
+            late: a.late,
+            dead_lettered: a.dead_lettered,
+            revenue_units: a.revenue_units,
+            filtered: 0,
+        }
+    }
+}
+
+/// What an earlier release wrote of an accounting (tests write records of its formats).
+#[cfg(test)]
+impl From<Accounting> for AccountingV1 {
+    fn from(a: Accounting) -> AccountingV1 {
+        assert_eq!(a.filtered, 0, "earlier formats had no filtered count");
+        AccountingV1 {
+            consumed: a.consumed,
+            aggregated: a.aggregated,
+            duplicates: a.duplicates,
+            late: a.late,
+            dead_lettered: a.dead_lettered,
+            revenue_units: a.revenue_units,
+        }
+    }
+}
+
+/// A [`PartitionCheckpoint`] with [`AccountingV1`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PartitionCheckpointV1 {
+    pub epoch_start_offset: Offset,
+    pub next_offset: Offset,
+    pub watermark: Watermark,
+    pub epoch: AccountingV1,
+    pub totals: AccountingV1,
+}
+
+impl From<PartitionCheckpointV1> for PartitionCheckpoint {
+    fn from(c: PartitionCheckpointV1) -> PartitionCheckpoint {
+        PartitionCheckpoint {
+            epoch_start_offset: c.epoch_start_offset,
+            next_offset: c.next_offset,
+            watermark: c.watermark,
+            epoch: c.epoch.into(),
+            totals: c.totals.into(),
+        }
+    }
+}
+
+/// A [`CheckpointMeta`] as store formats 1 to 4 keep it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointV1<K = WindowKeyV1> {
+pub struct CheckpointMetaV1 {
+    pub job: String,
     pub epoch: Epoch,
-    pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
-    pub rows: Vec<OutputRowV1<K>>,
+    pub status: EpochStatus,
+    pub partitions: BTreeMap<PartitionId, PartitionCheckpointV1>,
+    pub expired_seen_before: BTreeMap<PartitionId, i64>,
+    pub closed_windows_before: BTreeMap<PartitionId, i64>,
+}
+
+impl From<CheckpointMetaV1> for CheckpointMeta {
+    fn from(m: CheckpointMetaV1) -> CheckpointMeta {
+        CheckpointMeta {
+            job: m.job,
+            epoch: m.epoch,
+            status: m.status,
+            partitions: brought_forward(m.partitions),
+            expired_seen_before: m.expired_seen_before,
+            closed_windows_before: m.closed_windows_before,
+        }
+    }
+}
+
+/// Partitions' progress of an earlier format, brought forward.
+pub(crate) fn brought_forward<P: Into<PartitionCheckpoint>>(
+    partitions: BTreeMap<PartitionId, P>,
+) -> BTreeMap<PartitionId, PartitionCheckpoint> {
+    partitions.into_iter().map(|(p, c)| (p, c.into())).collect()
+}
+
+/// A [`Checkpoint`] as earlier store formats keep an epoch's pending outputs: `R` the row
+/// ([`OutputRowV1`] in formats 2 and 3, [`OutputRow`] in 4), `P` the partitions' progress.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointV1<R = OutputRowV1, P = PartitionCheckpointV1> {
+    pub epoch: Epoch,
+    pub partitions: BTreeMap<PartitionId, P>,
+    pub rows: Vec<R>,
     pub seen: Vec<(PartitionId, String, i64)>,
     pub dead_letters: Vec<DeadLetter>,
     pub close_windows_before: Vec<(PartitionId, i64)>,
     pub expire_seen_before: Vec<(PartitionId, i64)>,
 }
 
-impl<K: Into<WindowKey>> From<CheckpointV1<K>> for Checkpoint {
-    fn from(c: CheckpointV1<K>) -> Checkpoint {
+impl<R: Into<OutputRow>, P: Into<PartitionCheckpoint>> From<CheckpointV1<R, P>> for Checkpoint {
+    fn from(c: CheckpointV1<R, P>) -> Checkpoint {
         Checkpoint {
             epoch: c.epoch,
-            partitions: c.partitions,
-            rows: c
-                .rows
-                .into_iter()
-                .map(|r| OutputRow {
-                    partition: r.partition,
-                    key: r.key.into(),
-                    window_end_ms: r.window_end_ms,
-                    value: r.value.into(),
-                })
-                .collect(),
+            partitions: brought_forward(c.partitions),
+            rows: c.rows.into_iter().map(Into::into).collect(),
             seen: c.seen,
             dead_letters: c.dead_letters,
             close_windows_before: c.close_windows_before,
@@ -87,13 +189,16 @@ impl<K: Into<WindowKey>> From<CheckpointV1<K>> for Checkpoint {
 }
 
 /// Version of the on-disk layout. Bump on any change to keys or encodings.
+/// 5: the accounting counts filtered records; version 4 had no such count, and an open rewrites
+/// the checkpoint and pending outputs that hold it (everything else is the same).
 /// 4: a pending epoch's rows carry values of any shape (tagged words); version 3 encoded them as
 /// (orders, revenue), which an open rewrites (the windows' values keep their bytes: `values.rs`).
 /// 3: a pending epoch's rows carry group keys of any number of parts; version 2 encoded them as
 /// (customer, currency), which an open rewrites (window keys and everything else are the same).
 /// 2: dedup ids expire in compaction; version 1 also kept them in a time index, which an open
 /// drops (the id entries are the same).
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
+pub(crate) const FORMAT_ANY_VALUES: u32 = 4;
 pub(crate) const FORMAT_ORDER_VALUES: u32 = 3;
 pub(crate) const FORMAT_ORDER_KEYS: u32 = 2;
 pub(crate) const FORMAT_WITH_TIME_INDEX: u32 = 1;
@@ -123,9 +228,11 @@ impl StateStore {
                     if found == FORMAT_WITH_TIME_INDEX {
                         self.drop_time_index()?;
                     }
-                    self.rewrite_pending_outputs::<WindowKeyV1>()
+                    self.rewrite_pending_outputs::<OutputRowV1<WindowKeyV1>>()
                 } else if found == FORMAT_ORDER_VALUES {
-                    self.rewrite_pending_outputs::<WindowKey>()
+                    self.rewrite_pending_outputs::<OutputRowV1<WindowKey>>()
+                } else if found == FORMAT_ANY_VALUES {
+                    self.rewrite_pending_outputs::<OutputRow>()
                 } else {
                     Err(StateError::UnknownFormat {
                         path: self.path.clone(),
@@ -147,22 +254,37 @@ impl StateStore {
         Ok(())
     }
 
-    /// Formats 2 and 3 to 4: the pending outputs of pre-committed epochs (and of the last
-    /// committed one) are rewritten with group keys and tagged values, in one synced batch with
-    /// the new version. `K`: the window key of the format found.
-    fn rewrite_pending_outputs<K>(&mut self) -> Result<(), StateError>
+    /// Formats 2 to 4 to 5: the checkpoint and the pending outputs of pre-committed epochs (and
+    /// of the last committed one) are rewritten with group keys, tagged values and the filtered
+    /// count, in one synced batch with the new version. `R`: the row of the format found.
+    fn rewrite_pending_outputs<R>(&mut self) -> Result<(), StateError>
     where
-        K: Into<WindowKey> + serde::de::DeserializeOwned,
+        R: Into<OutputRow> + serde::de::DeserializeOwned,
     {
         let cf = self.cf(CF_PENDING)?;
         let mut batch = WriteBatch::default();
         for item in self.db.iterator_cf(cf, IteratorMode::Start) {
             let (key, bytes) = item.map_err(|e| self.rocks(e))?;
-            let old: CheckpointV1<K> = self.decode(&bytes, "pending outputs (formats 2 and 3)")?;
+            let old: CheckpointV1<R> = self.decode(&bytes, "pending outputs (formats 2 to 4)")?;
             let outputs = Checkpoint::from(old);
             batch.put_cf(cf, key, self.encode(&outputs, "pending outputs")?);
         }
-        batch.put_cf(self.cf(CF_META)?, KEY_FORMAT, FORMAT_VERSION.to_be_bytes());
+        let meta_cf = self.cf(CF_META)?;
+        if let Some(bytes) = self
+            .db
+            .get_cf(meta_cf, KEY_CHECKPOINT)
+            .map_err(|e| self.rocks(e))?
+        {
+            let old: CheckpointMetaV1 =
+                self.decode(&bytes, "checkpoint metadata (formats 1 to 4)")?;
+            let meta = CheckpointMeta::from(old);
+            batch.put_cf(
+                meta_cf,
+                KEY_CHECKPOINT,
+                self.encode(&meta, "checkpoint metadata")?,
+            );
+        }
+        batch.put_cf(meta_cf, KEY_FORMAT, FORMAT_VERSION.to_be_bytes());
         self.write(batch)
     }
 }
@@ -173,37 +295,60 @@ mod tests {
     use crate::bincode_config;
     use tally_core::{Amount, OutputRow};
 
-    /// A store written by the releases before group keys (format 2) or before values of any
-    /// shape (format 3): its pending epoch reads back with group keys and values after the
-    /// upgrade, and the rewrite is done once.
-    fn a_store_upgrades_with_its_pending_epoch<K>(format: u32, key_of: impl Fn(&str) -> K)
+    /// A store written by the releases before group keys (format 2), before values of any
+    /// shape (format 3) or before filters (format 4): its checkpoint and pending epoch read
+    /// back with group keys, values and a filtered count of 0 after the upgrade, and the
+    /// rewrite is done once.
+    fn a_store_upgrades_with_its_pending_epoch<R>(format: u32, row_of: impl Fn(&str, u64) -> R)
     where
-        K: Into<WindowKey> + Serialize + serde::de::DeserializeOwned + Clone,
+        R: Into<OutputRow> + Serialize + serde::de::DeserializeOwned + Clone,
     {
         let dir = tempfile::tempdir().unwrap();
-        let row = |customer: &str, orders: u64| OutputRowV1 {
-            partition: 3,
-            key: key_of(customer),
-            window_end_ms: 120_000,
-            value: WindowAggV2 {
-                orders,
-                revenue: Amount::parse("12.5").unwrap(),
+        let progress = PartitionCheckpointV1 {
+            epoch_start_offset: 10,
+            next_offset: 25,
+            watermark: Watermark::default(),
+            epoch: AccountingV1 {
+                consumed: 15,
+                aggregated: 12,
+                duplicates: 1,
+                late: 1,
+                dead_lettered: 1,
+                revenue_units: 1_250_000,
+            },
+            totals: AccountingV1 {
+                consumed: 25,
+                aggregated: 20,
+                duplicates: 2,
+                late: 1,
+                dead_lettered: 2,
+                revenue_units: -7,
             },
         };
         let old = CheckpointV1 {
             epoch: Epoch(7),
-            partitions: [(3, PartitionCheckpoint::default())].into(),
-            rows: vec![row("a\0b", 1), row("cust-1", 4)],
+            partitions: [(3, progress)].into(),
+            rows: vec![row_of("a\0b", 1), row_of("cust-1", 4)],
             seen: Vec::new(),
             dead_letters: Vec::new(),
             close_windows_before: vec![(3, 0)],
             expire_seen_before: Vec::new(),
+        };
+        let old_meta = CheckpointMetaV1 {
+            job: "job".into(),
+            epoch: Epoch(7),
+            status: EpochStatus::PreCommitted,
+            partitions: [(3, progress)].into(),
+            expired_seen_before: [(3, 5)].into(),
+            closed_windows_before: BTreeMap::new(),
         };
         {
             let store = StateStore::open(dir.path(), "job").unwrap();
             let mut batch = WriteBatch::default();
             let bytes = bincode::serde::encode_to_vec(&old, bincode_config()).unwrap();
             batch.put_cf(store.cf(CF_PENDING).unwrap(), 7u64.to_be_bytes(), bytes);
+            let meta = bincode::serde::encode_to_vec(&old_meta, bincode_config()).unwrap();
+            batch.put_cf(store.cf(CF_META).unwrap(), KEY_CHECKPOINT, meta);
             batch.put_cf(store.cf(CF_META).unwrap(), KEY_FORMAT, format.to_be_bytes());
             store.write(batch).unwrap();
         }
@@ -217,10 +362,19 @@ mod tests {
                 value: WindowAgg::of_orders(4, Amount::parse("12.5").unwrap()),
             }
         );
+        let totals = expected.partitions[&3].totals;
+        assert_eq!(
+            (totals.consumed, totals.filtered, totals.revenue_units),
+            (25, 0, -7)
+        );
+        assert!(totals.balances() && expected.partitions[&3].epoch.balances());
         for _ in 0..2 {
             let store = StateStore::open(dir.path(), "job").unwrap();
             let (pending, _) = store.pending(Epoch(7), 60_000).unwrap();
             assert_eq!(pending, expected);
+            let meta = store.meta().unwrap();
+            assert_eq!(meta, CheckpointMeta::from(old_meta.clone()));
+            assert_eq!(meta.partitions, expected.partitions);
             let format = store
                 .db
                 .get_cf(store.cf(CF_META).unwrap(), KEY_FORMAT)
@@ -229,19 +383,48 @@ mod tests {
         }
     }
 
+    fn value() -> WindowAggV2 {
+        WindowAggV2 {
+            orders: 0,
+            revenue: Amount::parse("12.5").unwrap(),
+        }
+    }
+
     #[test]
     fn a_format_2_store_upgrades_with_its_pending_epoch() {
-        a_store_upgrades_with_its_pending_epoch(FORMAT_ORDER_KEYS, |customer| WindowKeyV1 {
-            window_start_ms: 60_000,
-            customer_id: customer.into(),
-            currency: "EUR".into(),
+        a_store_upgrades_with_its_pending_epoch(FORMAT_ORDER_KEYS, |customer, orders| {
+            OutputRowV1 {
+                partition: 3,
+                key: WindowKeyV1 {
+                    window_start_ms: 60_000,
+                    customer_id: customer.into(),
+                    currency: "EUR".into(),
+                },
+                window_end_ms: 120_000,
+                value: WindowAggV2 { orders, ..value() },
+            }
         });
     }
 
     #[test]
     fn a_format_3_store_upgrades_with_its_pending_epoch() {
-        a_store_upgrades_with_its_pending_epoch(FORMAT_ORDER_VALUES, |customer| {
-            WindowKey::of_orders(60_000, customer, "EUR")
+        a_store_upgrades_with_its_pending_epoch(FORMAT_ORDER_VALUES, |customer, orders| {
+            OutputRowV1 {
+                partition: 3,
+                key: WindowKey::of_orders(60_000, customer, "EUR"),
+                window_end_ms: 120_000,
+                value: WindowAggV2 { orders, ..value() },
+            }
+        });
+    }
+
+    #[test]
+    fn a_format_4_store_upgrades_with_its_pending_epoch() {
+        a_store_upgrades_with_its_pending_epoch(FORMAT_ANY_VALUES, |customer, orders| OutputRow {
+            partition: 3,
+            key: WindowKey::of_orders(60_000, customer, "EUR"),
+            window_end_ms: 120_000,
+            value: WindowAgg::of_orders(orders, value().revenue),
         });
     }
 }

@@ -428,7 +428,7 @@ fn a_format_1_store_loses_its_time_index_and_keeps_its_ids() {
         .unwrap()
         .unwrap();
     assert_eq!(version, tally_state::FORMAT_VERSION.to_be_bytes());
-    assert_eq!(tally_state::FORMAT_VERSION, 4);
+    assert_eq!(tally_state::FORMAT_VERSION, 5);
 }
 
 #[test]

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use tally_core::seen_filter::{FilterBuilder, id_hash};
 use tally_core::{
-    CheckpointBarrier, Epoch, EpochCut, PartitionId, RecordDecoder, RevenueOperator, SeenIdFilter,
-    WithInFlight,
+    CheckpointBarrier, Epoch, EpochCut, PartitionId, SeenIdFilter, WindowOperator, WithInFlight,
 };
 use tally_kafka::{Source, StartFrom};
 use tally_state::StateStore;
@@ -45,7 +44,7 @@ struct EpochFill {
 }
 
 impl EpochFill {
-    fn of(operator: &RevenueOperator) -> EpochFill {
+    fn of(operator: &WindowOperator) -> EpochFill {
         EpochFill {
             records: operator.pending_records(),
             dead_letter_bytes: operator.pending_dead_letter_bytes(),
@@ -237,7 +236,7 @@ impl Consumer {
     }
 
     /// Assigns the source at the operator's next offsets: the worker is restored.
-    pub fn assign(&self, operator: &RevenueOperator) -> Result<()> {
+    pub fn assign(&self, operator: &WindowOperator) -> Result<()> {
         self.source.assign(&operator.next_offsets())?;
         self.readiness.set_restored();
         Ok(())
@@ -250,7 +249,7 @@ impl Consumer {
     /// Consumes and cuts epochs until a stop; hands every cut to the persister.
     pub fn consume(
         &mut self,
-        operator: &mut RevenueOperator,
+        operator: &mut WindowOperator,
         handoff: Sender<Handoff>,
         precommitted: &AtomicU64,
         committed: Receiver<Epoch>,
@@ -420,7 +419,7 @@ impl Consumer {
     /// before they have records.
     fn adopt_added_partitions(
         &mut self,
-        operator: &mut RevenueOperator,
+        operator: &mut WindowOperator,
         added: Option<&Receiver<AddedPartitions>>,
     ) -> Result<bool> {
         let Some(new) = added.and_then(|rx| rx.try_recv().ok()) else {
@@ -469,11 +468,7 @@ impl Consumer {
         }
     }
 
-    pub fn restore_operator(&self) -> Result<RevenueOperator> {
-        let decoder = RecordDecoder::new(
-            self.config.field_mapping(),
-            usize::try_from(self.config.job.max_record_bytes).unwrap_or(usize::MAX),
-        );
+    pub fn restore_operator(&self) -> Result<WindowOperator> {
         let (epoch, partitions) = match self.store.meta() {
             Some(meta) => (meta.epoch, meta.partitions.clone()),
             None => (Epoch(0), BTreeMap::new()),
@@ -484,8 +479,12 @@ impl Consumer {
                 self.config.kafka.source_topic
             );
         }
-        let mut operator =
-            RevenueOperator::restore(self.config.operator(), decoder, epoch, &partitions);
+        let mut operator = WindowOperator::restore(
+            self.config.operator(),
+            self.config.program(),
+            epoch,
+            &partitions,
+        );
         let from = match self.config.job.start_from {
             config::StartFrom::Earliest => StartFrom::Earliest,
             config::StartFrom::Latest => StartFrom::Latest,

@@ -83,6 +83,7 @@ impl CheckpointCommitted<'_> {
             duplicates = acc.duplicates,
             late = acc.late,
             dead_lettered = acc.dead_lettered,
+            filtered = acc.filtered,
             rows = cp.rows.len(),
             millis = self.latency.as_millis() as u64,
             pause_us = self.pause.total.as_micros() as u64,
@@ -101,6 +102,7 @@ impl CheckpointCommitted<'_> {
         counter!("tally_records_aggregated_total").increment(acc.aggregated);
         counter!("tally_records_duplicate_total").increment(acc.duplicates);
         counter!("tally_records_late_total").increment(acc.late);
+        counter!("tally_records_filtered_total").increment(acc.filtered);
         for reason in PoisonReason::ALL {
             let n = cp
                 .dead_letters

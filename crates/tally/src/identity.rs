@@ -46,7 +46,7 @@ impl JobIdentity {
         base.job.task = None;
         let w = &config.window;
         let f = &config.fields;
-        let rules: BTreeMap<String, String> = [
+        let mut rules: BTreeMap<String, String> = [
             ("job.tasks", config.job.tasks.to_string()),
             (
                 "job.max_record_bytes",
@@ -74,6 +74,11 @@ impl JobIdentity {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
+        // Only a job run as declared has these: the identities recorded before stay equal.
+        if let Some(job) = &config.declared {
+            rules.insert("window.slide".into(), w.slide.unwrap_or(w.size).to_string());
+            rules.insert("aggregation".into(), crate::declaration::describe(job));
+        }
         JobIdentity {
             job: config.job.name.clone(),
             rules,

@@ -479,13 +479,13 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
     use tally_core::{
-        CheckpointBarrier, FieldMapping, MemStore, Record, RecordDecoder, RevenueOperator,
+        CheckpointBarrier, FieldMapping, MemStore, Record, RecordDecoder, WindowOperator,
         WindowSpec,
     };
 
     fn rules() -> OperatorConfig {
         OperatorConfig {
-            window: WindowSpec { size_ms: 60_000 },
+            window: WindowSpec::tumbling(60_000),
             out_of_orderness_ms: 5_000,
             allowed_lateness_ms: 60_000,
             dedup_horizon_ms: 3_600_000,
@@ -514,7 +514,7 @@ mod tests {
         for seed in [1, 2, 3] {
             let mut generator = Generator::new(spec(seed), rules()).unwrap();
             let mut manifest = Manifest::default();
-            let mut op = RevenueOperator::restore(
+            let mut op = WindowOperator::restore(
                 rules(),
                 RecordDecoder::new(FieldMapping::default(), 2048),
                 tally_core::Epoch(0),

@@ -31,7 +31,26 @@ const COMMIT_COLUMNS: &[(&str, &str)] = &[
     ("revenue_sum", "Decimal(38, 4)"),
     ("dead_letters", "UInt64"),
     ("committed_at", "DateTime"),
+    ("filtered_count", "UInt64"),
 ];
+/// Commit-log columns added since its first release, with their defaults: a commit log of an
+/// earlier release gets them by `ALTER` (`ensure`), and its rows, and the rows an earlier
+/// release still writes, read the default.
+const ADDED_COMMIT_COLUMNS: &[(&str, &str)] = &[("filtered_count", "0")];
+
+/// The commit log's columns for its CREATE, each added column with its default.
+fn commit_columns_sql() -> String {
+    COMMIT_COLUMNS
+        .iter()
+        .map(
+            |(n, t)| match ADDED_COMMIT_COLUMNS.iter().find(|(a, _)| a == n) {
+                Some((_, default)) => format!("{n} {t} DEFAULT {default}"),
+                None => format!("{n} {t}"),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 /// Sorted by the newest window a batch holds: the view reads only batches that can hold a row at
 /// or after the fold frontier, a range of this key whoever wrote them. Epochs are numbered per
 /// writer, so they cannot bound that set once several workers write a job.
@@ -164,8 +183,19 @@ impl TableNames {
         format!(
             "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({COMMIT_SORTING_KEY})",
             self.commits,
-            columns_sql(COMMIT_COLUMNS)
+            commit_columns_sql()
         )
+    }
+
+    /// Adds commit-log column `column` (one of `ADDED_COMMIT_COLUMNS`) to a commit log of an
+    /// earlier release. Not `IF NOT EXISTS`: 18.16 does not parse it, so `ensure` looks first.
+    pub(crate) fn add_commit_column_sql(&self, column: &str) -> Option<String> {
+        let (_, ty) = COMMIT_COLUMNS.iter().find(|(n, _)| *n == column)?;
+        let (_, default) = ADDED_COMMIT_COLUMNS.iter().find(|(n, _)| *n == column)?;
+        Some(format!(
+            "ALTER TABLE {} ADD COLUMN {column} {ty} DEFAULT {default}",
+            self.commits
+        ))
     }
 
     fn create_final_like(&self, name: &str) -> String {
@@ -291,7 +321,7 @@ impl TableNames {
             format!("DROP TABLE IF EXISTS {next}"),
             format!(
                 "CREATE TABLE {next} ({}) ENGINE = MergeTree ORDER BY ({COMMIT_SORTING_KEY})",
-                columns_sql(COMMIT_COLUMNS)
+                commit_columns_sql()
             ),
             format!(
                 "INSERT INTO {next} SELECT {} FROM {commits}",
@@ -406,6 +436,14 @@ impl TableNames {
             .enumerate()
         {
             out.push((format!("migrate.{i}"), sql));
+        }
+        // Of a commit log of an earlier release only (the created one has the columns).
+        for (i, sql) in ADDED_COMMIT_COLUMNS
+            .iter()
+            .filter_map(|(n, _)| self.add_commit_column_sql(n))
+            .enumerate()
+        {
+            out.push((format!("upgrade.{i}"), sql));
         }
         let fold_stage = format!("{lease_db}.fold_0");
         let day_number: u32 = day.parse().unwrap_or(0);
@@ -731,6 +769,62 @@ pub(crate) async fn atomic_database(
     Ok(engines.first().is_some_and(|e| e.engine != "Ordinary"))
 }
 
+/// The columns added since an earlier release that the commit log `info` lacks, if it is
+/// otherwise tally's commit log (any sorting key): a foreign table is reported, not altered.
+fn commit_columns_to_add(
+    full_name: &str,
+    info: &(TableInfo, Vec<ColumnInfo>),
+) -> Vec<&'static str> {
+    let missing: Vec<&'static str> = ADDED_COMMIT_COLUMNS
+        .iter()
+        .map(|(n, _)| *n)
+        .filter(|n| !info.1.iter().any(|c| c.name == *n))
+        .collect();
+    let before: Vec<(&str, &str)> = COMMIT_COLUMNS
+        .iter()
+        .filter(|(n, _)| !missing.contains(n))
+        .copied()
+        .collect();
+    if check(full_name, info, "MergeTree", None, &before).is_empty() {
+        missing
+    } else {
+        Vec::new()
+    }
+}
+
+/// Adds to a commit log of an earlier release the columns added since (a metadata change) and
+/// reads it again. Several writers may race here: a column another one added meanwhile is as
+/// good.
+async fn add_commit_columns(
+    client: &Client,
+    names: &TableNames,
+    url: &str,
+    name: &str,
+    info: (TableInfo, Vec<ColumnInfo>),
+) -> Result<(TableInfo, Vec<ColumnInfo>)> {
+    let missing = commit_columns_to_add(&names.commits, &info);
+    if missing.is_empty() {
+        return Ok(info);
+    }
+    for column in missing {
+        let Some(sql) = names.add_commit_column_sql(column) else {
+            continue;
+        };
+        if let Err(e) = execute(client, &sql, url).await {
+            let now = inspect(client, url, &names.database, name).await?;
+            if !now.is_some_and(|now| now.1.iter().any(|c| c.name == column)) {
+                return Err(e);
+            }
+        }
+        tracing::info!(table = %names.commits, column, "added a column to the commit log of an earlier release");
+    }
+    inspect(client, url, &names.database, name)
+        .await?
+        .ok_or_else(|| {
+            SinkError::Schema(format!("{} vanished while adding columns", names.commits))
+        })
+}
+
 /// What [`ensure`] left to its caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ensured {
@@ -812,6 +906,11 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
         match inspect(client, url, &names.database, &name).await? {
             None => execute(client, &create, url).await?,
             Some(info) => {
+                let info = if name == short("_commits") {
+                    add_commit_columns(client, names, url, &name, info).await?
+                } else {
+                    info
+                };
                 old_layout |= name == short("_data") && info.1.iter().any(|c| c.name == "epoch");
                 let legacy_commits = name == short("_commits")
                     && info.0.sorting_key.as_deref() == Some(LEGACY_COMMIT_SORTING_KEY);

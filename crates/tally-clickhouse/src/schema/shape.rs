@@ -144,7 +144,13 @@ impl Shape {
         join(self.keys.iter().map(|(name, _)| name.as_str()))
     }
 
-    fn kept(&self) -> Vec<(String, String)> {
+    /// The group-by keys: (column, ClickHouse type), in order.
+    pub(crate) fn keys(&self) -> &[(String, String)] {
+        &self.keys
+    }
+
+    /// The kept value columns: (column, ClickHouse type), one per word of a window's value.
+    pub(crate) fn kept(&self) -> Vec<(String, String)> {
         self.aggregates.iter().flat_map(|a| a.kept()).collect()
     }
 

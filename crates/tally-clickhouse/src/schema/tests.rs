@@ -116,3 +116,98 @@ fn datetime_with_zone_is_accepted() {
     assert_eq!(normalise("DateTime('UTC')"), "DateTime");
     assert_eq!(normalise("Decimal(18,4)"), normalise("Decimal(18, 4)"));
 }
+
+#[test]
+fn the_commit_log_counts_filtered_records_and_an_earlier_one_gets_the_column() {
+    let names = TableNames::new("tally", "r").unwrap_or_else(|e| unreachable!("{e}"));
+    assert!(
+        names
+            .create_commits()
+            .contains("committed_at DateTime, filtered_count UInt64 DEFAULT 0)"),
+        "{}",
+        names.create_commits()
+    );
+    // Rebuilt with its key, the commit log keeps the column and its default.
+    let migrate = names.migrate_commits_sql(false);
+    assert!(
+        migrate[1].contains("filtered_count UInt64 DEFAULT 0"),
+        "{migrate:?}"
+    );
+    assert!(
+        migrate[2].ends_with("committed_at, filtered_count FROM tally.r_commits"),
+        "{migrate:?}"
+    );
+    // 18.16 does not parse ADD COLUMN IF NOT EXISTS: ensure looks at the columns first.
+    assert_eq!(
+        names.add_commit_column_sql("filtered_count").as_deref(),
+        Some("ALTER TABLE tally.r_commits ADD COLUMN filtered_count UInt64 DEFAULT 0")
+    );
+    assert_eq!(names.add_commit_column_sql("epoch"), None);
+    let catalog = names.statement_catalog(
+        Frontier::default(),
+        Frontier::default(),
+        &Cut::default(),
+        "20260921",
+        "2983334",
+        false,
+    );
+    assert!(catalog.iter().any(|(n, s)| n == "upgrade.0"
+        && s == "ALTER TABLE tally.r_commits ADD COLUMN filtered_count UInt64 DEFAULT 0"));
+}
+
+fn commit_log(columns: &[(&str, &str)], sorting_key: &str) -> (TableInfo, Vec<ColumnInfo>) {
+    (
+        TableInfo {
+            engine: "MergeTree".into(),
+            sorting_key: Some(sorting_key.into()),
+            create_table_query: None,
+        },
+        columns
+            .iter()
+            .map(|(n, t)| ColumnInfo {
+                name: (*n).into(),
+                type_: (*t).into(),
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn only_a_commit_log_of_an_earlier_release_is_altered() {
+    let earlier: Vec<(&str, &str)> = COMMIT_COLUMNS
+        .iter()
+        .filter(|(n, _)| *n != "filtered_count")
+        .copied()
+        .collect();
+    let full = "tally.r_commits";
+    assert_eq!(
+        commit_columns_to_add(full, &commit_log(&earlier, COMMIT_SORTING_KEY)),
+        ["filtered_count"]
+    );
+    // One sorted by epoch too: it is rebuilt with its key after the column is added.
+    assert_eq!(
+        commit_columns_to_add(full, &commit_log(&earlier, LEGACY_COMMIT_SORTING_KEY)),
+        ["filtered_count"]
+    );
+    let current = commit_log(COMMIT_COLUMNS, COMMIT_SORTING_KEY);
+    assert!(commit_columns_to_add(full, &current).is_empty());
+    assert!(
+        check(
+            full,
+            &current,
+            "MergeTree",
+            Some(COMMIT_SORTING_KEY),
+            COMMIT_COLUMNS
+        )
+        .is_empty()
+    );
+    // Not a table of another shape: that is reported, not altered.
+    let foreign = commit_log(
+        &[("batch_id", "String"), ("x", "UInt8")],
+        COMMIT_SORTING_KEY,
+    );
+    assert!(commit_columns_to_add(full, &foreign).is_empty());
+    let mut wrong_type = earlier.clone();
+    wrong_type[2] = ("epoch", "UInt32");
+    assert!(commit_columns_to_add(full, &commit_log(&wrong_type, COMMIT_SORTING_KEY)).is_empty());
+}

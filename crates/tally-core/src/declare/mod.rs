@@ -10,7 +10,7 @@ mod filter;
 mod value;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -28,6 +28,7 @@ pub use value::{
 };
 
 use crate::decode::{Poison, document, not_a_json_object};
+use crate::window::WindowSpec;
 use crate::window_agg::{RowShape, WindowAgg, WordKind};
 
 /// Record formats a job can read. JSON today; Avro and Protobuf would add a variant and a reader
@@ -96,24 +97,6 @@ pub struct WindowRules {
     pub dedup_horizon_ms: i64,
 }
 
-/// Tumbling (slide = size) or hopping windows aligned to the Unix epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Windows {
-    pub size_ms: i64,
-    pub slide_ms: i64,
-}
-
-impl Windows {
-    /// Starts of the windows holding `event_time_ms`, newest first: `size / slide` of them.
-    pub fn starts_of(&self, event_time_ms: i64) -> impl Iterator<Item = i64> + use<> {
-        let Windows { size_ms, slide_ms } = *self;
-        let newest = event_time_ms.div_euclid(slide_ms) * slide_ms;
-        (0..size_ms / slide_ms)
-            .map(move |i| newest - i * slide_ms)
-            .take_while(move |start| *start > event_time_ms - size_ms)
-    }
-}
-
 /// A declaration mistake: the key it is at and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mistake {
@@ -156,7 +139,7 @@ pub struct Job {
     pub keys: Vec<usize>,
     pub filter: Vec<Condition>,
     pub aggregates: Vec<Aggregate>,
-    pub windows: Windows,
+    pub windows: WindowSpec,
 }
 
 /// What one record adds: its id and time, its group key, and each aggregate's input value
@@ -521,7 +504,7 @@ impl Declaration {
     }
 }
 
-fn check_windows(c: &mut Checker, rules: WindowRules) -> Option<Windows> {
+fn check_windows(c: &mut Checker, rules: WindowRules) -> Option<WindowSpec> {
     let size = rules.size_ms;
     let slide = rules.slide_ms.unwrap_or(size);
     let before = c.mistakes.len();
@@ -557,7 +540,7 @@ fn check_windows(c: &mut Checker, rules: WindowRules) -> Option<Windows> {
             ),
         );
     }
-    (c.mistakes.len() == before).then_some(Windows {
+    (c.mistakes.len() == before).then_some(WindowSpec {
         size_ms: size,
         slide_ms: slide,
     })

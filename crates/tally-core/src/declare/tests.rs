@@ -4,7 +4,7 @@ use super::*;
 use crate::decode::{FieldMapping, PoisonReason, RecordDecoder};
 use crate::window_agg::{WindowAgg, Word};
 
-const REVENUE_AGG: &str = r#"
+pub(crate) const REVENUE_AGG: &str = r#"
 event_id = "event_id"
 event_time = "event_time"
 group_by = ["customer_id", "currency"]
@@ -47,7 +47,7 @@ fn declaration(text: &str) -> Declaration {
     toml::from_str(text).expect("declaration parses")
 }
 
-fn job(text: &str, rules: WindowRules) -> Job {
+pub(crate) fn job(text: &str, rules: WindowRules) -> Job {
     declaration(text)
         .resolve(rules)
         .expect("declaration is valid")
@@ -164,7 +164,7 @@ proptest! {
     /// Each of a hopping window's `size / slide` windows holds the event; no other does.
     #[test]
     fn an_event_is_in_every_hopping_window_that_holds_it(t in -10_000_000i64..10_000_000, slides in 1i64..7, slide in 1i64..5_000) {
-        let w = Windows { size_ms: slide * slides, slide_ms: slide };
+        let w = crate::WindowSpec { size_ms: slide * slides, slide_ms: slide };
         let starts: Vec<i64> = w.starts_of(t).collect();
         prop_assert_eq!(starts.len() as i64, slides);
         for (i, s) in starts.iter().enumerate() {
@@ -181,13 +181,13 @@ proptest! {
 #[test]
 fn tumbling_windows_are_the_built_in_ones() {
     let w = job(REVENUE_AGG, TUMBLING).windows;
-    let built_in = crate::WindowSpec { size_ms: 60_000 };
+    let built_in = crate::WindowSpec::tumbling(60_000);
     for t in [0, 59_999, 60_000, 1_795_946_400_250] {
         assert_eq!(w.starts_of(t).collect::<Vec<_>>(), [built_in.start_of(t)]);
     }
 }
 
-const PAGE_VIEWS: &str = r#"
+pub(crate) const PAGE_VIEWS: &str = r#"
 event_id = "id"
 event_time = "at"
 group_by = ["page", "country"]

@@ -114,6 +114,20 @@ impl Value {
         }
     }
 
+    /// The value as a part of a group key, which holds every key as text: a string as it is,
+    /// a decimal at the field's scale, a boolean `1` or `0`, a time as epoch milliseconds,
+    /// other numbers as Rust prints them (the sink reads each back by its column's type).
+    pub fn key_text(&self, scale: u32) -> CompactString {
+        use compact_str::ToCompactString;
+        match self {
+            Value::Str(s) => s.clone(),
+            Value::Int(i) | Value::Time(i) => i.to_compact_string(),
+            Value::Decimal(units) => format_decimal(i128::from(*units), scale).into(),
+            Value::Float(x) => x.to_compact_string(),
+            Value::Bool(b) => CompactString::const_new(if *b { "1" } else { "0" }),
+        }
+    }
+
     /// The value as ClickHouse reads it in a `VALUES` or TSV cell of the field's column.
     pub fn display(&self, scale: u32) -> ValueDisplay<'_> {
         ValueDisplay { value: self, scale }

@@ -1,4 +1,5 @@
-//! The revenue_agg operator: decode → watermark → dedup → lateness → window aggregate.
+//! The window operator: decode (revenue_agg's built-in decoder, or a declared job's evaluate,
+//! which may filter the record out) → watermark → dedup → lateness → window aggregate.
 //!
 //! The operator keeps only the current epoch's changes in memory and reads everything older
 //! through [`StateReader`]. At a [`CheckpointBarrier`] it hands out one [`Checkpoint`]: the state
@@ -12,9 +13,12 @@ use std::sync::Arc;
 
 use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::amount::Amount;
+use crate::declare::{DeclaredEvent, Evaluation, Job};
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
+use crate::group_key::GroupKey;
 use crate::seen_filter::{self, SeenIdFilter};
 use crate::types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
@@ -33,6 +37,17 @@ const SEEN_ENTRY_BYTES: usize = 72;
 /// A window's value is 24 bytes more than the two plain numbers it was (`window_agg.rs`), its
 /// key 8 bytes less (smallvec's `union`).
 const WINDOW_ENTRY_BYTES: usize = 160;
+
+/// Estimated heap bytes of a changed window: its entry, its key's text and the words that do
+/// not fit inline.
+fn window_bytes(key: &WindowKey, value: &WindowAgg) -> usize {
+    let spilled = if value.words().len() > 2 {
+        std::mem::size_of_val(value.words())
+    } else {
+        0
+    };
+    key.key.text_len() + WINDOW_ENTRY_BYTES + spilled
+}
 
 /// Event-time rules of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,11 +68,37 @@ pub struct Record<'a> {
     pub value: Option<&'a [u8]>,
 }
 
+/// What the operator reads records as.
+#[derive(Debug, Clone)]
+pub enum Program {
+    /// revenue_agg's decoder, written for its shape (the fastest path: BENCHMARKS.md).
+    BuiltIn(RecordDecoder),
+    /// Any declared job.
+    Declared {
+        job: Arc<Job>,
+        max_record_bytes: usize,
+    },
+}
+
+impl From<RecordDecoder> for Program {
+    fn from(decoder: RecordDecoder) -> Program {
+        Program::BuiltIn(decoder)
+    }
+}
+
+/// A valid record as the program read it.
+enum Input {
+    Order(OrderEvent),
+    Declared(Arc<Job>, DeclaredEvent),
+}
+
 /// What happened to a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Aggregated,
     Duplicate,
+    /// Valid, and left out by the declaration's filter.
+    Filtered,
     DeadLettered(PoisonReason),
     /// Below the partition's next offset: already processed before the last checkpoint.
     AlreadyProcessed,
@@ -128,9 +169,9 @@ struct PartitionState {
     totals: Accounting,
 }
 
-pub struct RevenueOperator {
+pub struct WindowOperator {
     config: OperatorConfig,
-    decoder: RecordDecoder,
+    program: Program,
     epoch: Epoch,
     partitions: BTreeMap<PartitionId, PartitionState>,
     /// Per partition, so that a lookup by `&WindowKey` needs no owned key.
@@ -153,14 +194,14 @@ struct PartitionFilter {
     complete: bool,
 }
 
-impl RevenueOperator {
+impl WindowOperator {
     /// Resumes after checkpoint `last_epoch` with its partition progress.
     pub fn restore(
         config: OperatorConfig,
-        decoder: RecordDecoder,
+        program: impl Into<Program>,
         last_epoch: Epoch,
         partitions: &BTreeMap<PartitionId, PartitionCheckpoint>,
-    ) -> RevenueOperator {
+    ) -> WindowOperator {
         let partitions: BTreeMap<PartitionId, PartitionState> = partitions
             .iter()
             .map(|(&p, c)| {
@@ -190,9 +231,9 @@ impl RevenueOperator {
                 )
             })
             .collect();
-        RevenueOperator {
+        WindowOperator {
             config,
-            decoder,
+            program: program.into(),
             epoch: last_epoch.next(),
             partitions,
             dirty_windows: FastMap::default(),
@@ -207,7 +248,7 @@ impl RevenueOperator {
 
     /// Sizes the first id-filter generation of the partitions that have no ids yet (tests use
     /// tiny filters, which give many false positives).
-    pub fn with_seen_filter_capacity(mut self, ids: usize) -> RevenueOperator {
+    pub fn with_seen_filter_capacity(mut self, ids: usize) -> WindowOperator {
         self.seen_filter_capacity = ids;
         for filter in self.seen_filters.values_mut() {
             if filter.ids.is_empty() {
@@ -343,30 +384,50 @@ impl RevenueOperator {
         state.epoch.consumed += 1;
         state.totals.consumed += 1;
 
-        let event = match self.decoder.decode(record.value) {
-            Ok(event) => event,
+        let read = match &self.program {
+            Program::BuiltIn(decoder) => decoder.decode(record.value).map(Input::Order),
+            Program::Declared {
+                job,
+                max_record_bytes,
+            } => match job.evaluate(record.value, *max_record_bytes) {
+                Ok(Evaluation::Event(event)) => Ok(Input::Declared(Arc::clone(job), event)),
+                Ok(Evaluation::Filtered) => {
+                    state.epoch.filtered += 1;
+                    state.totals.filtered += 1;
+                    return Ok(Outcome::Filtered);
+                }
+                Err(poison) => Err(poison),
+            },
+        };
+        let input = match read {
+            Ok(input) => input,
             Err(poison) => return Ok(self.dead_letter(record, poison)),
         };
-        state.watermark.observe(event.event_time_ms);
+        let (event_id, event_time_ms) = match &input {
+            Input::Order(e) => (e.event_id.as_str(), e.event_time_ms),
+            Input::Declared(_, e) => (e.event_id.as_str(), e.event_time_ms),
+        };
+        state.watermark.observe(event_time_ms);
         let watermark = state
             .watermark
             .current(cfg.out_of_orderness_ms)
             .unwrap_or(i64::MIN);
 
-        let id_hash = seen_filter::id_hash(event.event_id.as_bytes());
-        if let Some(seen_at) =
-            self.seen_event_time(store, record.partition, &event.event_id, id_hash)?
+        let id_hash = seen_filter::id_hash(event_id.as_bytes());
+        if let Some(seen_at) = self.seen_event_time(store, record.partition, event_id, id_hash)?
             && seen_at.saturating_add(cfg.dedup_horizon_ms) > watermark
         {
             self.count(record.partition, |a| a.duplicates += 1);
             return Ok(Outcome::Duplicate);
         }
 
-        let window_end = cfg.window.end_of(event.event_time_ms);
+        // Late when the newest window holding the event is closed: with hopping windows the
+        // older ones close first, and a record still adds to those that are open.
+        let window_end = cfg.window.end_of(event_time_ms);
         if window_end.saturating_add(cfg.allowed_lateness_ms) <= watermark {
             let message = format!(
                 "event time {} is in window ending {}, closed at watermark {} (allowed lateness {} ms)",
-                crate::time::format_ms(event.event_time_ms),
+                crate::time::format_ms(event_time_ms),
                 crate::time::format_ms(window_end),
                 crate::time::format_ms(watermark),
                 cfg.allowed_lateness_ms
@@ -380,7 +441,12 @@ impl RevenueOperator {
             ));
         }
 
-        self.aggregate(store, record, event, id_hash)
+        match input {
+            Input::Order(event) => self.aggregate(store, record, event, id_hash),
+            Input::Declared(job, event) => {
+                self.aggregate_declared(store, record, &job, event, id_hash, watermark)
+            }
+        }
     }
 
     fn aggregate<S: StateReader>(
@@ -439,25 +505,113 @@ impl RevenueOperator {
                 },
             ));
         }
-        if let Some(filter) = self.seen_filters.get_mut(&record.partition) {
-            filter.ids.insert(id_hash, event.event_time_ms);
-        }
-        let id_bytes = event.event_id.len() + SEEN_ENTRY_BYTES;
-        if self
-            .dirty_seen
-            .entry(record.partition)
-            .or_default()
-            .insert(event.event_id, event.event_time_ms)
-            .is_none()
-        {
-            self.state_bytes += id_bytes;
-        }
+        self.remember(
+            record.partition,
+            event.event_id,
+            event.event_time_ms,
+            id_hash,
+        );
         let amount: Amount = event.amount;
         self.count(record.partition, |a| {
             a.aggregated += 1;
             a.revenue_units += i128::from(amount.units());
         });
         Ok(Outcome::Aggregated)
+    }
+
+    /// Adds a declared job's event to each of its windows the watermark has not closed (all
+    /// or none: an overflow in one leaves every window as it was and dead-letters the record).
+    fn aggregate_declared<S: StateReader>(
+        &mut self,
+        store: &S,
+        record: Record<'_>,
+        job: &Job,
+        event: DeclaredEvent,
+        id_hash: u64,
+        watermark: i64,
+    ) -> Result<Outcome, S::Error> {
+        let cfg = self.config;
+        let group = GroupKey::new(
+            job.keys
+                .iter()
+                .zip(&event.key)
+                .map(|(&field, value)| value.key_text(job.fields[field].scale)),
+        );
+        let windows = self.dirty_windows.entry(record.partition).or_default();
+        let mut added: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
+        for start in cfg.window.starts_of(event.event_time_ms) {
+            // Closed windows left the state at a checkpoint (and may be folded): the same
+            // predicate as `cut`'s.
+            let end = start.saturating_add(cfg.window.size_ms);
+            if end.saturating_add(cfg.allowed_lateness_ms) <= watermark {
+                continue;
+            }
+            let key = WindowKey {
+                window_start_ms: start,
+                key: group.clone(),
+            };
+            let (mut value, new) = match windows.get(&key) {
+                Some(held) => (held.clone(), false),
+                None => (
+                    store
+                        .window(record.partition, &key)?
+                        .unwrap_or_else(|| job.empty_value()),
+                    true,
+                ),
+            };
+            if let Err(overflow) = job.add(&mut value, &event.inputs) {
+                let message = format!(
+                    "adding the record to the window starting {} would leave the range of column {}",
+                    crate::time::format_ms(start),
+                    overflow.column
+                );
+                return Ok(self.dead_letter(
+                    record,
+                    Poison {
+                        reason: PoisonReason::TooLarge,
+                        message,
+                    },
+                ));
+            }
+            added.push((key, value, new));
+        }
+        for (key, value, new) in added {
+            if new {
+                self.state_bytes += window_bytes(&key, &value);
+            }
+            windows.insert(key, value);
+        }
+        self.remember(
+            record.partition,
+            event.event_id,
+            event.event_time_ms,
+            id_hash,
+        );
+        self.count(record.partition, |a| a.aggregated += 1);
+        Ok(Outcome::Aggregated)
+    }
+
+    /// Records an aggregated event's id for dedup.
+    fn remember(
+        &mut self,
+        partition: PartitionId,
+        event_id: CompactString,
+        event_time_ms: i64,
+        id_hash: u64,
+    ) {
+        if let Some(filter) = self.seen_filters.get_mut(&partition) {
+            filter.ids.insert(id_hash, event_time_ms);
+        }
+        let id_bytes = event_id.len() + SEEN_ENTRY_BYTES;
+        if self
+            .dirty_seen
+            .entry(partition)
+            .or_default()
+            .insert(event_id, event_time_ms)
+            .is_none()
+        {
+            self.state_bytes += id_bytes;
+        }
     }
 
     fn seen_event_time<S: StateReader>(
@@ -724,5 +878,7 @@ impl<S: StateReader> StateReader for WithInFlight<'_, S> {
     }
 }
 
+#[cfg(test)]
+mod declared_tests;
 #[cfg(test)]
 mod tests;

@@ -2,14 +2,14 @@ use super::*;
 use crate::decode::FieldMapping;
 use crate::mem::MemStore;
 
-fn operator() -> RevenueOperator {
+fn operator() -> WindowOperator {
     let config = OperatorConfig {
-        window: WindowSpec { size_ms: 60_000 },
+        window: WindowSpec::tumbling(60_000),
         out_of_orderness_ms: 5_000,
         allowed_lateness_ms: 60_000,
         dedup_horizon_ms: 3_600_000,
     };
-    RevenueOperator::restore(
+    WindowOperator::restore(
         config,
         RecordDecoder::new(FieldMapping::default(), 4096),
         Epoch(0),
@@ -21,7 +21,7 @@ fn order(id: &str, amount: &str, t: i64) -> Vec<u8> {
     format!(r#"{{"event_id":"{id}","customer_id":"c","currency":"EUR","amount":"{amount}","event_time":{t}}}"#).into_bytes()
 }
 
-fn feed(op: &mut RevenueOperator, store: &MemStore, offset: i64, value: &[u8]) -> Outcome {
+fn feed(op: &mut WindowOperator, store: &MemStore, offset: i64, value: &[u8]) -> Outcome {
     let record = Record {
         partition: 0,
         offset,
@@ -58,7 +58,7 @@ fn new_ids_skip_the_store_once_the_filter_is_complete() {
     let mut store = CountingStore::default();
     let mut op = operator();
     let mut offset = 0;
-    let mut run = |op: &mut RevenueOperator, store: &CountingStore, ids: std::ops::Range<u32>| {
+    let mut run = |op: &mut WindowOperator, store: &CountingStore, ids: std::ops::Range<u32>| {
         for n in ids {
             let record = order(&format!("id-{n}"), "1", 1_000_000 + i64::from(n));
             let value = Some(record.as_slice());
@@ -86,7 +86,7 @@ fn new_ids_skip_the_store_once_the_filter_is_complete() {
         is_final: false,
     }));
     // Restored from the store: every lookup goes to the store until the filter is adopted.
-    let mut op = RevenueOperator::restore(
+    let mut op = WindowOperator::restore(
         op.config,
         RecordDecoder::new(FieldMapping::default(), 4096),
         store.inner.epoch,
@@ -225,12 +225,12 @@ fn duplicates_are_counted_not_aggregated_across_checkpoints() {
 #[test]
 fn dedup_entries_expire_by_event_time() {
     let config = OperatorConfig {
-        window: WindowSpec { size_ms: 10 },
+        window: WindowSpec::tumbling(10),
         out_of_orderness_ms: 0,
         allowed_lateness_ms: 0,
         dedup_horizon_ms: 100,
     };
-    let mut op = RevenueOperator::restore(
+    let mut op = WindowOperator::restore(
         config,
         RecordDecoder::new(FieldMapping::default(), 4096),
         Epoch(0),

@@ -12,10 +12,13 @@ use tally_core::{
 };
 
 /// Version of the record layout this build writes; a reader refuses any but this,
-/// [`CHANGELOG_FORMAT_V2`] and [`CHANGELOG_FORMAT_V1`].
+/// [`CHANGELOG_FORMAT_V3`], [`CHANGELOG_FORMAT_V2`] and [`CHANGELOG_FORMAT_V1`].
+/// 4: a partition's accounting counts filtered records.
 /// 3: a window's value is its tagged words (any shape), not (orders, revenue).
 /// 2: a window's group key is its parts (any number), not (customer, currency).
-pub const CHANGELOG_FORMAT: u8 = 3;
+pub const CHANGELOG_FORMAT: u8 = 4;
+/// Written by the releases before filters: read with a filtered count of 0.
+pub const CHANGELOG_FORMAT_V3: u8 = 3;
 /// Written by the releases before values of any shape: read as revenue_agg's (orders, revenue).
 pub const CHANGELOG_FORMAT_V2: u8 = 2;
 /// Written by the releases before group keys: read as revenue_agg's (customer, currency) and
@@ -44,18 +47,18 @@ pub enum ChangelogError {
 }
 
 /// One partition's part of one epoch (or a chunk of it): what the store applies for the
-/// partition at that checkpoint. `K` and `V`: the window key and value of the record's format,
-/// a [`WindowKey`] and [`WindowAgg`] once read (earlier formats' are brought forward by
-/// [`ChangelogRecord::decode`]).
+/// partition at that checkpoint. `K`, `V` and `P`: the window key, value and progress of the
+/// record's format, a [`WindowKey`], [`WindowAgg`] and [`PartitionCheckpoint`] once read
+/// (earlier formats' are brought forward by [`ChangelogRecord::decode`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ChangelogRecord<K = WindowKey, V = WindowAgg> {
+pub struct ChangelogRecord<K = WindowKey, V = WindowAgg, P = PartitionCheckpoint> {
     format: u8,
     pub epoch: Epoch,
     pub partition: PartitionId,
     /// Chunk `chunk` of `chunks`; every chunk carries the progress and cutoffs.
     pub chunk: u32,
     pub chunks: u32,
-    pub progress: PartitionCheckpoint,
+    pub progress: P,
     pub close_windows_before: Option<i64>,
     pub expire_seen_before: Option<i64>,
     /// Full current values of the windows changed in this epoch.
@@ -64,8 +67,11 @@ pub struct ChangelogRecord<K = WindowKey, V = WindowAgg> {
     pub seen: Vec<(String, i64)>,
 }
 
-impl<K: Into<WindowKey>, V: Into<WindowAgg>> ChangelogRecord<K, V> {
-    /// The record with its format's keys and values brought forward (its `format` kept).
+impl<K: Into<WindowKey>, V: Into<WindowAgg>, P: Into<PartitionCheckpoint>>
+    ChangelogRecord<K, V, P>
+{
+    /// The record with its format's keys, values and progress brought forward (its `format`
+    /// kept).
     fn brought_forward(self) -> ChangelogRecord {
         let r = self;
         ChangelogRecord {
@@ -79,7 +85,7 @@ impl<K: Into<WindowKey>, V: Into<WindowAgg>> ChangelogRecord<K, V> {
             partition: r.partition,
             chunk: r.chunk,
             chunks: r.chunks,
-            progress: r.progress,
+            progress: r.progress.into(),
             close_windows_before: r.close_windows_before,
             expire_seen_before: r.expire_seen_before,
             seen: r.seen,
@@ -87,16 +93,16 @@ impl<K: Into<WindowKey>, V: Into<WindowAgg>> ChangelogRecord<K, V> {
     }
 }
 
-/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K` and `V`: the format's
-/// window key and value, a [`WindowKey`] and [`WindowAgg`] but in tests).
+/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K`, `V` and `P`: the
+/// format's window key, value and progress, the current ones but in tests).
 #[derive(Serialize)]
-struct RecordRef<'a, K = WindowKey, V = WindowAgg> {
+struct RecordRef<'a, K = WindowKey, V = WindowAgg, P = PartitionCheckpoint> {
     format: u8,
     epoch: Epoch,
     partition: PartitionId,
     chunk: u32,
     chunks: u32,
-    progress: &'a PartitionCheckpoint,
+    progress: &'a P,
     close_windows_before: Option<i64>,
     expire_seen_before: Option<i64>,
     windows: &'a [(&'a K, &'a V)],
@@ -190,16 +196,21 @@ fn chunks<T>(items: &[T], limit: usize, size: impl Fn(&T) -> usize) -> Vec<&[T]>
 impl ChangelogRecord {
     pub fn decode(bytes: &[u8]) -> Result<ChangelogRecord, ChangelogError> {
         // The format is the first field: checked before the rest is trusted.
-        use crate::upgrade::{WindowAggV2, WindowKeyV1};
+        use crate::upgrade::{PartitionCheckpointV1, WindowAggV2, WindowKeyV1};
         let decoded = match bytes.first() {
             Some(&CHANGELOG_FORMAT) => bincode::serde::decode_from_slice(bytes, config()),
+            Some(&CHANGELOG_FORMAT_V3) => bincode::serde::decode_from_slice::<
+                ChangelogRecord<WindowKey, WindowAgg, PartitionCheckpointV1>,
+                _,
+            >(bytes, config())
+            .map(|(record, read)| (record.brought_forward(), read)),
             Some(&CHANGELOG_FORMAT_V2) => bincode::serde::decode_from_slice::<
-                ChangelogRecord<WindowKey, WindowAggV2>,
+                ChangelogRecord<WindowKey, WindowAggV2, PartitionCheckpointV1>,
                 _,
             >(bytes, config())
             .map(|(record, read)| (record.brought_forward(), read)),
             Some(&CHANGELOG_FORMAT_V1) => bincode::serde::decode_from_slice::<
-                ChangelogRecord<WindowKeyV1, WindowAggV2>,
+                ChangelogRecord<WindowKeyV1, WindowAggV2, PartitionCheckpointV1>,
                 _,
             >(bytes, config())
             .map(|(record, read)| (record.brought_forward(), read)),

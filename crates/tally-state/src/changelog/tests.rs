@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use tally_core::{
-    CheckpointBarrier, FieldMapping, OperatorConfig, Record, RecordDecoder, RevenueOperator,
+    CheckpointBarrier, FieldMapping, OperatorConfig, Record, RecordDecoder, WindowOperator,
     WindowSpec,
 };
 
@@ -13,7 +13,7 @@ use crate::StateStore;
 
 fn rules() -> OperatorConfig {
     OperatorConfig {
-        window: WindowSpec { size_ms: 10_000 },
+        window: WindowSpec::tumbling(10_000),
         out_of_orderness_ms: 1_000,
         allowed_lateness_ms: 5_000,
         dedup_horizon_ms: 30_000,
@@ -54,7 +54,7 @@ fn run_owner_epochs(
     chunk_bytes: usize,
 ) -> Vec<Committed> {
     let decoder = RecordDecoder::new(FieldMapping::default(), 1 << 20);
-    let mut op = RevenueOperator::restore(rules(), decoder, Epoch(0), &BTreeMap::new())
+    let mut op = WindowOperator::restore(rules(), decoder, Epoch(0), &BTreeMap::new())
         .with_seen_filter_capacity(64);
     for p in 0..3 {
         op.add_partition(p, 0);
@@ -404,7 +404,7 @@ fn a_gap_a_missing_start_or_another_format_is_refused() {
 }
 
 /// Writes `record` as an earlier format would have: `key` and `value` give its windows' keys
-/// and values in that format.
+/// and values in that format (whose progress had no filtered count).
 fn in_earlier_format<K: Serialize, V: Serialize>(
     record: &ChangelogRecord,
     format: u8,
@@ -422,13 +422,21 @@ fn in_earlier_format<K: Serialize, V: Serialize>(
         .iter()
         .map(|(id, t)| (id.as_str(), *t))
         .collect();
+    let p = &record.progress;
+    let progress = crate::upgrade::PartitionCheckpointV1 {
+        epoch_start_offset: p.epoch_start_offset,
+        next_offset: p.next_offset,
+        watermark: p.watermark,
+        epoch: p.epoch.into(),
+        totals: p.totals.into(),
+    };
     let old = RecordRef {
         format,
         epoch: record.epoch,
         partition: record.partition,
         chunk: record.chunk,
         chunks: record.chunks,
-        progress: &record.progress,
+        progress: &progress,
         close_windows_before: record.close_windows_before,
         expire_seen_before: record.expire_seen_before,
         windows: &windows,
@@ -437,10 +445,10 @@ fn in_earlier_format<K: Serialize, V: Serialize>(
     bincode::serde::encode_to_vec(&old, config()).unwrap()
 }
 
-/// Formats 1 (written by the releases before group keys) and 2 (before values of any shape)
-/// read as the same record.
+/// Formats 1 (written by the releases before group keys), 2 (before values of any shape) and
+/// 3 (before filters) read as the same record.
 #[test]
-fn records_of_the_releases_before_group_keys_and_values_are_read() {
+fn records_of_the_releases_before_group_keys_values_and_filters_are_read() {
     let dir = tempfile::tempdir().unwrap();
     let owner = StateStore::open(dir.path(), "job").unwrap();
     let events: Vec<Event> = (0..12).map(|i| (0, i, i % 3, 1_000, false)).collect();
@@ -462,7 +470,17 @@ fn records_of_the_releases_before_group_keys_and_values_are_read() {
         value_v2,
     );
     let v2 = in_earlier_format(&record, CHANGELOG_FORMAT_V2, WindowKey::clone, value_v2);
-    for (bytes, format) in [(v1, CHANGELOG_FORMAT_V1), (v2, CHANGELOG_FORMAT_V2)] {
+    let v3 = in_earlier_format(
+        &record,
+        CHANGELOG_FORMAT_V3,
+        WindowKey::clone,
+        WindowAgg::clone,
+    );
+    for (bytes, format) in [
+        (v1, CHANGELOG_FORMAT_V1),
+        (v2, CHANGELOG_FORMAT_V2),
+        (v3, CHANGELOG_FORMAT_V3),
+    ] {
         let read = ChangelogRecord::decode(&bytes).unwrap();
         assert_eq!(read.format, format);
         assert_eq!(

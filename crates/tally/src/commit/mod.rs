@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use tally_clickhouse::{CommittedBatch, WriteStep};
-use tally_core::{Checkpoint, Epoch, PartitionId, RevenueOperator};
+use tally_core::{Checkpoint, Epoch, PartitionId, WindowOperator};
 use tally_kafka::{CommitMark, EpochCommit};
 use tally_state::StateStore;
 use tally_state::changelog::RestorePoints;
@@ -173,7 +173,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
     /// their Kafka transactions, before any new input.
     pub fn remake_undone(
         &mut self,
-        operator: &mut RevenueOperator,
+        operator: &mut WindowOperator,
         batches: &[CommittedBatch],
     ) -> Result<()> {
         for batch in batches {

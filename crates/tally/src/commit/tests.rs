@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tally_core::{CheckpointBarrier, Epoch, Record, RecordDecoder, RevenueOperator};
+use tally_core::{CheckpointBarrier, Epoch, Record, RecordDecoder, WindowOperator};
 use tally_state::{EpochStatus, StateStore};
 
 use super::fakes::{FakeClickHouse, FakeKafka};
@@ -39,7 +39,7 @@ struct Rig {
     store: Option<Arc<StateStore>>,
     kafka: FakeKafka,
     clickhouse: FakeClickHouse,
-    op: RevenueOperator,
+    op: WindowOperator,
     offset: i64,
 }
 
@@ -48,7 +48,7 @@ impl Rig {
         let dir = tempfile::tempdir().expect("scratch directory");
         let config = Config::parse("unit.toml", JOB, &[]).expect("config");
         let store = Arc::new(StateStore::open(dir.path(), "unit@orders").expect("store"));
-        let mut op = RevenueOperator::restore(
+        let mut op = WindowOperator::restore(
             config.operator(),
             RecordDecoder::new(config.field_mapping(), 4096),
             Epoch(0),
@@ -354,6 +354,7 @@ fn batches_past_the_state_that_kafka_undid_are_found_and_any_other_lead_is_refus
         event_count: 3,
         revenue_units: 0,
         dead_letters: 0,
+        filtered_count: 0,
     };
     rig.clickhouse.write(&lost, &|_| {}).expect("written");
     let committer = rig.committer(FaultPlan::default());

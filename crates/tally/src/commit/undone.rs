@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tally_clickhouse::CommittedBatch;
-use tally_core::{CheckpointBarrier, PartitionId, RevenueOperator};
+use tally_core::{CheckpointBarrier, PartitionId, WindowOperator};
 use tally_state::StateStore;
 
 use super::sinks::BatchSink;
@@ -74,7 +74,7 @@ pub fn remake(
     config: &Config,
     clickhouse: &impl BatchSink,
     store: &StateStore,
-    operator: &mut RevenueOperator,
+    operator: &mut WindowOperator,
     batch: &CommittedBatch,
 ) -> Result<PreCommitted> {
     let topic = &config.kafka.source_topic;

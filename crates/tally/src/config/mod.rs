@@ -123,6 +123,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
     pub aggregation: Option<tally_core::declare::Declaration>,
+    /// The declared job, when it is not revenue_agg's shape (which the built-in decoder runs,
+    /// named by [`Config::fields`]).
+    #[serde(skip)]
+    pub declared: Option<std::sync::Arc<tally_core::declare::Job>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -398,7 +402,7 @@ impl Config {
         Config::parse(&file, &text, env)
     }
 
-    /// Loads a job file whose declaration this release may not run (for `check-config`).
+    /// Loads a job file with its declaration resolved (for `check-config` and `schema`).
     pub fn load_declared(
         path: &Path,
     ) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
@@ -407,23 +411,21 @@ impl Config {
         Config::parse_declared(&file, &text, &vars)
     }
 
-    /// Parses and checks a job file, and refuses a declaration this release cannot run.
+    /// Parses and checks a job file. A declaration of revenue_agg's shape runs on the built-in
+    /// decoder under the field names it declares, so that a deployment that named them in
+    /// `[fields]` keeps its identity, state and tables; any other runs as declared.
     pub fn parse(file: &str, text: &str, env: &[(String, String)]) -> Result<Config, ConfigError> {
         let (mut config, job) = Config::parse_declared(file, text, env)?;
         if let Some(job) = job {
-            let m =
-                crate::declaration::built_in_fields(&job).map_err(|message| ConfigError::Key {
-                    file: file.to_owned(),
-                    key: "aggregation".into(),
-                    message,
-                })?;
-            config.fields = FieldsConfig::from(m);
+            match crate::declaration::built_in_fields(&job) {
+                Ok(fields) => config.fields = FieldsConfig::from(fields),
+                Err(_) => config.declared = Some(std::sync::Arc::new(job)),
+            }
         }
         Ok(config)
     }
 
-    /// Parses and checks a job file, its declaration (if any) resolved but not yet matched
-    /// against what this release runs.
+    /// Parses and checks a job file, its declaration (if any) resolved.
     pub fn parse_declared(
         file: &str,
         text: &str,
@@ -758,6 +760,7 @@ impl Config {
         OperatorConfig {
             window: WindowSpec {
                 size_ms: self.window.size.0,
+                slide_ms: self.window.slide.map_or(self.window.size.0, |s| s.0),
             },
             out_of_orderness_ms: self.window.out_of_orderness.0,
             allowed_lateness_ms: self.window.allowed_lateness.0,
@@ -792,6 +795,7 @@ impl Config {
             password: self.clickhouse.password.clone(),
             ca_file: self.clickhouse.ca_file.clone(),
             request_timeout: self.clickhouse.request_timeout.as_duration(),
+            shape: self.sink_shape(),
         }
     }
 
@@ -804,13 +808,51 @@ impl Config {
         }
     }
 
-    /// Identity stored in the state directory: the job and the topic it reads.
-    /// The shape of the job's rows: the built-in operator's, the one this release runs
-    /// ([`Config::parse`] refuses a declaration of any other).
-    pub fn row_shape(&self) -> tally_core::RowShape {
-        tally_core::RowShape::orders()
+    /// What the operator reads records as: the declared job, or revenue_agg's decoder.
+    pub fn program(&self) -> tally_core::Program {
+        let max_record_bytes = usize::try_from(self.job.max_record_bytes).unwrap_or(usize::MAX);
+        match &self.declared {
+            Some(job) => tally_core::Program::Declared {
+                job: std::sync::Arc::clone(job),
+                max_record_bytes,
+            },
+            None => tally_core::Program::BuiltIn(tally_core::RecordDecoder::new(
+                self.field_mapping(),
+                max_record_bytes,
+            )),
+        }
     }
 
+    /// The shape of the job's rows in the state directory.
+    pub fn row_shape(&self) -> tally_core::RowShape {
+        match &self.declared {
+            Some(job) => job.row_shape(),
+            None => tally_core::RowShape::orders(),
+        }
+    }
+
+    /// The shape of the job's rows in ClickHouse.
+    pub fn sink_shape(&self) -> tally_clickhouse::Shape {
+        match &self.declared {
+            Some(job) => tally_clickhouse::Shape::of(job),
+            None => tally_clickhouse::Shape::revenue_agg(),
+        }
+    }
+
+    /// Refuses a tool that reads the view or the source as revenue_agg's for a declared job of
+    /// another shape, naming it.
+    pub fn require_built_in(&self, tool: &str) -> anyhow::Result<()> {
+        match &self.declared {
+            None => Ok(()),
+            Some(_) => anyhow::bail!(
+                "`tally {tool}` reads revenue_agg's columns, and job {:?} declares another shape: \
+                 this release runs it but cannot {tool} it yet",
+                self.job.name
+            ),
+        }
+    }
+
+    /// Identity stored in the state directory: the job and the topic it reads.
     pub fn state_identity(&self) -> String {
         match self.job.task {
             Some(task) => format!("{}@{}#task-{task}", self.job.name, self.kafka.source_topic),

@@ -201,11 +201,18 @@ fn the_example_declarations_are_valid_and_say_why_this_release_does_not_run_them
         let job = job.expect("declared");
         let described = crate::declaration::describe(&job);
         assert!(described.contains(view), "{described}");
-        let refused = Config::parse("job.toml", text, &[])
-            .expect_err("not run")
-            .to_string();
-        assert!(refused.starts_with("job.toml: aggregation: "), "{refused}");
-        assert!(refused.contains(why), "{refused}");
+        // Run as declared, with the declaration's shape in the state and in ClickHouse.
+        let config = Config::parse("job.toml", text, &[]).expect("runs");
+        let declared = config.declared.as_deref().expect("runs as declared");
+        assert_eq!(declared, &job);
+        assert_eq!(config.row_shape(), job.row_shape());
+        assert_eq!(config.sink_shape(), tally_clickhouse::Shape::of(&job));
+        assert!(
+            crate::declaration::built_in_fields(&job)
+                .unwrap_err()
+                .contains(why)
+        );
+        assert!(config.require_built_in("verify").is_err());
     }
     let (_, job) = declared(PAGE_VIEWS).expect("valid");
     assert!(

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
 use tally_core::amount::format_units_i128;
-use tally_core::{CheckpointBarrier, Epoch, MemStore, RecordDecoder, RevenueOperator};
+use tally_core::{CheckpointBarrier, Epoch, MemStore, RecordDecoder, WindowOperator};
 
 use super::verify::RowDiff;
 use crate::config::Config;
@@ -16,7 +16,7 @@ use crate::config::Config;
 /// what the sink should hold, per window key and source partition. `tally reconcile` reads the
 /// whole committed ranges once; `--every` keeps one between rounds and reads what is new.
 struct SourceReplay {
-    op: RevenueOperator,
+    op: WindowOperator,
     store: MemStore,
     /// Per window key and source partition, the value the replay computed.
     values: BTreeMap<ViewKey, BTreeMap<i32, ViewTotals>>,
@@ -39,7 +39,7 @@ impl SourceReplay {
             usize::try_from(config.job.max_record_bytes).unwrap_or(usize::MAX),
         );
         SourceReplay {
-            op: RevenueOperator::restore(config.operator(), decoder, Epoch(0), &BTreeMap::new()),
+            op: WindowOperator::restore(config.operator(), decoder, Epoch(0), &BTreeMap::new()),
             store: MemStore::default(),
             values: BTreeMap::new(),
             read_to: BTreeMap::new(),
