@@ -149,8 +149,9 @@ field = "load_ms"
     // of the record before it, 1 in 29 poison.
     let t0: i64 = 1_780_000_000_000;
     let mut records: Vec<(i32, Vec<u8>, Vec<u8>)> = Vec::new();
-    let mut expected: std::collections::BTreeMap<(i64, String, String), (u64, i64, i64, i64)> =
-        Default::default();
+    // Per (window start in seconds, page, country): (views, min, max, sum of load_ms).
+    type Window = (i64, String, String);
+    let mut expected: std::collections::BTreeMap<Window, (u64, i64, i64, i64)> = Default::default();
     let (mut filtered, mut poison, mut duplicates) = (0u64, 0u64, 0u64);
     for i in 0..6_000i64 {
         let p = (i % 2) as i32;
