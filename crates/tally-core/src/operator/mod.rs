@@ -461,7 +461,6 @@ impl WindowOperator {
             event.customer_id,
             event.currency,
         );
-        let window_bytes = key.key.text_len() + WINDOW_ENTRY_BYTES;
         // In place, and only if both fit: an overflow leaves the window as it was.
         let add = |value: &mut WindowAgg| -> Result<(), Amount> {
             let [Word::Count(orders), Word::Exact(revenue)] = value.words_mut() else {
@@ -487,8 +486,8 @@ impl WindowOperator {
                     .window(record.partition, slot.key())?
                     .unwrap_or_else(|| WindowAgg::of_orders(0, Amount(0)));
                 add(&mut current).map(|()| {
+                    self.state_bytes += window_bytes(slot.key(), &current);
                     slot.insert(current);
-                    self.state_bytes += window_bytes;
                 })
             }
         };
