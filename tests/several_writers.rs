@@ -185,6 +185,7 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
     // Folding waits for a watermark from every partition of the job, whoever committed it.
     let rules = FoldRules {
         window_size_ms: MINUTE,
+        window_slide_ms: MINUTE,
         allowed_lateness_ms: MINUTE,
         retention_ms: None,
         step_rows: tally_clickhouse::FOLD_STEP_ROWS,

@@ -46,6 +46,8 @@ pub const FOLD_STEP_ROWS: u64 = 1_000_000;
 #[derive(Debug, Clone, Copy)]
 pub struct FoldRules {
     pub window_size_ms: i64,
+    /// The distance between window starts: the size for tumbling windows, less for hopping.
+    pub window_slide_ms: i64,
     pub allowed_lateness_ms: i64,
     /// Folded windows older than this (before the frontier) are dropped; `None` keeps all.
     pub retention_ms: Option<i64>,
@@ -98,10 +100,13 @@ struct ActivePartition {
 
 impl FoldRules {
     /// The newest aligned window start below which every window is final for a watermark:
-    /// a window `[s, s + size)` is final when `s + size + lateness <= watermark`.
+    /// a window `[s, s + size)` is final when `s + size + lateness <= watermark`. Hopping
+    /// windows overlap, so the frontier trails the watermark by the size, not the slide.
     pub fn frontier_ms(&self, min_watermark_ms: i64) -> i64 {
         let last_final_end = min_watermark_ms.saturating_sub(self.allowed_lateness_ms);
-        last_final_end.div_euclid(self.window_size_ms) * self.window_size_ms
+        let slide = self.window_slide_ms.max(1);
+        let last_final_start = last_final_end.saturating_sub(self.window_size_ms);
+        last_final_start.div_euclid(slide) * slide + slide
     }
 }
 
@@ -599,6 +604,7 @@ mod tests {
     fn frontier_is_the_end_of_the_last_final_window() {
         let rules = FoldRules {
             window_size_ms: 60_000,
+            window_slide_ms: 60_000,
             allowed_lateness_ms: 60_000,
             retention_ms: None,
             step_rows: FOLD_STEP_ROWS,
@@ -611,6 +617,35 @@ mod tests {
         let wm = 10 * 3_600_000 + 3 * 60_000;
         assert_eq!(rules.frontier_ms(wm), 10 * 3_600_000 + 2 * 60_000);
         assert_eq!(rules.frontier_ms(wm - 1), 10 * 3_600_000 + 60_000);
+    }
+
+    /// A 5-minute window sliding by a minute is final only when its end is: the window
+    /// starting at 09:58 ends at 10:03 and is still open at a watermark of 10:03:59 with a
+    /// minute's lateness, so the frontier is 09:58 (every window starting before it ends by
+    /// 10:02), not the 10:02 a tumbling minute would give.
+    #[test]
+    fn the_frontier_of_hopping_windows_trails_by_the_size() {
+        let rules = FoldRules {
+            window_size_ms: 300_000,
+            window_slide_ms: 60_000,
+            allowed_lateness_ms: 60_000,
+            retention_ms: None,
+            step_rows: FOLD_STEP_ROWS,
+        };
+        let h = 10 * 3_600_000;
+        assert_eq!(rules.frontier_ms(h + 3 * 60_000 + 59_999), h - 2 * 60_000);
+        // At 10:04 the 09:58 window's end plus lateness is reached: it is final too.
+        assert_eq!(rules.frontier_ms(h + 4 * 60_000), h - 60_000);
+        // Whatever the watermark, no window at or after the frontier is final, and the one
+        // before it is.
+        for wm in (h..h + 600_000).step_by(7_919) {
+            let f = rules.frontier_ms(wm);
+            let is_final = |s: i64| s + 300_000 + 60_000 <= wm;
+            assert!(
+                !is_final(f) && is_final(f - 60_000),
+                "watermark {wm}: frontier {f}"
+            );
+        }
     }
 
     #[test]

@@ -802,6 +802,7 @@ impl Config {
     pub fn fold_rules(&self) -> tally_clickhouse::FoldRules {
         tally_clickhouse::FoldRules {
             window_size_ms: self.window.size.0,
+            window_slide_ms: self.operator().window.slide_ms,
             allowed_lateness_ms: self.window.allowed_lateness.0,
             retention_ms: self.clickhouse.retention.map(|r| r.0),
             step_rows: self.clickhouse.fold_step_rows,
