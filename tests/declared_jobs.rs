@@ -2,7 +2,8 @@
 //! in `[fields]` switches to the declared revenue_agg (`config/revenue_agg.toml`'s
 //! `[aggregation]`) on the same state directory, changelog and tables, after a kill -9, and
 //! continues exactly once with the records produced since: it resumes from its checkpoint and
-//! reprocesses nothing.
+//! reprocesses nothing. The shipped example job files run as written through a kill -9 and
+//! verify exactly against loadgen's manifest.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 mod common;
@@ -82,168 +83,136 @@ async fn a_job_named_by_fields_continues_under_its_declaration_exactly_once() {
     assert_eq!(assert_accounting(&job, manifest.produced), 2);
 }
 
-/// A hopping job of another shape: 5-minute windows sliding by a minute, keys read from a
-/// nested path, a filter, count/min/max/avg of an integer. Records filtered out, duplicates and
-/// poison are mixed in; the worker is killed with SIGKILL midway and restarted. The view then
-/// holds exactly the windows computed here from the records, and every offset is accounted for
-/// once (filtered ones included).
-#[tokio::test(flavor = "multi_thread")]
-async fn a_declared_hopping_job_with_a_filter_is_exact_after_a_kill_9() {
-    const DECLARATION: &str = r#"
-[window]
-size = "5m"
-slide = "1m"
-out_of_orderness = "5s"
-allowed_lateness = "1m"
-dedup_horizon = "1h"
+/// Runs `tally` with `args`, returning (success, stdout and stderr).
+fn tally(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(worker_binary())
+        .args(args)
+        .output()
+        .expect("run tally");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
 
-[aggregation]
-event_id = "view_id"
-event_time = "at"
-group_by = ["page", "country"]
-[[aggregation.field]]
-name = "view_id"
-type = "string"
-[[aggregation.field]]
-name = "at"
-type = "timestamp"
-[[aggregation.field]]
-name = "page"
-type = "string"
-[[aggregation.field]]
-name = "country"
-type = "string"
-path = "visitor.geo.country"
-[[aggregation.field]]
-name = "kind"
-type = "string"
-[[aggregation.field]]
-name = "load_ms"
-type = "integer"
-[[aggregation.filter]]
-field = "kind"
-equals = "view"
-[[aggregation.aggregate]]
-column = "views"
-function = "count"
-[[aggregation.aggregate]]
-column = "fastest_ms"
-function = "min"
-field = "load_ms"
-[[aggregation.aggregate]]
-column = "slowest_ms"
-function = "max"
-field = "load_ms"
-[[aggregation.aggregate]]
-column = "mean_ms"
-function = "avg"
-field = "load_ms"
-"#;
-    let topic = unique("views");
+/// A shipped example job file, run as written against the real services: `tally loadgen`
+/// produces its records by the declaration (filtered ones, duplicates, late and poison records
+/// mixed in) while the worker runs; the worker is killed with SIGKILL after its first commit,
+/// in the middle of the stream, and started again. `tally verify` must then find the view, the
+/// committed versions and the dead-letter topic exactly as the manifest says, and every offset
+/// must be accounted for once, as the manifest's fate for it.
+async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
+    let topic = unique(file.trim_end_matches(".toml"));
     create_topic(&topic, 2).await;
-    let job = Job::new(&topic, "");
-    let base = std::fs::read_to_string(&job.config).unwrap();
-    std::fs::write(&job.config, format!("{base}\n{DECLARATION}")).unwrap();
-
-    // Per partition, in event-time order (nothing late): 1 in 7 filtered, 1 in 11 a duplicate
-    // of the record before it, 1 in 29 poison.
-    let t0: i64 = 1_780_000_000_000;
-    let mut records: Vec<(i32, Vec<u8>, Vec<u8>)> = Vec::new();
-    // Per (window start in seconds, page, country): (views, min, max, sum of load_ms).
-    type Window = (i64, String, String);
-    let mut expected: std::collections::BTreeMap<Window, (u64, i64, i64, i64)> = Default::default();
-    let (mut filtered, mut poison, mut duplicates) = (0u64, 0u64, 0u64);
-    for i in 0..6_000i64 {
-        let p = (i % 2) as i32;
-        let at = t0 + i * 150;
-        let page = format!("/p{}", i % 5);
-        let country = ["NL", "DE", "FR"][(i % 3) as usize];
-        let kind = if i % 7 == 3 { "click" } else { "view" };
-        let load = (i * 37) % 900 + 1;
-        let value = format!(
-            r#"{{"view_id":"v{i}","at":{at},"page":"{page}","visitor":{{"geo":{{"country":"{country}"}}}},"kind":"{kind}","load_ms":{load}}}"#
-        );
-        if i % 29 == 5 {
-            records.push((p, Vec::new(), b"{\"view_id\":".to_vec()));
-            poison += 1;
-        }
-        records.push((p, Vec::new(), value.clone().into_bytes()));
-        if kind == "click" {
-            filtered += 1;
-        } else {
-            let newest = at.div_euclid(60_000) * 60_000;
-            for k in 0..5 {
-                let start = newest - k * 60_000;
-                let w = expected
-                    .entry((start / 1000, page.clone(), country.to_owned()))
-                    .or_insert((0, i64::MAX, i64::MIN, 0));
-                w.0 += 1;
-                w.1 = w.1.min(load);
-                w.2 = w.2.max(load);
-                w.3 += load;
-            }
-        }
-        if i % 11 == 4 {
-            records.push((p, Vec::new(), value.into_bytes()));
-            // The filter comes first: a filtered record's id is not remembered.
-            if kind == "click" {
-                filtered += 1;
-            } else {
-                duplicates += 1;
-            }
-        }
-    }
-    let (first, second) = records.split_at(records.len() / 2);
-    produce(&topic, first).await;
-
+    let job = Job::shipped(file, &topic);
+    let config = job.config.to_str().unwrap().to_owned();
+    let manifest_path = job.dir.path().join("manifest.json");
+    let manifest = manifest_path.to_str().unwrap().to_owned();
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
+    let mut loadgen = std::process::Command::new(worker_binary())
+        .args([
+            "loadgen",
+            "--config",
+            &config,
+            "--events",
+            "12000",
+            "--rate",
+            "2000",
+            "--partitions",
+            "2",
+            "--seed",
+            "7",
+            "--customers",
+            "60",
+            "--duplicates",
+            "0.05",
+            "--poison",
+            "0.02",
+            "--late",
+            "0.01",
+            "--filtered",
+            "0.1",
+            "--step-ms",
+            "100",
+            "--manifest",
+            &manifest,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("loadgen");
+    let before = job.log().len();
     job.wait_for_log(before, "checkpoint committed", Duration::from_secs(60))
         .await;
-    produce(&topic, second).await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     worker.0.kill().unwrap();
     worker.0.wait().unwrap();
+    let out = loadgen.try_wait().unwrap();
+    assert!(out.is_none(), "killed in the middle of the stream");
 
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
-    let sql = format!(
-        "SELECT toUInt32(window_start), page, country, views, fastest_ms, slowest_ms, mean_ms \
-         FROM {}.{} ORDER BY window_start, page, country",
-        job.database, job.table
+    assert!(
+        job.log()[before..].contains("resuming partition from checkpoint"),
+        "resumed, not recomputed:\n{}",
+        job.log()
     );
+    let out = loadgen.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let verify = ["verify", "--config", &config, "--manifest", &manifest];
     let until = std::time::Instant::now() + Duration::from_secs(120);
-    type Row = (u32, String, String, u64, i64, i64, f64);
-    let rows: Vec<Row> = loop {
-        let rows: Vec<Row> = clickhouse()
-            .query(&sql)
-            .fetch_all()
-            .await
-            .unwrap_or_default();
-        let views: u64 = rows.iter().map(|r| r.3).sum();
-        let want: u64 = expected.values().map(|w| w.0).sum();
-        if views == want || std::time::Instant::now() > until {
-            break rows;
-        }
+    while !tally(&verify).0 && std::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    assert_eq!(rows.len(), expected.len(), "one row per window and key");
-    for ((start, page, country, views, fastest, slowest, mean), ((w, p, c), e)) in
-        rows.iter().zip(&expected)
-    {
-        assert_eq!(
-            (i64::from(*start), page, country, *views, *fastest, *slowest),
-            (*w, p, c, e.0, e.1, e.2)
-        );
-        let want = e.3 as f64 / e.0 as f64;
-        assert!((mean - want).abs() <= want * 1e-9, "{mean} vs {want}");
     }
-    let produced = records.len() as u64;
-    worker.0.kill().unwrap();
-    worker.0.wait().unwrap();
-    assert_eq!(assert_accounting(&job, produced), 2);
+    sigterm(&worker.0);
+    let status = wait_exit(&mut worker.0, Duration::from_secs(30));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean stop; log:\n{}",
+        job.log()
+    );
+    let (ok, text) = tally(&verify);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("verify-summary"))
+        .unwrap_or_default();
+    println!("{file} after a kill -9: {line}");
+    assert!(ok, "{text}\nlog:\n{}", job.log());
+    assert!(text.contains("verify: OK: exact match"), "{text}");
+
+    let m = tally::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    // And verify does fail: one window counted once more in a copy of the manifest is found.
+    let mut wrong = m.clone();
+    let first = &mut wrong.windows[0].2[0];
+    let tally::loadgen::Running::Count(n) = *first else {
+        panic!("the first column counts: {first:?}")
+    };
+    *first = tally::loadgen::Running::Count(n + 1);
+    let wrong_path = job.dir.path().join("wrong.json");
+    wrong.save(&wrong_path).unwrap();
+    let (ok, text) = tally(&[
+        "verify",
+        "--config",
+        &config,
+        "--manifest",
+        wrong_path.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && text.contains("rows: missing 0, extra 0, different 1"),
+        "{text}"
+    );
+    assert!(text.contains("over_counted=0 lost=1"), "{text}");
+
+    assert_eq!(assert_accounting(&job, m.produced), 2);
     let store =
         tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
             .unwrap();
@@ -253,12 +222,27 @@ field = "load_ms"
     }
     assert_eq!(
         (
+            totals.aggregated,
             totals.filtered,
             totals.duplicates,
-            totals.dead_lettered,
-            totals.late
+            totals.late,
+            totals.dead_lettered
         ),
-        (filtered, duplicates, poison, 0)
+        (m.valid, m.filtered, m.duplicates, m.late, m.poison),
+        "every record's fate as the manifest has it"
     );
-    assert_eq!(read_dead_letters(&job.dlq_topic()).len() as u64, poison);
+    assert!(m.duplicates > 0 && m.late > 0 && m.poison > 0, "{m:?}");
+}
+
+/// `config/page_views.toml`: a 5-minute window sliding by a minute, three keys, min/max/avg.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_views_example_is_exact_after_a_kill_9() {
+    a_shipped_example_is_exact_after_a_kill_9("page_views.toml").await;
+}
+
+/// `config/api_latency.toml`: a filter of three conditions, nested fields, epoch seconds,
+/// decimal sums and maxima.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_latency_example_is_exact_after_a_kill_9() {
+    a_shipped_example_is_exact_after_a_kill_9("api_latency.toml").await;
 }

@@ -52,6 +52,7 @@ async fn a_folder_killed_mid_insert_and_restarted_at_once_counts_nothing_twice()
         duplicate_fraction: 0.0,
         poison_fraction: 0.0,
         late_fraction: 0.0,
+        filtered_fraction: 0.0,
         step_ms: i64::try_from(6 * 3_600_000 * 2 / events).unwrap().max(1),
         ..spec(31, 2)
     };

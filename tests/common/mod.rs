@@ -94,6 +94,7 @@ pub fn spec(seed: u64, partitions: i32) -> LoadSpec {
         duplicate_fraction: 0.05,
         poison_fraction: 0.02,
         late_fraction: 0.02,
+        filtered_fraction: 0.0,
         start_ms: 1_790_000_000_000,
         step_ms: 40,
         max_record_bytes: 4096,
@@ -227,6 +228,54 @@ address = ""
             state = dir.path().join("state").display()
         );
         std::fs::write(&config, text).expect("write config");
+        Job {
+            name,
+            dir,
+            config,
+            topic: topic.into(),
+            database,
+            table,
+        }
+    }
+
+    /// A job running a shipped job file (`config/<file>`) as it is written, but for the names
+    /// that make it the test's own (job, topic, group, database, state directory) and the
+    /// test's services; checkpoints every second, folds every two, no metrics endpoint.
+    pub fn shipped(file: &str, topic: &str) -> Job {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = format!("{}/../../config/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("shipped job file");
+        let mut doc: toml::Table = toml::from_str(&text).expect("TOML");
+        let database = unique("tally_it");
+        let name = unique("it");
+        let mut set = |section: &str, key: &str, value: String| {
+            doc.entry(section)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+                .expect("a section")
+                .insert(key.into(), toml::Value::String(value));
+        };
+        set("job", "name", name.clone());
+        set(
+            "job",
+            "state_dir",
+            dir.path().join("state").display().to_string(),
+        );
+        set("job", "checkpoint_interval", "1s".into());
+        set("kafka", "brokers", BROKERS.into());
+        set("kafka", "source_topic", topic.into());
+        set("kafka", "consumer_group", format!("tally-{topic}"));
+        set("clickhouse", "url", CLICKHOUSE.into());
+        set("clickhouse", "database", database.clone());
+        // Fold while the test runs: a fold must never freeze a window that can still change.
+        set("clickhouse", "fold_interval", "2s".into());
+        set("metrics", "address", String::new());
+        let table = doc["clickhouse"]["table"]
+            .as_str()
+            .expect("clickhouse.table")
+            .to_owned();
+        let config = dir.path().join("job.toml");
+        std::fs::write(&config, toml::to_string(&doc).expect("TOML")).expect("write config");
         Job {
             name,
             dir,

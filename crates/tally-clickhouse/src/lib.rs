@@ -506,6 +506,8 @@ impl ClickHouseSink {
 pub type ViewKey = (i64, String, String);
 /// (orders, revenue in 10^-4 units) of one view row.
 pub type ViewTotals = (u64, i64);
+/// A job of any shape's rows as text: (window start ms, group-by values) → value columns.
+pub type Cells = std::collections::BTreeMap<(i64, Vec<String>), Vec<String>>;
 
 // Rows are read as RowBinary by position (validation off for 18.16), so query aliases need not
 // match field names; they differ from column names to avoid alias/column ambiguity.
@@ -516,6 +518,13 @@ struct ViewRow {
     currency: String,
     orders: u64,
     revenue: i64,
+}
+
+#[derive(Debug, Deserialize, clickhouse::Row)]
+struct CellsRow {
+    window_start: u32,
+    keys: Vec<String>,
+    values: Vec<String>,
 }
 
 /// Offsets of one committed batch, from the commit log.
@@ -629,6 +638,48 @@ impl ClickHouseSink {
             "reading the view at a cut",
         )
         .await
+    }
+
+    /// Every row of the reader view of a job of any shape: (window start ms, keys as text) →
+    /// the view's value columns as text (times in epoch seconds).
+    pub async fn read_view_cells(&self) -> Result<Cells> {
+        let sql = self.names.cells_sql(&self.names.read_view_sql());
+        self.collect_cells(&sql, "reading the view").await
+    }
+
+    /// [`read_committed_answer`](Self::read_committed_answer) for a job of any shape.
+    pub async fn read_committed_cells(&self) -> Result<Cells> {
+        let frontier = self.frontier().await?;
+        let sql = self
+            .names
+            .cells_sql(&self.names.read_answer_sql(frontier, None, None));
+        self.collect_cells(&sql, "reading the committed versions")
+            .await
+    }
+
+    async fn collect_cells(&self, sql: &str, context: &str) -> Result<Cells> {
+        let rows: Vec<CellsRow> = self
+            .client
+            .query(sql)
+            .fetch_all()
+            .await
+            .map_err(self.err(context))?;
+        let mut map = Cells::new();
+        for CellsRow {
+            window_start,
+            keys,
+            values,
+        } in rows
+        {
+            let key = (i64::from(window_start) * 1000, keys);
+            if map.contains_key(&key) {
+                return Err(SinkError::Refused(format!(
+                    "{context}: key {key:?} appears twice"
+                )));
+            }
+            map.insert(key, values);
+        }
+        Ok(map)
     }
 
     async fn collect_rows(

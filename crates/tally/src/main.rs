@@ -178,6 +178,7 @@ struct LoadgenArgs {
     /// Partitions of the source topic when loadgen creates it.
     #[arg(long, default_value_t = 4)]
     partitions: i32,
+    /// Customers, or for a declared job the combinations of its group-by values.
     #[arg(long, default_value_t = 1000)]
     customers: u32,
     /// Zipf exponent of customer popularity (0 = uniform).
@@ -194,6 +195,9 @@ struct LoadgenArgs {
     /// Fraction of events later than the allowed lateness.
     #[arg(long, default_value_t = 0.005)]
     late: f64,
+    /// Fraction of records a declared job's filter leaves out (each misses one condition).
+    #[arg(long, default_value_t = 0.05)]
+    filtered: f64,
     /// Event-time spacing between consecutive records of one partition, in ms.
     #[arg(long, default_value_t = 10)]
     step_ms: i64,
@@ -275,8 +279,11 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::CheckConfig { config } => check_config(&config),
         Command::Loadgen(args) => loadgen(args),
         Command::Verify { config, manifest } => {
-            let ok =
-                runtime()?.block_on(prove::verify(&tool_config(&config, "verify")?, &manifest))?;
+            let cfg = load_config(&config)?;
+            let ok = match cfg.declared.clone() {
+                Some(job) => runtime()?.block_on(prove::verify_declared(&cfg, &job, &manifest))?,
+                None => runtime()?.block_on(prove::verify(&cfg, &manifest))?,
+            };
             exit_unless(ok)
         }
         Command::Reconcile(args) => reconcile(args),
@@ -371,7 +378,7 @@ fn run(cfg: &Config) -> Result<()> {
 }
 
 fn loadgen(args: LoadgenArgs) -> Result<()> {
-    let cfg = tool_config(&args.config, "loadgen")?;
+    let cfg = load_config(&args.config)?;
     let events = match (args.rate, &args.duration) {
         (Some(rate), Some(d)) => rate * parse_duration(d, "--duration")?.as_secs().max(1),
         _ => args.events,
@@ -390,22 +397,25 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         duplicate_fraction: args.duplicates,
         poison_fraction: args.poison,
         late_fraction: args.late,
+        filtered_fraction: args.filtered,
         start_ms: args
             .start_ms
             .unwrap_or(now - per_partition as i64 * args.step_ms),
         step_ms: args.step_ms,
         max_record_bytes: cfg.job.max_record_bytes,
     };
-    runtime()?.block_on(tally::loadgen::produce(
-        &cfg,
-        tally::loadgen::LoadOptions {
-            events,
-            rate: args.rate,
-            partitions: args.partitions,
-            spec,
-            manifest: args.manifest,
-        },
-    ))?;
+    let opts = tally::loadgen::LoadOptions {
+        events,
+        rate: args.rate,
+        partitions: args.partitions,
+        spec,
+        manifest: args.manifest,
+    };
+    if cfg.declared.is_some() {
+        runtime()?.block_on(tally::loadgen::produce_declared(&cfg, opts))?;
+    } else {
+        runtime()?.block_on(tally::loadgen::produce(&cfg, opts))?;
+    }
     Ok(())
 }
 

@@ -334,6 +334,13 @@ impl TableNames {
         )
     }
 
+    /// Rows of `rows` (a read of [`read_view_sql`](Self::read_view_sql)'s columns) as the
+    /// window start in seconds, the keys as text and the values as text.
+    pub(crate) fn cells_sql(&self, rows: &str) -> String {
+        let (keys, values) = self.shape.cells_lists();
+        format!("SELECT ws, {keys}, {values} FROM ({rows})")
+    }
+
     /// The view's rows as readers saw them once the batches up to `cut` were committed, for
     /// the logged `frontier`, for windows starting in `[from_seconds, to_seconds]` when given.
     pub fn read_view_at_sql(

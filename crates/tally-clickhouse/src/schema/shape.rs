@@ -164,6 +164,25 @@ impl Shape {
         join(self.aggregates.iter().map(|a| a.column.as_str()))
     }
 
+    /// The keys and the view's value columns as two arrays of text, for tools that read any
+    /// shape: times as epoch seconds, everything else as `toString` prints it.
+    pub(crate) fn cells_lists(&self) -> (String, String) {
+        let text = |(name, kind): &(String, String)| match kind.as_str() {
+            "String" => name.clone(),
+            "DateTime" => format!("toString(toUInt32({name}))"),
+            _ => format!("toString({name})"),
+        };
+        let values: Vec<(String, String)> = self
+            .aggregates
+            .iter()
+            .map(|a| (a.column.clone(), a.shown().1))
+            .collect();
+        (
+            format!("[{}]", join(self.keys.iter().map(text))),
+            format!("[{}]", join(values.iter().map(text))),
+        )
+    }
+
     /// The view's value columns (each `avg` as the quotient of its kept sum and count).
     pub(crate) fn shown_list(&self) -> String {
         join(self.aggregates.iter().map(|a| a.shown().0))

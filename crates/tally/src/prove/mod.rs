@@ -5,6 +5,7 @@
 mod probe;
 mod reconcile;
 mod verify;
+mod verify_declared;
 
 pub use probe::{ProbeReport, probe};
 pub use reconcile::{
@@ -12,3 +13,4 @@ pub use reconcile::{
     reconcile_every,
 };
 pub use verify::{RowDiff, read_dead_letters, verify};
+pub use verify_declared::verify_declared;

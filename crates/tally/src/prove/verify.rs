@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use rdkafka::Message;
 use rdkafka::message::Headers;
 use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
+use tally_core::PoisonReason;
 use tally_core::amount::format_units_i128;
 use tally_kafka::{HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION};
 
@@ -87,6 +88,89 @@ impl RowDiff {
     }
 }
 
+/// The dead-letter topic against the dead letters expected.
+pub(crate) struct DeadLetterDiff {
+    missing: Vec<(i32, i64)>,
+    repeated: Vec<(i32, i64)>,
+    extra: Vec<(i32, i64)>,
+    wrong_reason: Vec<(i32, i64)>,
+    /// Dead letters in the topic, repeats included.
+    found: usize,
+}
+
+impl DeadLetterDiff {
+    pub(crate) fn compare(
+        expected: &BTreeMap<(i32, i64), PoisonReason>,
+        found: &BTreeMap<(i32, i64), Vec<String>>,
+    ) -> DeadLetterDiff {
+        let mut diff = DeadLetterDiff {
+            missing: Vec::new(),
+            repeated: Vec::new(),
+            extra: Vec::new(),
+            wrong_reason: Vec::new(),
+            found: found.values().map(Vec::len).sum(),
+        };
+        for (k, reason) in expected {
+            match found.get(k) {
+                None => diff.missing.push(*k),
+                Some(reasons) if reasons.iter().any(|r| r != reason.as_str()) => {
+                    diff.wrong_reason.push(*k)
+                }
+                Some(_) => {}
+            }
+        }
+        for (k, reasons) in found {
+            if reasons.len() > 1 {
+                diff.repeated.push(*k);
+            }
+            if !expected.contains_key(k) {
+                diff.extra.push(*k);
+            }
+        }
+        diff
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.missing.is_empty()
+            && self.repeated.is_empty()
+            && self.extra.is_empty()
+            && self.wrong_reason.is_empty()
+    }
+
+    pub(crate) fn print_summary(&self) {
+        println!(
+            "dead letters missing {}, repeated {}, extra {}, wrong reason {}",
+            self.missing.len(),
+            self.repeated.len(),
+            self.extra.len(),
+            self.wrong_reason.len()
+        );
+    }
+
+    pub(crate) fn print_first(&self, limit: usize) {
+        for (p, o) in self.missing.iter().take(limit) {
+            println!("  dead letter missing  {p}/{o}");
+        }
+        for (p, o) in self.repeated.iter().take(limit) {
+            println!("  dead letter repeated {p}/{o}");
+        }
+    }
+
+    pub(crate) fn found(&self) -> usize {
+        self.found
+    }
+
+    /// The `verify-summary` fields of the dead letters.
+    pub(crate) fn summary_fields(&self, expected: usize) -> String {
+        format!(
+            "dl_expected={expected} dl_found={} dl_repeated={} dl_missing={}",
+            self.found,
+            self.repeated.len(),
+            self.missing.len()
+        )
+    }
+}
+
 /// Dead letters as (source partition, source offset) → reasons found (more than one = repeated).
 pub fn read_dead_letters(config: &Config) -> Result<BTreeMap<(i32, i64), Vec<String>>> {
     let settings = config.kafka_settings();
@@ -135,31 +219,9 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
     let committed = sink.read_committed_answer().await?;
     let unpublished = RowDiff::compare(&found, &committed);
     let committed_diff = RowDiff::compare(&manifest.rows, &committed);
-    let dead = read_dead_letters(config)?;
-    let mut dl_missing = Vec::new();
-    let mut dl_wrong_reason = Vec::new();
-    for (k, reason) in &manifest.dead_letters {
-        match dead.get(k) {
-            None => dl_missing.push(*k),
-            Some(reasons) if reasons.iter().any(|r| r != reason.as_str()) => {
-                dl_wrong_reason.push(*k)
-            }
-            Some(_) => {}
-        }
-    }
-    let dl_repeated: Vec<_> = dead
-        .iter()
-        .filter(|(_, r)| r.len() > 1)
-        .map(|(k, _)| *k)
-        .collect();
-    let dl_extra: Vec<_> = dead
-        .keys()
-        .filter(|k| !manifest.dead_letters.contains_key(*k))
-        .copied()
-        .collect();
+    let dead = DeadLetterDiff::compare(&manifest.dead_letters, &read_dead_letters(config)?);
     let found_orders: u64 = found.values().map(|v| v.0).sum();
     let found_revenue: i128 = found.values().map(|v| i128::from(v.1)).sum();
-    let dead_total: usize = dead.values().map(Vec::len).sum();
     println!("{:<28} {:>16} {:>16}", "", "expected", "found");
     println!(
         "{:<28} {:>16} {:>16}",
@@ -183,7 +245,7 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
         "{:<28} {:>16} {:>16}",
         "dead letters",
         manifest.dead_letters.len(),
-        dead_total
+        dead.found
     );
     println!(
         "rows missing {}, extra {}, different {}",
@@ -191,13 +253,7 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
         diff.extra.len(),
         diff.different.len()
     );
-    println!(
-        "dead letters missing {}, repeated {}, extra {}, wrong reason {}",
-        dl_missing.len(),
-        dl_repeated.len(),
-        dl_extra.len(),
-        dl_wrong_reason.len()
-    );
+    dead.print_summary();
     diff.print_first(10);
     if !unpublished.is_empty() {
         println!(
@@ -209,32 +265,20 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
         );
         committed_diff.print_first(10);
     }
-    for (p, o) in dl_missing.iter().take(10) {
-        println!("  dead letter missing  {p}/{o}");
-    }
-    for (p, o) in dl_repeated.iter().take(10) {
-        println!("  dead letter repeated {p}/{o}");
-    }
+    dead.print_first(10);
     // Orders counted more than once, and orders missing: in the view, or in what the next
     // publish shows it, whichever is worse.
     let (seen_over, seen_lost) = miscounted(&manifest.rows, &found);
     let (next_over, next_lost) = miscounted(&manifest.rows, &committed);
     let (over_counted, lost) = (seen_over.max(next_over), seen_lost.max(next_lost));
     println!(
-        "verify-summary rows_expected={} rows_found={} orders_expected={} orders_found={found_orders} over_counted={over_counted} lost={lost} dl_expected={} dl_found={dead_total} dl_repeated={} dl_missing={}",
+        "verify-summary rows_expected={} rows_found={} orders_expected={} orders_found={found_orders} over_counted={over_counted} lost={lost} {}",
         manifest.rows.len(),
         found.len(),
         manifest.orders(),
-        manifest.dead_letters.len(),
-        dl_repeated.len(),
-        dl_missing.len()
+        dead.summary_fields(manifest.dead_letters.len())
     );
-    let ok = diff.is_empty()
-        && committed_diff.is_empty()
-        && dl_missing.is_empty()
-        && dl_repeated.is_empty()
-        && dl_extra.is_empty()
-        && dl_wrong_reason.is_empty();
+    let ok = diff.is_empty() && committed_diff.is_empty() && dead.is_empty();
     println!("verify: {}", if ok { "OK: exact match" } else { "FAILED" });
     Ok(ok)
 }

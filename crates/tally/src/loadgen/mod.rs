@@ -21,6 +21,9 @@ use tally_core::{OperatorConfig, PoisonReason};
 
 use crate::config::Config;
 
+mod declared;
+pub use declared::{DeclaredGenerator, DeclaredManifest, Running, Shown, produce_declared};
+
 /// Knobs of the stream.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LoadSpec {
@@ -33,6 +36,9 @@ pub struct LoadSpec {
     pub duplicate_fraction: f64,
     pub poison_fraction: f64,
     pub late_fraction: f64,
+    /// Records a declared job's filter leaves out (each misses one condition).
+    #[serde(default)]
+    pub filtered_fraction: f64,
     /// Event-time start (ms since epoch) and spacing between consecutive events of a partition,
     /// on average: event time advances by `step_ms / partitions` per record, in every partition
     /// alike (as real time does), however unevenly records fall on partitions.
@@ -50,6 +56,8 @@ pub enum Kind {
     Duplicate,
     Late,
     Poison(PoisonReason),
+    /// Left out by a declared job's filter.
+    Filtered,
 }
 
 #[derive(Debug, Clone)]
@@ -65,19 +73,131 @@ pub struct GeneratedRecord {
 struct PartitionClock {
     now: i64,
     max_seen: i64,
+    /// Recent valid records (event time, key, value): what duplicates re-publish.
     recent: VecDeque<(i64, Vec<u8>, Vec<u8>)>,
+}
+
+/// What a record is to be, drawn before its content.
+enum Fate {
+    /// Re-publishes this recent valid record (key, value).
+    Duplicate(Vec<u8>, Vec<u8>),
+    Poison,
+    Late,
+    Filtered,
+    Valid,
+}
+
+/// What every generated stream shares: the Zipf choice of a record's key (`spec.customers`
+/// of them), its partition, its fate, and each partition's event-time clock.
+struct Stream {
+    rng: ChaCha8Rng,
+    popularity: WeightedIndex<f64>,
+    clocks: Vec<PartitionClock>,
+    /// Records drawn so far: the stream's clock.
+    emitted: i64,
+}
+
+impl Stream {
+    fn new(spec: &LoadSpec) -> Result<Stream, String> {
+        if spec.partitions <= 0 || spec.customers == 0 {
+            return Err("partitions and customers must be positive".into());
+        }
+        let weights: Vec<f64> = (1..=spec.customers)
+            .map(|k| 1.0 / f64::from(k).powf(spec.skew))
+            .collect();
+        Ok(Stream {
+            rng: ChaCha8Rng::seed_from_u64(spec.seed),
+            popularity: WeightedIndex::new(weights).map_err(|e| e.to_string())?,
+            clocks: (0..spec.partitions)
+                .map(|_| PartitionClock {
+                    now: spec.start_ms,
+                    max_seen: i64::MIN,
+                    recent: VecDeque::new(),
+                })
+                .collect(),
+            emitted: 0,
+        })
+    }
+
+    /// The next record's key index, partition and fate; advances the partitions' clocks. A
+    /// record is late only once its partition has a valid one, and a duplicate only of a
+    /// record within the dedup horizon.
+    fn draw(&mut self, spec: &LoadSpec, rules: &OperatorConfig) -> (usize, i32, Fate) {
+        let index = self.popularity.sample(&mut self.rng);
+        let partition = (index as i32) % spec.partitions;
+        let r: f64 = self.rng.random();
+        let dup_cut = spec.duplicate_fraction;
+        let poison_cut = dup_cut + spec.poison_fraction;
+        let late_cut = poison_cut + spec.late_fraction;
+        let filtered_cut = late_cut + spec.filtered_fraction;
+        self.emitted += 1;
+        let now =
+            spec.start_ms + self.emitted.saturating_mul(spec.step_ms) / i64::from(spec.partitions);
+        let clock = &mut self.clocks[partition as usize];
+        clock.now = clock.now.max(now);
+        let fate = if r < dup_cut {
+            match clock
+                .recent
+                .get(self.rng.random_range(0..clock.recent.len().max(1)))
+            {
+                Some((t, key, value)) if t + rules.dedup_horizon_ms > clock.now => {
+                    Fate::Duplicate(key.clone(), value.clone())
+                }
+                _ => Fate::Valid,
+            }
+        } else if r < poison_cut {
+            Fate::Poison
+        } else if r < late_cut && clock.max_seen != i64::MIN {
+            Fate::Late
+        } else if r >= late_cut && r < filtered_cut {
+            Fate::Filtered
+        } else {
+            Fate::Valid
+        };
+        (index, partition, fate)
+    }
+
+    fn now(&self, partition: i32) -> i64 {
+        self.clocks[partition as usize].now
+    }
+
+    /// An event time behind partition's watermark by more than a window and the lateness:
+    /// late by construction.
+    fn late_time(&self, partition: i32, rules: &OperatorConfig) -> i64 {
+        self.clocks[partition as usize].max_seen
+            - rules.out_of_orderness_ms
+            - rules.window.size_ms
+            - rules.allowed_lateness_ms
+            - 1_000
+    }
+
+    /// An event time behind the partition's clock by less than `out_of_orderness_ms`: never late.
+    fn valid_time(&mut self, partition: i32, out_of_orderness_ms: i64) -> i64 {
+        let jitter = if out_of_orderness_ms > 1 {
+            self.rng.random_range(0..out_of_orderness_ms)
+        } else {
+            0
+        };
+        self.now(partition) - jitter
+    }
+
+    /// Records a valid record: it moves the watermark, and duplicates may re-publish it.
+    fn remember(&mut self, partition: i32, t: i64, key: &[u8], value: &[u8]) {
+        let clock = &mut self.clocks[partition as usize];
+        clock.max_seen = clock.max_seen.max(t);
+        clock.recent.push_back((t, key.to_vec(), value.to_vec()));
+        if clock.recent.len() > 256 {
+            clock.recent.pop_front();
+        }
+    }
 }
 
 pub struct Generator {
     spec: LoadSpec,
     rules: OperatorConfig,
-    rng: ChaCha8Rng,
-    customers: WeightedIndex<f64>,
-    clocks: Vec<PartitionClock>,
+    stream: Stream,
     next_id: u64,
     poison_turn: usize,
-    /// Records generated so far: the stream's clock.
-    emitted: i64,
 }
 
 /// The largest record loadgen produces: a default client sends at most 1,000,000 bytes of
@@ -103,29 +223,15 @@ pub fn generates_too_large(max_record_bytes: u64) -> bool {
 
 impl Generator {
     pub fn new(spec: LoadSpec, rules: OperatorConfig) -> Result<Generator, String> {
-        if spec.partitions <= 0 || spec.customers == 0 || spec.currencies.is_empty() {
-            return Err("partitions, customers and currencies must be positive".into());
+        if spec.currencies.is_empty() {
+            return Err("currencies must not be empty".into());
         }
-        let weights: Vec<f64> = (1..=spec.customers)
-            .map(|k| 1.0 / f64::from(k).powf(spec.skew))
-            .collect();
-        let customers = WeightedIndex::new(weights).map_err(|e| e.to_string())?;
-        let clocks = (0..spec.partitions)
-            .map(|_| PartitionClock {
-                now: spec.start_ms,
-                max_seen: i64::MIN,
-                recent: VecDeque::new(),
-            })
-            .collect();
         Ok(Generator {
-            rng: ChaCha8Rng::seed_from_u64(spec.seed),
+            stream: Stream::new(&spec)?,
             spec,
             rules,
-            customers,
-            clocks,
             next_id: 0,
             poison_turn: 0,
-            emitted: 0,
         })
     }
 
@@ -136,98 +242,54 @@ impl Generator {
     }
 
     pub fn next_record(&mut self) -> GeneratedRecord {
-        let customer_idx = self.customers.sample(&mut self.rng);
-        let customer = format!("cust-{customer_idx:05}");
-        let partition = (customer_idx as i32) % self.spec.partitions;
-        let p = partition as usize;
-        let r: f64 = self.rng.random();
-        let dup_cut = self.spec.duplicate_fraction;
-        let poison_cut = dup_cut + self.spec.poison_fraction;
-        let late_cut = poison_cut + self.spec.late_fraction;
         let rules = self.rules;
-        self.emitted += 1;
-        let now = self.spec.start_ms
-            + self.emitted.saturating_mul(self.spec.step_ms) / i64::from(self.spec.partitions);
-        let clock = &mut self.clocks[p];
-        clock.now = clock.now.max(now);
-        if r < dup_cut
-            && let Some((t, key, value)) = clock
-                .recent
-                .get(self.rng.random_range(0..clock.recent.len().max(1)))
-                .cloned()
-            && t + rules.dedup_horizon_ms > clock.now
-        {
-            return GeneratedRecord {
-                partition,
-                key,
-                value,
-                kind: Kind::Duplicate,
-                contributes: None,
-            };
-        }
-        if r >= dup_cut && r < poison_cut {
-            let max = self.spec.max_record_bytes;
-            let kinds = poison_reasons(max).count();
-            let reason = poison_reasons(max)
-                .nth(self.poison_turn % kinds)
-                .unwrap_or(PoisonReason::InvalidJson);
-            self.poison_turn += 1;
-            let value = self.poison(reason, &customer);
-            return GeneratedRecord {
-                partition,
-                key: customer.into_bytes(),
-                value,
-                kind: Kind::Poison(reason),
-                contributes: None,
-            };
-        }
-        let clock = &mut self.clocks[p];
-        self.next_id += 1;
-        let id = format!("ord-{}-{}", self.spec.seed, self.next_id);
-        let currency =
-            self.spec.currencies[self.rng.random_range(0..self.spec.currencies.len())].clone();
-        let amount_units: i64 = self.rng.random_range(-5_000..2_000_000);
-        if r >= poison_cut && r < late_cut && clock.max_seen != i64::MIN {
-            // Behind the watermark by more than window + lateness: late by construction.
-            let t = clock.max_seen
-                - rules.out_of_orderness_ms
-                - rules.window.size_ms
-                - rules.allowed_lateness_ms
-                - 1_000;
-            let value = Self::order_json(&id, &customer, &currency, amount_units, t);
-            return GeneratedRecord {
-                partition,
-                key: customer.into_bytes(),
-                value,
-                kind: Kind::Late,
-                contributes: None,
-            };
-        }
-        let jitter = if rules.out_of_orderness_ms > 1 {
-            self.rng.random_range(0..rules.out_of_orderness_ms)
-        } else {
-            0
-        };
-        let t = clock.now - jitter;
-        clock.max_seen = clock.max_seen.max(t);
-        let value = Self::order_json(&id, &customer, &currency, amount_units, t);
-        let key = customer.clone().into_bytes();
-        clock.recent.push_back((t, key.clone(), value.clone()));
-        if clock.recent.len() > 256 {
-            clock.recent.pop_front();
-        }
-        GeneratedRecord {
+        let (customer_idx, partition, fate) = self.stream.draw(&self.spec, &rules);
+        let customer = format!("cust-{customer_idx:05}");
+        let record = |key, value, kind| GeneratedRecord {
             partition,
             key,
             value,
-            kind: Kind::Valid,
+            kind,
+            contributes: None,
+        };
+        match fate {
+            Fate::Duplicate(key, value) => return record(key, value, Kind::Duplicate),
+            Fate::Poison => {
+                let max = self.spec.max_record_bytes;
+                let kinds = poison_reasons(max).count();
+                let reason = poison_reasons(max)
+                    .nth(self.poison_turn % kinds)
+                    .unwrap_or(PoisonReason::InvalidJson);
+                self.poison_turn += 1;
+                let value = self.poison(reason, &customer);
+                return record(customer.into_bytes(), value, Kind::Poison(reason));
+            }
+            Fate::Late | Fate::Filtered | Fate::Valid => {}
+        }
+        self.next_id += 1;
+        let id = format!("ord-{}-{}", self.spec.seed, self.next_id);
+        let rng = &mut self.stream.rng;
+        let currency =
+            self.spec.currencies[rng.random_range(0..self.spec.currencies.len())].clone();
+        let amount_units: i64 = rng.random_range(-5_000..2_000_000);
+        if matches!(fate, Fate::Late) {
+            let t = self.stream.late_time(partition, &rules);
+            let value = Self::order_json(&id, &customer, &currency, amount_units, t);
+            return record(customer.into_bytes(), value, Kind::Late);
+        }
+        let t = self.stream.valid_time(partition, rules.out_of_orderness_ms);
+        let value = Self::order_json(&id, &customer, &currency, amount_units, t);
+        let key = customer.clone().into_bytes();
+        self.stream.remember(partition, t, &key, &value);
+        GeneratedRecord {
             contributes: Some((rules.window.start_of(t), customer, currency, amount_units)),
+            ..record(key, value, Kind::Valid)
         }
     }
 
     fn poison(&mut self, reason: PoisonReason, customer: &str) -> Vec<u8> {
         let id = format!("poison-{}-{}", self.spec.seed, self.poison_turn);
-        let t = self.clocks.first().map_or(0, |c| c.now);
+        let t = self.stream.now(0);
         match reason {
             PoisonReason::InvalidUtf8 => b"{\"event_id\":\"\xff\xfe\"}".to_vec(),
             PoisonReason::InvalidJson => format!(r#"{{"event_id":"{id}","customer_id":"{customer}""#).into_bytes(),
@@ -277,6 +339,8 @@ impl Manifest {
                 }
             }
             Kind::Duplicate => self.duplicates += 1,
+            // revenue_agg has no filter.
+            Kind::Filtered => {}
             Kind::Late => {
                 self.late += 1;
                 self.dead_letters
@@ -367,13 +431,13 @@ pub struct LoadOptions {
     pub manifest: std::path::PathBuf,
 }
 
-/// Produces the stream to the job's source topic and writes the manifest. Returns the
-/// manifest.
-pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
+/// A producer for the job's source topic, the topic created with `partitions` if missing, and
+/// the partitions it has.
+async fn open_source(config: &Config, partitions: i32) -> Result<(FutureProducer, i32)> {
     let settings = config.kafka_settings();
     let topic = &config.kafka.source_topic;
-    if tally_kafka::ensure_topic(&settings, topic, opts.partitions, None, &[]).await? {
-        eprintln!("created topic {topic} with {} partitions", opts.partitions);
+    if tally_kafka::ensure_topic(&settings, topic, partitions, None, &[]).await? {
+        eprintln!("created topic {topic} with {partitions} partitions");
     }
     // A topic just created can be missing from the metadata for a moment: wait for it.
     let until = Instant::now() + Duration::from_secs(15);
@@ -385,10 +449,6 @@ pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
         }
     };
     let partitions = i32::try_from(extent.len()).context("partition count")?;
-    let mut spec = opts.spec;
-    spec.partitions = partitions;
-    let mut generator =
-        Generator::new(spec.clone(), config.operator()).map_err(anyhow::Error::msg)?;
     let mut client = settings.client_config();
     client
         .set("enable.idempotence", "true")
@@ -399,57 +459,97 @@ pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
         .set("batch.num.messages", "10000")
         .set("compression.type", "lz4");
     let producer: FutureProducer = client.create().context("creating producer")?;
+    Ok((producer, partitions))
+}
+
+/// Sends records (partition, key, value) and returns each one's offset, in order.
+async fn send<'a>(
+    producer: &FutureProducer,
+    topic: &str,
+    records: impl Iterator<Item = (i32, &'a [u8], &'a [u8])>,
+) -> Result<Vec<i64>> {
+    let mut deliveries = Vec::new();
+    for (partition, key, value) in records {
+        let mut record = FutureRecord::to(topic)
+            .partition(partition)
+            .key(key)
+            .payload(value);
+        loop {
+            match producer.send_result(record) {
+                Ok(f) => {
+                    deliveries.push(f);
+                    break;
+                }
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull,
+                    ),
+                    back,
+                )) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err((e, _)) => return Err(e).context("producing"),
+            }
+        }
+    }
+    let mut offsets = Vec::with_capacity(deliveries.len());
+    for f in deliveries {
+        let delivery = f
+            .await
+            .context("delivery cancelled")?
+            .map_err(|(e, _)| e)
+            .context("delivery failed")?;
+        offsets.push(delivery.offset);
+    }
+    Ok(offsets)
+}
+
+/// Waits until `sent` records at `rate` per second are due.
+async fn pace(rate: Option<u64>, sent: u64, started: Instant) {
+    if let Some(rate) = rate.filter(|r| *r > 0) {
+        let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// Records produced per chunk: delivery is awaited, and the manifest written, chunk by chunk.
+const CHUNK: u64 = 5_000;
+
+/// Produces the stream to the job's source topic and writes the manifest. Returns the
+/// manifest.
+pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
+    let topic = &config.kafka.source_topic;
+    let (producer, partitions) = open_source(config, opts.partitions).await?;
+    let mut spec = opts.spec;
+    spec.partitions = partitions;
+    let mut generator =
+        Generator::new(spec.clone(), config.operator()).map_err(anyhow::Error::msg)?;
     let mut manifest = Manifest {
         spec: Some(spec),
         source_topic: topic.clone(),
         ..Manifest::default()
     };
     let started = Instant::now();
-    let chunk = 5_000u64;
     let mut sent = 0u64;
     while sent < opts.events {
-        let n = chunk.min(opts.events - sent);
+        let n = CHUNK.min(opts.events - sent);
         let records: Vec<_> = (0..n).map(|_| generator.next_record()).collect();
-        let mut deliveries = Vec::with_capacity(records.len());
-        for r in &records {
-            let mut record = FutureRecord::to(topic)
-                .partition(r.partition)
-                .key(r.key.as_slice())
-                .payload(r.value.as_slice());
-            loop {
-                match producer.send_result(record) {
-                    Ok(f) => {
-                        deliveries.push(f);
-                        break;
-                    }
-                    Err((
-                        rdkafka::error::KafkaError::MessageProduction(
-                            rdkafka::types::RDKafkaErrorCode::QueueFull,
-                        ),
-                        back,
-                    )) => {
-                        record = back;
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                    Err((e, _)) => return Err(e).context("producing"),
-                }
-            }
-        }
-        for (r, f) in records.iter().zip(deliveries) {
-            let delivery = f
-                .await
-                .context("delivery cancelled")?
-                .map_err(|(e, _)| e)
-                .context("delivery failed")?;
-            manifest.record(r, delivery.offset);
+        let offsets = send(
+            &producer,
+            topic,
+            records
+                .iter()
+                .map(|r| (r.partition, r.key.as_slice(), r.value.as_slice())),
+        )
+        .await?;
+        for (r, offset) in records.iter().zip(offsets) {
+            manifest.record(r, offset);
         }
         sent += n;
-        if let Some(rate) = opts.rate.filter(|r| *r > 0) {
-            let due = Duration::from_secs_f64(sent as f64 / rate as f64);
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                tokio::time::sleep(wait).await;
-            }
-        }
+        pace(opts.rate, sent, started).await;
     }
     producer
         .flush(Duration::from_secs(30))
@@ -502,6 +602,7 @@ mod tests {
             duplicate_fraction: 0.05,
             poison_fraction: 0.02,
             late_fraction: 0.02,
+            filtered_fraction: 0.0,
             start_ms: 1_790_000_000_000,
             step_ms: 50,
             max_record_bytes: 2048,

@@ -1,0 +1,333 @@
+use std::collections::{BTreeMap, BTreeSet};
+
+use tally_core::declare::{Declaration, WindowRules};
+use tally_core::{CheckpointBarrier, MemStore, Program, Record, WindowOperator, WindowSpec, Word};
+
+use super::*;
+
+/// A hopping job with three keys (one nested), a filter of each kind loadgen generates, and
+/// every aggregate over integer, decimal, float and timestamp inputs.
+const JOB: &str = r#"
+event_id = "id"
+event_time = "at"
+group_by = ["page", "country", "status"]
+[[field]]
+name = "id"
+type = "string"
+[[field]]
+name = "at"
+type = "timestamp"
+[[field]]
+name = "page"
+type = "string"
+[[field]]
+name = "country"
+type = "string"
+path = "visitor.geo.country"
+[[field]]
+name = "status"
+type = "integer"
+[[field]]
+name = "kind"
+type = "string"
+[[field]]
+name = "method"
+type = "string"
+[[field]]
+name = "bytes"
+type = "integer"
+[[field]]
+name = "price"
+type = "decimal"
+scale = 2
+[[field]]
+name = "load"
+type = "float"
+[[field]]
+name = "seen"
+type = "timestamp"
+[[field]]
+name = "beta"
+type = "boolean"
+[[filter]]
+field = "kind"
+equals = "view"
+[[filter]]
+field = "method"
+in = ["GET", "HEAD"]
+[[filter]]
+field = "bytes"
+min = 0
+max = 4000
+[[filter]]
+field = "beta"
+present = true
+[[aggregate]]
+column = "n"
+function = "count"
+[[aggregate]]
+column = "bytes_sum"
+function = "sum"
+field = "bytes"
+[[aggregate]]
+column = "price_avg"
+function = "avg"
+field = "price"
+[[aggregate]]
+column = "price_max"
+function = "max"
+field = "price"
+[[aggregate]]
+column = "load_min"
+function = "min"
+field = "load"
+[[aggregate]]
+column = "load_avg"
+function = "avg"
+field = "load"
+[[aggregate]]
+column = "bytes_avg"
+function = "avg"
+field = "bytes"
+[[aggregate]]
+column = "last_seen"
+function = "max"
+field = "seen"
+"#;
+
+fn rules() -> OperatorConfig {
+    OperatorConfig {
+        window: WindowSpec {
+            size_ms: 300_000,
+            slide_ms: 60_000,
+        },
+        out_of_orderness_ms: 5_000,
+        allowed_lateness_ms: 60_000,
+        dedup_horizon_ms: 3_600_000,
+    }
+}
+
+fn job() -> Arc<Job> {
+    let declaration: Declaration = toml::from_str(JOB).unwrap();
+    let rules = rules();
+    Arc::new(
+        declaration
+            .resolve(WindowRules {
+                size_ms: rules.window.size_ms,
+                slide_ms: Some(rules.window.slide_ms),
+                allowed_lateness_ms: rules.allowed_lateness_ms,
+                dedup_horizon_ms: rules.dedup_horizon_ms,
+            })
+            .unwrap(),
+    )
+}
+
+fn spec(seed: u64) -> LoadSpec {
+    LoadSpec {
+        seed,
+        partitions: 3,
+        customers: 40,
+        currencies: Vec::new(),
+        skew: 1.1,
+        duplicate_fraction: 0.05,
+        poison_fraction: 0.03,
+        late_fraction: 0.02,
+        filtered_fraction: 0.1,
+        start_ms: 1_790_000_000_000,
+        step_ms: 50,
+        max_record_bytes: 2048,
+    }
+}
+
+/// An operator's word of one aggregate as the view shows it.
+fn shown(job: &Job, words: &[Word]) -> Vec<Shown> {
+    let mut words = words.iter();
+    job.aggregates
+        .iter()
+        .map(|a| {
+            let time = a.input.is_some_and(|t| t.kind == FieldKind::Timestamp);
+            let decimal = a.input.is_some_and(|t| t.kind == FieldKind::Decimal);
+            let first = *words.next().unwrap();
+            match (a.function, first) {
+                (Function::Avg, Word::Exact(s)) => {
+                    let Some(Word::Count(n)) = words.next() else {
+                        panic!("avg keeps a count")
+                    };
+                    if decimal {
+                        Shown::Exact(i128::from(s) / i128::from(*n))
+                    } else {
+                        Shown::Float(s as f64 / *n as f64)
+                    }
+                }
+                (Function::Avg, Word::Float(s)) => {
+                    let Some(Word::Count(n)) = words.next() else {
+                        panic!("avg keeps a count")
+                    };
+                    Shown::Float(s / *n as f64)
+                }
+                (_, Word::Count(n)) => Shown::Exact(i128::from(n)),
+                (_, Word::Exact(x)) if time => Shown::Exact(i128::from(x).div_euclid(1000)),
+                (_, Word::Exact(x)) => Shown::Exact(i128::from(x)),
+                (_, Word::Float(x)) => Shown::Float(x),
+            }
+        })
+        .collect()
+}
+
+/// The construction and tally's operator agree on every record's fate and every window.
+#[test]
+fn declared_ground_truth_matches_the_operator() {
+    assert_ground_truth(&job(), rules(), 7);
+}
+
+/// The same for the shipped example declarations, as their job files write them.
+#[test]
+fn the_shipped_examples_ground_truth_matches_the_operator() {
+    for (file, reasons) in [("page_views.toml", 7), ("api_latency.toml", 7)] {
+        let path = format!("{}/../../config/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let config = crate::config::Config::parse(file, &text, &[]).unwrap();
+        let job = config.declared.clone().expect("declared");
+        assert_ground_truth(&job, config.operator(), reasons);
+    }
+}
+
+/// Generates 20,000 records for three seeds, runs them through the operator with checkpoints
+/// now and then, and compares every window, dead letter and count with the manifest.
+fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
+    for seed in [1, 2, 3] {
+        let mut generator = DeclaredGenerator::new(spec(seed), Arc::clone(job), rules).unwrap();
+        let mut builder = ManifestBuilder::new(job, None, String::new());
+        let program = Program::Declared {
+            job: Arc::clone(job),
+            max_record_bytes: 2048,
+        };
+        let mut op =
+            WindowOperator::restore(rules, program, tally_core::Epoch(0), &BTreeMap::new());
+        let mut store = MemStore::default();
+        let mut offsets = [0i64; 3];
+        let mut latest = BTreeMap::new();
+        let mut dead = BTreeSet::new();
+        let mut totals = tally_core::Accounting::default();
+        for i in 0..20_000 {
+            let (r, adds) = generator.next_record();
+            let offset = offsets[r.partition as usize];
+            offsets[r.partition as usize] += 1;
+            builder.record(&r, adds.as_ref(), offset);
+            let record = Record {
+                partition: r.partition,
+                offset,
+                timestamp_ms: None,
+                key: Some(&r.key),
+                value: Some(&r.value),
+            };
+            let Ok(_) = op.process(&store, record);
+            if i % 997 == 0 || i == 19_999 {
+                let cp = op.handle_checkpoint(CheckpointBarrier {
+                    epoch: op.current_epoch(),
+                    is_final: false,
+                });
+                store.apply(&cp);
+                for row in &cp.rows {
+                    latest.insert((row.partition, row.key.clone()), row.value.clone());
+                }
+                for d in &cp.dead_letters {
+                    dead.insert((d.partition, d.offset, d.reason));
+                }
+                if i == 19_999 {
+                    for c in cp.partitions.values() {
+                        totals.add(&c.totals);
+                    }
+                }
+            }
+        }
+        let manifest = builder.finish();
+        // The view's merge of source partitions, by tally's own merge.
+        let mut merged: BTreeMap<(i64, Vec<String>), tally_core::WindowAgg> = BTreeMap::new();
+        for ((_, k), v) in latest {
+            let key = (
+                k.window_start_ms,
+                k.key.parts().iter().map(|p| p.to_string()).collect(),
+            );
+            match merged.get_mut(&key) {
+                Some(held) => job.merge(held, &v).unwrap(),
+                None => {
+                    merged.insert(key, v);
+                }
+            }
+        }
+        let found: BTreeMap<_, _> = merged
+            .into_iter()
+            .map(|(k, v)| (k, shown(job, v.words())))
+            .collect();
+        let expected = manifest.shown(job);
+        assert_eq!(
+            found.keys().collect::<Vec<_>>(),
+            expected.keys().collect::<Vec<_>>(),
+            "seed {seed}: the same windows"
+        );
+        for (k, e) in &expected {
+            let f = &found[k];
+            assert!(
+                e.iter().zip(f).all(|(e, f)| e.matches(f)),
+                "seed {seed} {k:?}: expected {e:?}, found {f:?}"
+            );
+        }
+        let expected_dead: BTreeSet<_> = manifest.dead_letters.iter().copied().collect();
+        assert_eq!(dead, expected_dead, "seed {seed}");
+        assert_eq!(
+            (
+                totals.aggregated,
+                totals.filtered,
+                totals.duplicates,
+                totals.late,
+                totals.dead_lettered
+            ),
+            (
+                manifest.valid,
+                manifest.filtered,
+                manifest.duplicates,
+                manifest.late,
+                manifest.poison
+            ),
+            "seed {seed}"
+        );
+        assert!(
+            manifest.duplicates > 500
+                && manifest.late > 200
+                && manifest.poison > 300
+                && (manifest.filtered > 1_000) != job.filter.is_empty(),
+            "{:?}",
+            (
+                manifest.duplicates,
+                manifest.late,
+                manifest.poison,
+                manifest.filtered
+            )
+        );
+        let found: BTreeSet<_> = manifest.dead_letters.iter().map(|d| d.2).collect();
+        assert_eq!(found.len(), reasons, "every reason appears: {found:?}");
+    }
+}
+
+#[test]
+fn loadgen_refuses_what_it_cannot_generate_by_name() {
+    let on_key = format!("{JOB}\n[[filter]]\nfield = \"status\"\nmin = 200\n");
+    let declaration: Declaration = toml::from_str(&on_key).unwrap();
+    let rules = rules();
+    let job = declaration
+        .resolve(WindowRules {
+            size_ms: rules.window.size_ms,
+            slide_ms: Some(rules.window.slide_ms),
+            allowed_lateness_ms: rules.allowed_lateness_ms,
+            dedup_horizon_ms: rules.dedup_horizon_ms,
+        })
+        .unwrap();
+    let Err(e) = DeclaredGenerator::new(spec(1), Arc::new(job), rules) else {
+        panic!("a range filter on a key is refused");
+    };
+    assert!(
+        e.contains("\"status\"") && e.contains("group-by key"),
+        "{e}"
+    );
+}

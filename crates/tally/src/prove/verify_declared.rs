@@ -1,0 +1,254 @@
+//! `tally verify` for a declared job: the view's declared columns, the committed versions and
+//! the dead-letter topic against a loadgen manifest. Counts, integers, decimals and times must
+//! match exactly, floats within 1e-9 relative.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use tally_clickhouse::{Cells, ClickHouseSink};
+use tally_core::declare::{Job, parse_decimal};
+
+use super::verify::{DeadLetterDiff, read_dead_letters};
+use crate::config::Config;
+use crate::loadgen::{DeclaredManifest, Shown};
+
+/// A view row's window start (ms) and group-by values.
+type RowKey = (i64, Vec<String>);
+type Windows = BTreeMap<RowKey, Vec<Shown>>;
+
+/// The scale of a `Decimal(18, s)` column type.
+fn decimal_scale(kind: &str) -> Option<u32> {
+    kind.strip_prefix("Decimal(18, ")?
+        .strip_suffix(')')?
+        .parse()
+        .ok()
+}
+
+/// A key as loadgen writes it: decimals in units, floats as Rust prints them.
+fn canonical_key(text: &str, kind: &str) -> Result<String> {
+    if let Some(scale) = decimal_scale(kind) {
+        return parse_decimal(text, scale)
+            .map(|u| u.to_string())
+            .map_err(anyhow::Error::msg);
+    }
+    if kind == "Float64" {
+        return Ok(text.parse::<f64>().context("a float key")?.to_string());
+    }
+    Ok(text.to_owned())
+}
+
+fn shown_value(text: &str, kind: &str) -> Result<Shown> {
+    if let Some(scale) = decimal_scale(kind) {
+        return parse_decimal(text, scale)
+            .map(|u| Shown::Exact(i128::from(u)))
+            .map_err(anyhow::Error::msg);
+    }
+    if kind == "Float64" {
+        return Ok(Shown::Float(text.parse()?));
+    }
+    Ok(Shown::Exact(text.parse()?))
+}
+
+/// Cells read back as the manifest holds them, by the view's column types.
+fn read_cells(cells: Cells, key_types: &[String], value_types: &[String]) -> Result<Windows> {
+    let mut out = Windows::new();
+    for ((start, keys), values) in cells {
+        if keys.len() != key_types.len() || values.len() != value_types.len() {
+            bail!("the view has other columns than the job declares: run `tally doctor`");
+        }
+        let keys = keys
+            .iter()
+            .zip(key_types)
+            .map(|(k, t)| canonical_key(k, t))
+            .collect::<Result<Vec<_>>>()?;
+        let values = values
+            .iter()
+            .zip(value_types)
+            .map(|(v, t)| shown_value(v, t).with_context(|| format!("{v:?} as {t}")))
+            .collect::<Result<Vec<_>>>()?;
+        out.insert((start, keys), values);
+    }
+    Ok(out)
+}
+
+/// Rows missing, extra and different.
+#[derive(Debug, Default)]
+struct WindowDiff {
+    missing: Vec<RowKey>,
+    extra: Vec<RowKey>,
+    different: Vec<(RowKey, Vec<Shown>, Vec<Shown>)>,
+}
+
+impl WindowDiff {
+    fn compare(expected: &Windows, found: &Windows) -> WindowDiff {
+        let mut diff = WindowDiff::default();
+        for (k, e) in expected {
+            match found.get(k) {
+                None => diff.missing.push(k.clone()),
+                Some(f) if e.len() != f.len() || !e.iter().zip(f).all(|(e, f)| e.matches(f)) => {
+                    diff.different.push((k.clone(), e.clone(), f.clone()))
+                }
+                Some(_) => {}
+            }
+        }
+        diff.extra = found
+            .keys()
+            .filter(|k| !expected.contains_key(*k))
+            .cloned()
+            .collect();
+        diff
+    }
+
+    fn is_empty(&self) -> bool {
+        self.missing.is_empty() && self.extra.is_empty() && self.different.is_empty()
+    }
+
+    fn print(&self, what: &str, limit: usize) {
+        println!(
+            "{what}: missing {}, extra {}, different {}",
+            self.missing.len(),
+            self.extra.len(),
+            self.different.len()
+        );
+        let key = |(w, k): &RowKey| format!("{} {}", tally_core::time::format_ms(*w), k.join(" "));
+        for k in self.missing.iter().take(limit) {
+            println!("  missing   {}", key(k));
+        }
+        for k in self.extra.iter().take(limit) {
+            println!("  extra     {}", key(k));
+        }
+        for (k, e, f) in self.different.iter().take(limit) {
+            let list = |v: &[Shown]| v.iter().map(Shown::to_string).collect::<Vec<_>>().join(" ");
+            println!(
+                "  different {}: expected {}, found {}",
+                key(k),
+                list(e),
+                list(f)
+            );
+        }
+    }
+}
+
+/// Records counted by the first `count` column, summed over windows.
+fn counted<'w>(job: &Job, windows: &'w Windows) -> Option<(u64, BTreeMap<&'w RowKey, u64>)> {
+    let at = job
+        .aggregates
+        .iter()
+        .position(|a| a.function == tally_core::declare::Function::Count)?;
+    let per_key: BTreeMap<_, u64> = windows
+        .iter()
+        .map(|(k, v)| match v.get(at) {
+            Some(Shown::Exact(n)) => (k, u64::try_from(*n).unwrap_or(0)),
+            _ => (k, 0),
+        })
+        .collect();
+    Some((per_key.values().sum(), per_key))
+}
+
+/// Adds of records counted more than once and missing, by the first `count` column.
+fn miscounted(job: &Job, expected: &Windows, found: &Windows) -> (u64, u64) {
+    let (Some((_, e)), Some((_, f))) = (counted(job, expected), counted(job, found)) else {
+        return (0, 0);
+    };
+    let (mut over, mut lost) = (0, 0);
+    for (k, n) in &e {
+        let got = f.get(k).copied().unwrap_or(0);
+        over += got.saturating_sub(*n);
+        lost += n.saturating_sub(got);
+    }
+    over += f
+        .iter()
+        .filter(|(k, _)| !e.contains_key(*k))
+        .map(|(_, n)| n)
+        .sum::<u64>();
+    (over, lost)
+}
+
+pub async fn verify_declared(config: &Config, job: &Job, manifest_path: &Path) -> Result<bool> {
+    let manifest = DeclaredManifest::load(manifest_path)
+        .with_context(|| format!("reading {}", manifest_path.display()))?;
+    let columns = config.sink_shape().view_columns();
+    let types: Vec<String> = columns.into_iter().skip(2).map(|(_, t)| t).collect();
+    let (key_types, value_types) = types.split_at(job.keys.len().min(types.len()));
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let expected = manifest.shown(job);
+    let found = read_cells(sink.read_view_cells().await?, key_types, value_types)?;
+    // What the next publish will show: a writer that broke the protocol shows here first.
+    let committed = read_cells(sink.read_committed_cells().await?, key_types, value_types)?;
+    let diff = WindowDiff::compare(&expected, &found);
+    let committed_diff = WindowDiff::compare(&expected, &committed);
+    let expected_dead = manifest
+        .dead_letters
+        .iter()
+        .map(|(p, o, r)| ((*p, *o), *r))
+        .collect();
+    let dead = DeadLetterDiff::compare(&expected_dead, &read_dead_letters(config)?);
+    let counted_expected = counted(job, &expected).map_or(0, |c| c.0);
+    let counted_found = counted(job, &found).map_or(0, |c| c.0);
+    println!("{:<28} {:>16} {:>16}", "", "expected", "found");
+    println!("{:<28} {:>16} {:>16}", "rows", expected.len(), found.len());
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "records counted (windows)", counted_expected, counted_found
+    );
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "dead letters",
+        manifest.dead_letters.len(),
+        dead.found()
+    );
+    println!(
+        "records produced {}: {} valid, {} filtered, {} duplicates, {} late, {} poison",
+        manifest.produced,
+        manifest.valid,
+        manifest.filtered,
+        manifest.duplicates,
+        manifest.late,
+        manifest.poison
+    );
+    diff.print("rows", 10);
+    if !committed_diff.is_empty() {
+        committed_diff.print("committed versions (what the next publish shows)", 10);
+    }
+    dead.print_summary();
+    dead.print_first(10);
+    let (seen_over, seen_lost) = miscounted(job, &expected, &found);
+    let (next_over, next_lost) = miscounted(job, &expected, &committed);
+    println!(
+        "verify-summary rows_expected={} rows_found={} orders_expected={counted_expected} orders_found={counted_found} over_counted={} lost={} {}",
+        expected.len(),
+        found.len(),
+        seen_over.max(next_over),
+        seen_lost.max(next_lost),
+        dead.summary_fields(manifest.dead_letters.len())
+    );
+    let ok = diff.is_empty() && committed_diff.is_empty() && dead.is_empty();
+    println!("verify: {}", if ok { "OK: exact match" } else { "FAILED" });
+    Ok(ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_read_back_by_their_column_types() {
+        assert_eq!(canonical_key("12.5", "Decimal(18, 2)").unwrap(), "1250");
+        assert_eq!(canonical_key("3", "Float64").unwrap(), "3");
+        assert_eq!(canonical_key("/home", "String").unwrap(), "/home");
+        assert_eq!(
+            shown_value("-0.01", "Decimal(18, 4)").unwrap(),
+            Shown::Exact(-100)
+        );
+        assert_eq!(
+            shown_value("1790000000", "DateTime").unwrap(),
+            Shown::Exact(1_790_000_000)
+        );
+        assert_eq!(shown_value("2.5", "Float64").unwrap(), Shown::Float(2.5));
+        assert!(shown_value("x", "UInt64").is_err());
+        assert!(Shown::Float(1.0).matches(&Shown::Float(1.0 + 1e-12)));
+        assert!(!Shown::Float(1.0).matches(&Shown::Float(1.0001)));
+        assert!(!Shown::Exact(1).matches(&Shown::Float(1.0)));
+    }
+}
