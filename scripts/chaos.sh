@@ -8,6 +8,7 @@
 #   scripts/chaos.sh --workers 3 --zombies 2 --leaves 2   replicas: one runs the job, the others stand by
 #   scripts/chaos.sh --workers 3 --tasks 4 --zombies 2 --leaves 2   the workers share the job's tasks
 #   scripts/chaos.sh --workers 3 --fold-kills 3   kills timed to fall inside a fold step
+#   scripts/chaos.sh --config config/page_views.toml   a declared job (here 10 s windows sliding by 2 s)
 #
 # Options: --events N  --rate R (records/s)  --kills K  --restarts M (per service)  --partitions P
 #          --seed S  --catch-up SECONDS (wait for the worker after the load, default 600)
@@ -23,12 +24,15 @@
 #          stays paused, default 9)  --upgrade-from BIN (each worker's first start runs BIN, an
 #          earlier build; every start after a kill, zombie or leave runs this one, on the state,
 #          changelog and tables BIN wrote: an upgrade in place under the chaos)
+#          --config FILE (the job file, default config/revenue_agg.toml; a hopping job's slide is
+#          shortened with its size, to TALLY_WINDOW__SLIDE or 2s)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
 workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9 upgrade_from=""
+config=config/revenue_agg.toml
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -47,6 +51,7 @@ while (($#)); do
     --customers) customers=$2; shift 2 ;;
     --zombie-seconds) zombie_seconds=$2; shift 2 ;;
     --upgrade-from) upgrade_from=$2; shift 2 ;;
+    --config) config=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -85,13 +90,18 @@ export TALLY_METRICS__ADDRESS=""
 export TALLY_WINDOW__SIZE="${TALLY_WINDOW__SIZE:-10s}"
 export TALLY_WINDOW__ALLOWED_LATENESS="${TALLY_WINDOW__ALLOWED_LATENESS:-10s}"
 export TALLY_CLICKHOUSE__FOLD_INTERVAL="${TALLY_CLICKHOUSE__FOLD_INTERVAL:-2s}"
-config=config/revenue_agg.toml
+# A hopping job keeps five windows per record in the short size.
+if grep -q '^slide *=' "$config"; then export TALLY_WINDOW__SLIDE="${TALLY_WINDOW__SLIDE:-2s}"; fi
+# The job's view and group-by keys, as its file declares them (revenue_agg's without one).
+job_table=$(sed -n '/^\[clickhouse\]/,/^\[/s/^table *= *"\(.*\)".*/\1/p' "$config")
+keys=$(sed -n 's/^group_by *= *\[\(.*\)\].*/\1/p' "$config" | tr -d '" ')
+keys=${keys:-customer_id,currency}
 # The verify and probe tools read the first worker's settings; they touch no state directory.
 export TALLY_JOB__STATE_DIR="$dir/state-0"
 
 # ClickHouse over HTTP, for what the run counts and where it aims its fold kills.
 chq() { curl -sS "${TALLY_CLICKHOUSE__URL:-http://127.0.0.1:8123}/" --data-binary "$1"; }
-table=${TALLY_CLICKHOUSE__TABLE:-revenue_agg}
+table=${TALLY_CLICKHOUSE__TABLE:-${job_table:-revenue_agg}}
 
 # Worker i: its own state directory and log; pids[i], and where its log was when it started.
 pids=() log_at=() first_started=() upgraded=0
@@ -248,6 +258,7 @@ poison=$(sed -n 's/.* \([0-9]*\) poison;.*/\1/p' "$dir/loadgen.log")
 late=$(sed -n 's/.* \([0-9]*\) late,.*/\1/p' "$dir/loadgen.log")
 printf '\n%-40s %s (%s build)\n' "chaos run" "$run" "$profile"
 printf '%-40s %s\n' "events produced" "$produced"
+printf '%-40s %s\n' "job" "$config"
 printf '%-40s %s\n' "duplicates injected" "$dups"
 printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
 printf '%-40s %s\n' "workers (replicas of the job)" "$workers"
@@ -286,7 +297,7 @@ printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(cat "$dir"/worke
 printf '%-40s %s\n' "fold kills (holder SIGKILLed mid-insert)" "$done_fold_kills${read_side_back:+ (read side back after ms:$read_side_back)}"
 printf '%-40s %s\n' "publishes (snapshots swapped in)" "$(cat "$dir"/worker-*.log | grep -c ' published ' || true)"
 printf '%-40s %s\n' "read side generations (claims)" "$(chq "SELECT countIf(event = 'claimed') FROM ${run}.${table}_read_side" 2>/dev/null || echo '?')"
-twice=$(chq "SELECT (SELECT count() - uniqExact(window_start, customer_id, currency) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, customer_id, currency) FROM ${run}.${table}_live)" 2>/dev/null || echo '?')
+twice=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_live)" 2>/dev/null || echo '?')
 printf '%-40s %s\n' "keys twice in the folded or live table (must be 0)" "$twice"
 printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view" "$(pfield reads)" "$(pfield errors)"
 printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"

@@ -308,11 +308,7 @@ fn real_main(cli: Cli) -> Result<()> {
             config,
             interval,
             duration,
-        } => probe(
-            &tool_config(&config, "probe")?,
-            &interval,
-            duration.as_deref(),
-        ),
+        } => probe(&load_config(&config)?, &interval, duration.as_deref()),
         Command::Schema(args) => schema(&args),
         Command::Restore { config, task } => restore(&load_config(&config)?, task),
     }

@@ -5,11 +5,16 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
+use tally_clickhouse::ClickHouseSink;
+use tally_core::declare::Function;
 
 use crate::config::Config;
 
-/// What a reader polling the view saw: for an input that only adds orders, a window once
+/// One read of the view as the probe checks it: (window start ms, group-by values) → records
+/// counted there (revenue_agg's orders, a declared job's first `count` column, else 0).
+pub type Counted = BTreeMap<(i64, Vec<String>), u64>;
+
+/// What a reader polling the view saw: for an input that only adds records, a window once
 /// visible never disappears, no key appears twice, and no count goes down.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ProbeReport {
@@ -20,7 +25,8 @@ pub struct ProbeReport {
     pub duplicated: u64,
     /// Windows seen once and missing from a later read.
     pub vanished: u64,
-    /// Windows, customers or the total whose order count went down between reads.
+    /// Windows, or first group-by values (customers) summed over windows, whose count went
+    /// down between reads.
     pub decreased: u64,
     /// First few violations, for the report.
     pub examples: Vec<String>,
@@ -32,50 +38,70 @@ impl ProbeReport {
     }
 
     /// Compares one read with the previous one.
-    pub fn observe(
-        &mut self,
-        previous: &BTreeMap<ViewKey, ViewTotals>,
-        current: &BTreeMap<ViewKey, ViewTotals>,
-    ) {
+    pub fn observe(&mut self, previous: &Counted, current: &Counted) {
         self.reads += 1;
         let note = |report: &mut ProbeReport, text: String| {
             if report.examples.len() < 10 {
                 report.examples.push(text);
             }
         };
-        for (key, (orders, _)) in previous {
+        for (key, counted) in previous {
             match current.get(key) {
                 None => {
                     self.vanished += 1;
                     note(self, format!("window {key:?} vanished"));
                 }
-                Some((now, _)) if now < orders => {
+                Some(now) if now < counted => {
                     self.decreased += 1;
-                    note(self, format!("window {key:?}: orders {orders} -> {now}"));
+                    note(self, format!("window {key:?}: counted {counted} -> {now}"));
                 }
                 Some(_) => {}
             }
         }
-        let (before, after) = (orders_per_customer(previous), orders_per_customer(current));
-        for (customer, orders) in &before {
-            let now = after.get(customer).copied().unwrap_or(0);
-            if now < *orders {
+        let (before, after) = (per_first_key(previous), per_first_key(current));
+        for (first, counted) in &before {
+            let now = after.get(first).copied().unwrap_or(0);
+            if now < *counted {
                 self.decreased += 1;
-                note(
-                    self,
-                    format!("customer {customer}: orders {orders} -> {now}"),
-                );
+                note(self, format!("key {first}: counted {counted} -> {now}"));
             }
         }
     }
 }
 
-fn orders_per_customer(view: &BTreeMap<ViewKey, ViewTotals>) -> BTreeMap<&str, u64> {
+fn per_first_key(view: &Counted) -> BTreeMap<&str, u64> {
     let mut totals: BTreeMap<&str, u64> = BTreeMap::new();
-    for ((_, customer, _), (orders, _)) in view {
-        *totals.entry(customer.as_str()).or_default() += orders;
+    for ((_, keys), counted) in view {
+        let first = keys.first().map_or("", String::as_str);
+        *totals.entry(first).or_default() += counted;
     }
     totals
+}
+
+/// The view's rows as the probe counts them.
+async fn read_counted(sink: &ClickHouseSink, config: &Config) -> tally_clickhouse::Result<Counted> {
+    let Some(job) = &config.declared else {
+        let view = sink.read_view().await?;
+        return Ok(view
+            .into_iter()
+            .map(|((w, customer, currency), (orders, _))| ((w, vec![customer, currency]), orders))
+            .collect());
+    };
+    let count = job
+        .aggregates
+        .iter()
+        .position(|a| a.function == Function::Count);
+    let cells = sink.read_view_cells().await?;
+    Ok(cells
+        .into_iter()
+        .map(|(key, values)| {
+            let counted = count
+                .and_then(|at| values.get(at))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            (key, counted)
+        })
+        .collect())
 }
 
 /// Polls the view every `interval` until `stop` is set or `duration` passes, and reports what
@@ -93,7 +119,7 @@ pub async fn probe(
     while !stop.load(std::sync::atomic::Ordering::SeqCst)
         && until.is_none_or(|u| Instant::now() < u)
     {
-        match sink.read_view().await {
+        match read_counted(&sink, config).await {
             Ok(current) => {
                 report.observe(&previous, &current);
                 previous = current;
@@ -116,9 +142,9 @@ pub async fn probe(
 mod tests {
     use super::*;
 
-    fn view(rows: &[(i64, &str, u64)]) -> BTreeMap<ViewKey, ViewTotals> {
+    fn view(rows: &[(i64, &str, u64)]) -> Counted {
         rows.iter()
-            .map(|(w, c, o)| ((*w, (*c).to_owned(), "EUR".to_owned()), (*o, 0)))
+            .map(|(w, c, o)| ((*w, vec![(*c).to_owned(), "EUR".to_owned()]), *o))
             .collect()
     }
 
