@@ -215,12 +215,12 @@ fn check_config_prints_a_declared_job_and_the_revenue_tools_refuse_it() {
         assert!(out.status.success(), "{}", text(&out));
         assert!(text(&out).contains(view), "{}", text(&out));
         assert!(text(&out).contains("runs as declared"), "{}", text(&out));
-        let reconcile = tally(&["reconcile", "--config", &path]);
-        assert!(!reconcile.status.success());
+        let doctor = tally(&["doctor", "--config", &path]);
+        assert!(!doctor.status.success());
         assert!(
-            text(&reconcile).contains("`tally reconcile` reads revenue_agg's columns"),
+            text(&doctor).contains("`tally doctor` reads revenue_agg's columns"),
             "{}",
-            text(&reconcile)
+            text(&doctor)
         );
     }
 }

@@ -657,6 +657,15 @@ impl ClickHouseSink {
             .await
     }
 
+    /// [`read_view_at`](Self::read_view_at) for a job of any shape.
+    pub async fn read_view_at_cells(&self, cut: &Cut) -> Result<Cells> {
+        let frontier = self.frontier().await?;
+        let sql = self
+            .names
+            .cells_sql(&self.names.read_view_at_sql(frontier, cut, None));
+        self.collect_cells(&sql, "reading the view at a cut").await
+    }
+
     async fn collect_cells(&self, sql: &str, context: &str) -> Result<Cells> {
         let rows: Vec<CellsRow> = self
             .client

@@ -219,7 +219,7 @@ struct ReconcileArgs {
     /// Only windows starting before this time (RFC 3339).
     #[arg(long)]
     to: Option<String>,
-    /// Only this customer.
+    /// Only this customer (of a declared job: this first group-by value).
     #[arg(long)]
     customer: Option<String>,
     /// Keep running, reconciling every DURATION (e.g. 5m), and export the result as metrics.
@@ -416,7 +416,7 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
 }
 
 fn reconcile(args: ReconcileArgs) -> Result<()> {
-    let cfg = tool_config(&args.config, "reconcile")?;
+    let cfg = load_config(&args.config)?;
     let parse_time = |t: &Option<String>, flag: &str| -> Result<Option<i64>> {
         t.as_ref()
             .map(|t| {
@@ -431,12 +431,21 @@ fn reconcile(args: ReconcileArgs) -> Result<()> {
         customer: args.customer,
     };
     let rt = runtime()?;
-    match args.every {
-        None => {
+    match (args.every, cfg.declared.clone()) {
+        (None, Some(job)) => {
+            let r = rt.block_on(prove::reconcile_declared(&cfg, &job, &filter))?;
+            exit_unless(r.mismatched == 0)
+        }
+        (Some(_), Some(_)) => anyhow::bail!(
+            "`tally reconcile --every` reads revenue_agg's columns, and job {:?} declares another \
+             shape: this release reconciles it once per run (without --every)",
+            cfg.job.name
+        ),
+        (None, None) => {
             let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
             exit_unless(r.mismatched == 0)
         }
-        Some(every) => {
+        (Some(every), None) => {
             let every = parse_duration(&every, "--every")?;
             rt.block_on(prove::reconcile_every(
                 &cfg,

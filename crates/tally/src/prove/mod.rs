@@ -4,6 +4,7 @@
 
 mod probe;
 mod reconcile;
+mod reconcile_declared;
 mod verify;
 mod verify_declared;
 
@@ -12,5 +13,8 @@ pub use reconcile::{
     IncrementalReconciler, ReconcileFilter, Reconciliation, Round, commit_log_gaps, reconcile,
     reconcile_every,
 };
+pub use reconcile_declared::reconcile_declared;
 pub use verify::{RowDiff, read_dead_letters, verify};
+#[cfg(test)]
+pub(crate) use verify_declared::shown_of;
 pub use verify_declared::verify_declared;

@@ -7,53 +7,70 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
 use tally_core::amount::format_units_i128;
-use tally_core::{CheckpointBarrier, Epoch, MemStore, RecordDecoder, WindowOperator};
+use tally_core::{CheckpointBarrier, Epoch, MemStore, OutputRow, WindowOperator};
 
 use super::verify::RowDiff;
 use crate::config::Config;
 
 /// The job's operator run again, in memory, over committed offset ranges of the source topic:
 /// what the sink should hold, per window key and source partition. `tally reconcile` reads the
-/// whole committed ranges once; `--every` keeps one between rounds and reads what is new.
-struct SourceReplay {
+/// whole committed ranges once; `--every` keeps one between rounds and reads what is new. `K`
+/// and `V` are a view row's key and value as the reconciliation compares them.
+pub(crate) struct SourceReplay<K, V> {
     op: WindowOperator,
     store: MemStore,
     /// Per window key and source partition, the value the replay computed.
-    values: BTreeMap<ViewKey, BTreeMap<i32, ViewTotals>>,
+    pub(crate) values: BTreeMap<K, BTreeMap<i32, V>>,
     /// Per partition, where the replay's reading ended.
     read_to: BTreeMap<i32, i64>,
+    /// A row of a checkpoint as a key and value.
+    row: fn(&OutputRow) -> (K, V),
 }
 
 /// What one [`SourceReplay::read`] did.
-struct ReadBack {
+pub(crate) struct ReadBack<K> {
     records: u64,
-    duplicates: u64,
+    pub(crate) duplicates: u64,
     /// The window keys whose value changed.
-    changed: BTreeSet<ViewKey>,
+    changed: BTreeSet<K>,
 }
 
-impl SourceReplay {
-    fn new(config: &Config) -> SourceReplay {
-        let decoder = RecordDecoder::new(
-            config.field_mapping(),
-            usize::try_from(config.job.max_record_bytes).unwrap_or(usize::MAX),
-        );
+/// revenue_agg's rows as the view shows them.
+fn revenue_row(row: &OutputRow) -> (ViewKey, ViewTotals) {
+    (
+        (
+            row.key.window_start_ms,
+            row.key.customer_id().into(),
+            row.key.currency().into(),
+        ),
+        (row.value.orders(), row.value.revenue().units()),
+    )
+}
+
+impl<K: Ord + Clone, V> SourceReplay<K, V> {
+    pub(crate) fn new(config: &Config, row: fn(&OutputRow) -> (K, V)) -> Self {
         SourceReplay {
-            op: WindowOperator::restore(config.operator(), decoder, Epoch(0), &BTreeMap::new()),
+            op: WindowOperator::restore(
+                config.operator(),
+                config.program(),
+                Epoch(0),
+                &BTreeMap::new(),
+            ),
             store: MemStore::default(),
             values: BTreeMap::new(),
             read_to: BTreeMap::new(),
+            row,
         }
     }
 
     /// Reads `ranges` of the source (per partition `[from, to)`; a partition new to the replay
     /// starts at its `from`), checkpointing every `flush_every` records to bound memory.
-    fn read(
+    pub(crate) fn read(
         &mut self,
         config: &Config,
         ranges: &BTreeMap<i32, (i64, Option<i64>)>,
         flush_every: u64,
-    ) -> Result<ReadBack> {
+    ) -> Result<ReadBack<K>> {
         for (p, (from, _)) in ranges {
             if !self.read_to.contains_key(p) {
                 self.op.add_partition(*p, *from);
@@ -88,27 +105,25 @@ impl SourceReplay {
         Ok(back)
     }
 
-    fn flush(&mut self, back: &mut ReadBack) {
+    fn flush(&mut self, back: &mut ReadBack<K>) {
         let cp = self.op.handle_checkpoint(CheckpointBarrier {
             epoch: self.op.current_epoch(),
             is_final: false,
         });
         self.store.apply(&cp);
         back.duplicates += cp.accounting().duplicates;
-        for row in cp.rows {
-            let key: ViewKey = (
-                row.key.window_start_ms,
-                row.key.customer_id().into(),
-                row.key.currency().into(),
-            );
-            self.values.entry(key.clone()).or_default().insert(
-                row.partition,
-                (row.value.orders(), row.value.revenue().units()),
-            );
+        for row in &cp.rows {
+            let (key, value) = (self.row)(row);
+            self.values
+                .entry(key.clone())
+                .or_default()
+                .insert(row.partition, value);
             back.changed.insert(key);
         }
     }
+}
 
+impl SourceReplay<ViewKey, ViewTotals> {
     /// The recomputed value of `key`, summed over source partitions.
     fn value(&self, key: &ViewKey) -> ViewTotals {
         self.values.get(key).map_or((0, 0), |per_partition| {
@@ -165,20 +180,21 @@ fn ratio(sink: f64, source: f64) -> f64 {
     }
 }
 
-/// Recomputes the aggregates from the source topic up to the last committed epoch, with the
-/// same rules but none of the worker's state, and compares them with the sink at that epoch.
-pub async fn reconcile(
-    config: &Config,
-    filter: &ReconcileFilter,
-    print: bool,
-) -> Result<Reconciliation> {
-    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+/// What the commit log says was committed: the last epoch, the cut after every batch, the
+/// source ranges the batches hold (per partition `[from, to)`, within the topic), and the
+/// breaks found in the log.
+pub(crate) struct Committed {
+    pub(crate) epoch: Epoch,
+    pub(crate) cut: tally_clickhouse::Cut,
+    pub(crate) ranges: BTreeMap<i32, (i64, Option<i64>)>,
+    pub(crate) gaps: Vec<String>,
+}
+
+/// The commit log read for a reconciliation; `None` before the first commit.
+pub(crate) async fn committed(config: &Config, sink: &ClickHouseSink) -> Result<Option<Committed>> {
     let batches = sink.committed_batches().await?;
     let Some(last) = batches.last() else {
-        if print {
-            println!("reconcile: nothing committed yet");
-        }
-        return Ok(Reconciliation::default());
+        return Ok(None);
     };
     let epoch = Epoch(last.epoch);
     let cut = tally_clickhouse::Cut::after(&batches);
@@ -192,10 +208,9 @@ pub async fn reconcile(
         }
     }
     let settings = config.kafka_settings();
-    let topic = config.kafka.source_topic.clone();
     // A commit log that claims offsets the topic never had is corrupt: say so, and read only
     // what exists rather than wait for records that will never come.
-    let extent = tally_kafka::topic_extent(&settings, &topic)?;
+    let extent = tally_kafka::topic_extent(&settings, &config.kafka.source_topic)?;
     if matches!(config.job.start_from, crate::config::StartFrom::Earliest) {
         let starts: BTreeMap<i32, i64> = ranges.iter().map(|(p, (s, _))| (*p, *s)).collect();
         let lows: BTreeMap<i32, i64> = extent.iter().map(|(p, (low, _))| (*p, *low)).collect();
@@ -212,10 +227,38 @@ pub async fn reconcile(
             *end = Some(high);
         }
     }
+    Ok(Some(Committed {
+        epoch,
+        cut,
+        ranges,
+        gaps,
+    }))
+}
+
+/// Recomputes the aggregates from the source topic up to the last committed epoch, with the
+/// same rules but none of the worker's state, and compares them with the sink at that epoch.
+pub async fn reconcile(
+    config: &Config,
+    filter: &ReconcileFilter,
+    print: bool,
+) -> Result<Reconciliation> {
+    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let Some(Committed {
+        epoch,
+        cut,
+        ranges,
+        gaps,
+    }) = committed(config, &sink).await?
+    else {
+        if print {
+            println!("reconcile: nothing committed yet");
+        }
+        return Ok(Reconciliation::default());
+    };
     let replay_config = config.clone();
     let (replay, back) =
-        tokio::task::spawn_blocking(move || -> Result<(SourceReplay, ReadBack)> {
-            let mut replay = SourceReplay::new(&replay_config);
+        tokio::task::spawn_blocking(move || -> Result<(SourceReplay<_, _>, ReadBack<_>)> {
+            let mut replay = SourceReplay::new(&replay_config, revenue_row);
             let back = replay.read(&replay_config, &ranges, 100_000)?;
             Ok((replay, back))
         })
@@ -428,7 +471,7 @@ pub struct IncrementalReconciler {
     full_every: u64,
     rounds: u64,
     /// Final windows are let go between rounds.
-    replay: SourceReplay,
+    replay: SourceReplay<ViewKey, ViewTotals>,
 }
 
 impl IncrementalReconciler {
@@ -437,14 +480,14 @@ impl IncrementalReconciler {
             config: config.clone(),
             full_every: full_every.max(1),
             rounds: 0,
-            replay: SourceReplay::new(config),
+            replay: SourceReplay::new(config, revenue_row),
         }
     }
 
     pub async fn round(&mut self, filter: &ReconcileFilter) -> Result<Round> {
         let full = self.rounds.is_multiple_of(self.full_every);
         if full {
-            self.replay = SourceReplay::new(&self.config);
+            self.replay = SourceReplay::new(&self.config, revenue_row);
         }
         self.rounds += 1;
         let sink = ClickHouseSink::connect(&self.config.sink_settings()).await?;

@@ -7,15 +7,16 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use tally_clickhouse::{Cells, ClickHouseSink};
-use tally_core::declare::{Job, parse_decimal};
+use tally_core::declare::{FieldKind, Function, Job, parse_decimal};
+use tally_core::{WindowAgg, Word};
 
 use super::verify::{DeadLetterDiff, read_dead_letters};
 use crate::config::Config;
 use crate::loadgen::{DeclaredManifest, Shown};
 
 /// A view row's window start (ms) and group-by values.
-type RowKey = (i64, Vec<String>);
-type Windows = BTreeMap<RowKey, Vec<Shown>>;
+pub(crate) type RowKey = (i64, Vec<String>);
+pub(crate) type Windows = BTreeMap<RowKey, Vec<Shown>>;
 
 /// The scale of a `Decimal(18, s)` column type.
 fn decimal_scale(kind: &str) -> Option<u32> {
@@ -50,8 +51,46 @@ fn shown_value(text: &str, kind: &str) -> Result<Shown> {
     Ok(Shown::Exact(text.parse()?))
 }
 
+/// A window's value (its aggregates' words) as the view shows it.
+pub(crate) fn shown_of(job: &Job, value: &WindowAgg) -> Vec<Shown> {
+    let mut words = value.words().iter().copied();
+    job.aggregates
+        .iter()
+        .map(|a| {
+            let time = a.input.is_some_and(|t| t.kind == FieldKind::Timestamp);
+            let decimal = a.input.is_some_and(|t| t.kind == FieldKind::Decimal);
+            let first = words.next();
+            let count = |w: Option<Word>| match w {
+                Some(Word::Count(n)) => n,
+                _ => 0,
+            };
+            match (a.function, first) {
+                // ClickHouse's decimal division truncates towards zero, as i128's does.
+                (Function::Avg, Some(Word::Exact(s))) if decimal => {
+                    Shown::Exact(i128::from(s) / i128::from(count(words.next()).max(1)))
+                }
+                (Function::Avg, Some(Word::Exact(s))) => {
+                    Shown::Float(s as f64 / count(words.next()) as f64)
+                }
+                (Function::Avg, Some(Word::Float(s))) => {
+                    Shown::Float(s / count(words.next()) as f64)
+                }
+                (_, Some(Word::Count(n))) => Shown::Exact(i128::from(n)),
+                (_, Some(Word::Exact(x))) if time => Shown::Exact(i128::from(x).div_euclid(1000)),
+                (_, Some(Word::Exact(x))) => Shown::Exact(i128::from(x)),
+                (_, Some(Word::Float(x))) => Shown::Float(x),
+                (_, None) => Shown::Exact(0),
+            }
+        })
+        .collect()
+}
+
 /// Cells read back as the manifest holds them, by the view's column types.
-fn read_cells(cells: Cells, key_types: &[String], value_types: &[String]) -> Result<Windows> {
+pub(crate) fn read_cells(
+    cells: Cells,
+    key_types: &[String],
+    value_types: &[String],
+) -> Result<Windows> {
     let mut out = Windows::new();
     for ((start, keys), values) in cells {
         if keys.len() != key_types.len() || values.len() != value_types.len() {
@@ -74,14 +113,14 @@ fn read_cells(cells: Cells, key_types: &[String], value_types: &[String]) -> Res
 
 /// Rows missing, extra and different.
 #[derive(Debug, Default)]
-struct WindowDiff {
+pub(crate) struct WindowDiff {
     missing: Vec<RowKey>,
     extra: Vec<RowKey>,
     different: Vec<(RowKey, Vec<Shown>, Vec<Shown>)>,
 }
 
 impl WindowDiff {
-    fn compare(expected: &Windows, found: &Windows) -> WindowDiff {
+    pub(crate) fn compare(expected: &Windows, found: &Windows) -> WindowDiff {
         let mut diff = WindowDiff::default();
         for (k, e) in expected {
             match found.get(k) {
@@ -100,11 +139,15 @@ impl WindowDiff {
         diff
     }
 
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.missing.is_empty() && self.extra.is_empty() && self.different.is_empty()
     }
 
-    fn print(&self, what: &str, limit: usize) {
+    pub(crate) fn len(&self) -> usize {
+        self.missing.len() + self.extra.len() + self.different.len()
+    }
+
+    pub(crate) fn print(&self, what: &str, limit: usize) {
         println!(
             "{what}: missing {}, extra {}, different {}",
             self.missing.len(),
@@ -131,11 +174,14 @@ impl WindowDiff {
 }
 
 /// Records counted by the first `count` column, summed over windows.
-fn counted<'w>(job: &Job, windows: &'w Windows) -> Option<(u64, BTreeMap<&'w RowKey, u64>)> {
+pub(crate) fn counted<'w>(
+    job: &Job,
+    windows: &'w Windows,
+) -> Option<(u64, BTreeMap<&'w RowKey, u64>)> {
     let at = job
         .aggregates
         .iter()
-        .position(|a| a.function == tally_core::declare::Function::Count)?;
+        .position(|a| a.function == Function::Count)?;
     let per_key: BTreeMap<_, u64> = windows
         .iter()
         .map(|(k, v)| match v.get(at) {

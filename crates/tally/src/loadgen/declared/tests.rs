@@ -1,7 +1,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use tally_core::declare::{Declaration, WindowRules};
-use tally_core::{CheckpointBarrier, MemStore, Program, Record, WindowOperator, WindowSpec, Word};
+use tally_core::{CheckpointBarrier, MemStore, Program, Record, WindowOperator, WindowSpec};
 
 use super::*;
 
@@ -139,41 +139,6 @@ fn spec(seed: u64) -> LoadSpec {
     }
 }
 
-/// An operator's word of one aggregate as the view shows it.
-fn shown(job: &Job, words: &[Word]) -> Vec<Shown> {
-    let mut words = words.iter();
-    job.aggregates
-        .iter()
-        .map(|a| {
-            let time = a.input.is_some_and(|t| t.kind == FieldKind::Timestamp);
-            let decimal = a.input.is_some_and(|t| t.kind == FieldKind::Decimal);
-            let first = *words.next().unwrap();
-            match (a.function, first) {
-                (Function::Avg, Word::Exact(s)) => {
-                    let Some(Word::Count(n)) = words.next() else {
-                        panic!("avg keeps a count")
-                    };
-                    if decimal {
-                        Shown::Exact(i128::from(s) / i128::from(*n))
-                    } else {
-                        Shown::Float(s as f64 / *n as f64)
-                    }
-                }
-                (Function::Avg, Word::Float(s)) => {
-                    let Some(Word::Count(n)) = words.next() else {
-                        panic!("avg keeps a count")
-                    };
-                    Shown::Float(s / *n as f64)
-                }
-                (_, Word::Count(n)) => Shown::Exact(i128::from(n)),
-                (_, Word::Exact(x)) if time => Shown::Exact(i128::from(x).div_euclid(1000)),
-                (_, Word::Exact(x)) => Shown::Exact(i128::from(x)),
-                (_, Word::Float(x)) => Shown::Float(x),
-            }
-        })
-        .collect()
-}
-
 /// The construction and tally's operator agree on every record's fate and every window.
 #[test]
 fn declared_ground_truth_matches_the_operator() {
@@ -258,7 +223,7 @@ fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
         }
         let found: BTreeMap<_, _> = merged
             .into_iter()
-            .map(|(k, v)| (k, shown(job, v.words())))
+            .map(|(k, v)| (k, crate::prove::shown_of(job, &v)))
             .collect();
         let expected = manifest.shown(job);
         assert_eq!(
