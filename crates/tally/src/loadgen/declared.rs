@@ -7,19 +7,16 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use rand::Rng;
-use rdkafka::producer::Producer;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 use tally_core::declare::{FieldKind, Function, Job, Test, TimeUnit, Value, format_decimal};
 use tally_core::{OperatorConfig, PoisonReason};
 
-use super::{
-    CHUNK, Fate, GeneratedRecord, Kind, LoadOptions, LoadSpec, Stream, open_source, pace, send,
-};
+use super::{Fate, GeneratedRecord, Kind, LoadOptions, LoadSpec, Stream, open_source, produce_all};
 use crate::config::Config;
 
 /// Multipliers deriving the second, third, ... group-by value from a record's key combination,
@@ -691,27 +688,15 @@ pub async fn produce_declared(config: &Config, opts: LoadOptions) -> Result<Decl
         .map_err(anyhow::Error::msg)?;
     let mut builder = ManifestBuilder::new(&job, Some(spec), topic.clone());
     let started = Instant::now();
-    let mut sent = 0u64;
-    while sent < opts.events {
-        let n = CHUNK.min(opts.events - sent);
-        let records: Vec<_> = (0..n).map(|_| generator.next_record()).collect();
-        let offsets = send(
-            &producer,
-            topic,
-            records
-                .iter()
-                .map(|(r, _)| (r.partition, r.key.as_slice(), r.value.as_slice())),
-        )
-        .await?;
-        for ((r, adds), offset) in records.iter().zip(offsets) {
-            builder.record(r, adds.as_ref(), offset);
-        }
-        sent += n;
-        pace(opts.rate, sent, started).await;
-    }
-    producer
-        .flush(Duration::from_secs(30))
-        .context("flushing")?;
+    produce_all(
+        &producer,
+        topic,
+        (opts.events, opts.rate),
+        || generator.next_record(),
+        |(r, _)| r,
+        |(r, adds), offset| builder.record(r, adds.as_ref(), offset),
+    )
+    .await?;
     let manifest = builder.finish();
     manifest
         .save(&opts.manifest)

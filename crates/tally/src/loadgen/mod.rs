@@ -518,6 +518,42 @@ async fn pace(rate: Option<u64>, sent: u64, started: Instant) {
 /// Records produced per chunk: delivery is awaited, and the manifest written, chunk by chunk.
 const CHUNK: u64 = 5_000;
 
+/// Produces `events` records drawn by `next` (`record` finds the Kafka record in one) at `rate`
+/// per second, and hands each to `note` with its offset once delivered; flushes at the end.
+async fn produce_all<R>(
+    producer: &FutureProducer,
+    topic: &str,
+    (events, rate): (u64, Option<u64>),
+    mut next: impl FnMut() -> R,
+    record: impl Fn(&R) -> &GeneratedRecord,
+    mut note: impl FnMut(&R, i64),
+) -> Result<()> {
+    let started = Instant::now();
+    let mut sent = 0u64;
+    while sent < events {
+        let n = CHUNK.min(events - sent);
+        let drawn: Vec<R> = (0..n).map(|_| next()).collect();
+        let offsets = send(
+            producer,
+            topic,
+            drawn.iter().map(|d| {
+                let r = record(d);
+                (r.partition, r.key.as_slice(), r.value.as_slice())
+            }),
+        )
+        .await?;
+        for (d, offset) in drawn.iter().zip(offsets) {
+            note(d, offset);
+        }
+        sent += n;
+        pace(rate, sent, started).await;
+    }
+    producer
+        .flush(Duration::from_secs(30))
+        .context("flushing")?;
+    Ok(())
+}
+
 /// Produces the stream to the job's source topic and writes the manifest. Returns the
 /// manifest.
 pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
@@ -533,27 +569,15 @@ pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
         ..Manifest::default()
     };
     let started = Instant::now();
-    let mut sent = 0u64;
-    while sent < opts.events {
-        let n = CHUNK.min(opts.events - sent);
-        let records: Vec<_> = (0..n).map(|_| generator.next_record()).collect();
-        let offsets = send(
-            &producer,
-            topic,
-            records
-                .iter()
-                .map(|r| (r.partition, r.key.as_slice(), r.value.as_slice())),
-        )
-        .await?;
-        for (r, offset) in records.iter().zip(offsets) {
-            manifest.record(r, offset);
-        }
-        sent += n;
-        pace(opts.rate, sent, started).await;
-    }
-    producer
-        .flush(Duration::from_secs(30))
-        .context("flushing")?;
+    produce_all(
+        &producer,
+        topic,
+        (opts.events, opts.rate),
+        || generator.next_record(),
+        |r| r,
+        |r, offset| manifest.record(r, offset),
+    )
+    .await?;
     manifest
         .save(&opts.manifest)
         .with_context(|| format!("writing {}", opts.manifest.display()))?;
