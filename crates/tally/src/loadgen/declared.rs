@@ -19,8 +19,8 @@ use tally_core::{OperatorConfig, PoisonReason};
 use super::{Fate, GeneratedRecord, Kind, LoadOptions, LoadSpec, Stream, open_source, produce_all};
 use crate::config::Config;
 
-/// Multipliers deriving the second, third, ... group-by value from a record's key combination,
-/// so that a combination names one value of every key.
+/// Moduli deriving the second, third, ... group-by value from a record's key combination (the
+/// first is the combination itself), so that a combination names one value of every key.
 const KEY_DIVISORS: [u32; 4] = [7, 5, 3, 11];
 
 /// What a valid record adds: its event time, its group-by values as the view shows them, and
