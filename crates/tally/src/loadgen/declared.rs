@@ -34,7 +34,7 @@ pub struct Contribution {
 
 /// One aggregate's input: none for `count`, else an exact number (integer, decimal units,
 /// epoch ms) or a float.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Input {
     None,
     Exact(i64),
@@ -655,23 +655,6 @@ impl DeclaredManifest {
                 ((*w, keys.clone()), cells)
             })
             .collect()
-    }
-
-    /// Records counted by the first `count` aggregate over all windows, if there is one.
-    pub fn counted(&self, job: &Job) -> Option<u64> {
-        let at = job
-            .aggregates
-            .iter()
-            .position(|a| a.function == Function::Count)?;
-        Some(
-            self.windows
-                .iter()
-                .filter_map(|(_, _, r)| match r.get(at) {
-                    Some(Running::Count(n)) => Some(*n),
-                    _ => None,
-                })
-                .sum(),
-        )
     }
 }
 

@@ -598,14 +598,83 @@ pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// The operator's view of a generated stream, for the tests that hold it against a manifest.
+#[cfg(test)]
+pub(crate) struct OperatorRun {
+    /// Per source partition and window, the newest value a checkpoint wrote.
+    pub latest: BTreeMap<(i32, tally_core::WindowKey), tally_core::WindowAgg>,
+    /// (partition, offset, reason) of every dead letter.
+    pub dead: std::collections::BTreeSet<(i32, i64, PoisonReason)>,
+    /// The last checkpoint's accounting, summed over partitions.
+    pub totals: tally_core::Accounting,
+}
+
+/// Runs `n` records drawn by `next` (`record` finds the Kafka record in one) through a fresh
+/// operator with a checkpoint every 997 records and at the end, handing each record to `note`
+/// with the offset it gets in its partition.
+#[cfg(test)]
+pub(crate) fn run_through_operator<R>(
+    rules: OperatorConfig,
+    program: impl Into<tally_core::Program>,
+    n: usize,
+    mut next: impl FnMut() -> R,
+    record: impl Fn(&R) -> &GeneratedRecord,
+    mut note: impl FnMut(&R, i64),
+) -> OperatorRun {
+    use tally_core::{CheckpointBarrier, MemStore, Record, WindowOperator};
+    let mut op = WindowOperator::restore(rules, program, tally_core::Epoch(0), &BTreeMap::new());
+    let mut store = MemStore::default();
+    let mut offsets: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut run = OperatorRun {
+        latest: BTreeMap::new(),
+        dead: Default::default(),
+        totals: Default::default(),
+    };
+    for i in 0..n {
+        let drawn = next();
+        let r = record(&drawn);
+        let next_offset = offsets.entry(r.partition).or_default();
+        let offset = *next_offset;
+        *next_offset += 1;
+        note(&drawn, offset);
+        let Ok(_) = op.process(
+            &store,
+            Record {
+                partition: r.partition,
+                offset,
+                timestamp_ms: None,
+                key: Some(&r.key),
+                value: Some(&r.value),
+            },
+        );
+        if i % 997 == 0 || i + 1 == n {
+            let cp = op.handle_checkpoint(CheckpointBarrier {
+                epoch: op.current_epoch(),
+                is_final: false,
+            });
+            store.apply(&cp);
+            for row in &cp.rows {
+                run.latest
+                    .insert((row.partition, row.key.clone()), row.value.clone());
+            }
+            for d in &cp.dead_letters {
+                run.dead.insert((d.partition, d.offset, d.reason));
+            }
+            if i + 1 == n {
+                for c in cp.partitions.values() {
+                    run.totals.add(&c.totals);
+                }
+            }
+        }
+    }
+    run
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
-    use tally_core::{
-        CheckpointBarrier, FieldMapping, MemStore, Record, RecordDecoder, WindowOperator,
-        WindowSpec,
-    };
+    use tally_core::{FieldMapping, RecordDecoder, WindowSpec};
 
     fn rules() -> OperatorConfig {
         OperatorConfig {
@@ -639,43 +708,15 @@ mod tests {
         for seed in [1, 2, 3] {
             let mut generator = Generator::new(spec(seed), rules()).unwrap();
             let mut manifest = Manifest::default();
-            let mut op = WindowOperator::restore(
+            let run = run_through_operator(
                 rules(),
                 RecordDecoder::new(FieldMapping::default(), 2048),
-                tally_core::Epoch(0),
-                &BTreeMap::new(),
+                20_000,
+                || generator.next_record(),
+                |r| r,
+                |r, offset| manifest.record(r, offset),
             );
-            let mut store = MemStore::default();
-            let mut offsets = [0i64; 3];
-            let mut view = BTreeMap::new();
-            let mut dead = BTreeSet::new();
-            for i in 0..20_000 {
-                let r = generator.next_record();
-                let offset = offsets[r.partition as usize];
-                offsets[r.partition as usize] += 1;
-                manifest.record(&r, offset);
-                let record = Record {
-                    partition: r.partition,
-                    offset,
-                    timestamp_ms: None,
-                    key: Some(&r.key),
-                    value: Some(&r.value),
-                };
-                let Ok(_) = op.process(&store, record);
-                if i % 997 == 0 || i == 19_999 {
-                    let cp = op.handle_checkpoint(CheckpointBarrier {
-                        epoch: op.current_epoch(),
-                        is_final: false,
-                    });
-                    store.apply(&cp);
-                    for row in &cp.rows {
-                        view.insert((row.partition, row.key.clone()), row.value.clone());
-                    }
-                    for d in &cp.dead_letters {
-                        dead.insert((d.partition, d.offset, d.reason));
-                    }
-                }
-            }
+            let (view, dead) = (run.latest, run.dead);
             let mut summed: BTreeMap<(i64, String, String), (u64, i64)> = BTreeMap::new();
             for ((_, k), v) in view {
                 let e = summed

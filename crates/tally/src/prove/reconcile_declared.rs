@@ -11,7 +11,7 @@ use tally_core::declare::Job;
 use tally_core::{OutputRow, WindowAgg};
 
 use super::reconcile::{Committed, ReconcileFilter, Reconciliation, SourceReplay, committed};
-use super::verify_declared::{RowKey, WindowDiff, Windows, counted, read_cells, shown_of};
+use super::verify_declared::{RowKey, ViewTypes, WindowDiff, Windows, counted, shown_of};
 use crate::config::Config;
 
 fn declared_row(row: &OutputRow) -> (RowKey, WindowAgg) {
@@ -74,10 +74,8 @@ pub async fn reconcile_declared(
         }
         source.insert(key.clone(), shown_of(job, &merged));
     }
-    let columns = config.sink_shape().view_columns();
-    let types: Vec<String> = columns.into_iter().skip(2).map(|(_, t)| t).collect();
-    let (key_types, value_types) = types.split_at(job.keys.len().min(types.len()));
-    let found: Windows = read_cells(sink.read_view_at_cells(&cut).await?, key_types, value_types)?
+    let found: Windows = ViewTypes::of(config, job)
+        .read(sink.read_view_at_cells(&cut).await?)?
         .into_iter()
         .filter(|(k, _)| filter.keeps_row(k))
         .collect();

@@ -85,30 +85,50 @@ pub(crate) fn shown_of(job: &Job, value: &WindowAgg) -> Vec<Shown> {
         .collect()
 }
 
-/// Cells read back as the manifest holds them, by the view's column types.
-pub(crate) fn read_cells(
-    cells: Cells,
-    key_types: &[String],
-    value_types: &[String],
-) -> Result<Windows> {
-    let mut out = Windows::new();
-    for ((start, keys), values) in cells {
-        if keys.len() != key_types.len() || values.len() != value_types.len() {
-            bail!("the view has other columns than the job declares: run `tally doctor`");
+/// The ClickHouse types of a declared job's view columns: its keys', then its aggregates'.
+pub(crate) struct ViewTypes {
+    keys: Vec<String>,
+    values: Vec<String>,
+}
+
+impl ViewTypes {
+    pub(crate) fn of(config: &Config, job: &Job) -> ViewTypes {
+        // The view's columns are window_start, window_end, the keys, the aggregates.
+        let mut types: Vec<String> = config
+            .sink_shape()
+            .view_columns()
+            .into_iter()
+            .skip(2)
+            .map(|(_, t)| t)
+            .collect();
+        let values = types.split_off(job.keys.len().min(types.len()));
+        ViewTypes {
+            keys: types,
+            values,
         }
-        let keys = keys
-            .iter()
-            .zip(key_types)
-            .map(|(k, t)| canonical_key(k, t))
-            .collect::<Result<Vec<_>>>()?;
-        let values = values
-            .iter()
-            .zip(value_types)
-            .map(|(v, t)| shown_value(v, t).with_context(|| format!("{v:?} as {t}")))
-            .collect::<Result<Vec<_>>>()?;
-        out.insert((start, keys), values);
     }
-    Ok(out)
+
+    /// Cells read back as the manifest holds them, by the view's column types.
+    pub(crate) fn read(&self, cells: Cells) -> Result<Windows> {
+        let mut out = Windows::new();
+        for ((start, keys), values) in cells {
+            if keys.len() != self.keys.len() || values.len() != self.values.len() {
+                bail!("the view has other columns than the job declares: run `tally doctor`");
+            }
+            let keys = keys
+                .iter()
+                .zip(&self.keys)
+                .map(|(k, t)| canonical_key(k, t))
+                .collect::<Result<Vec<_>>>()?;
+            let values = values
+                .iter()
+                .zip(&self.values)
+                .map(|(v, t)| shown_value(v, t).with_context(|| format!("{v:?} as {t}")))
+                .collect::<Result<Vec<_>>>()?;
+            out.insert((start, keys), values);
+        }
+        Ok(out)
+    }
 }
 
 /// Rows missing, extra and different.
@@ -214,14 +234,12 @@ fn miscounted(job: &Job, expected: &Windows, found: &Windows) -> (u64, u64) {
 pub async fn verify_declared(config: &Config, job: &Job, manifest_path: &Path) -> Result<bool> {
     let manifest = DeclaredManifest::load(manifest_path)
         .with_context(|| format!("reading {}", manifest_path.display()))?;
-    let columns = config.sink_shape().view_columns();
-    let types: Vec<String> = columns.into_iter().skip(2).map(|(_, t)| t).collect();
-    let (key_types, value_types) = types.split_at(job.keys.len().min(types.len()));
+    let types = ViewTypes::of(config, job);
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let expected = manifest.shown(job);
-    let found = read_cells(sink.read_view_cells().await?, key_types, value_types)?;
+    let found = types.read(sink.read_view_cells().await?)?;
     // What the next publish will show: a writer that broke the protocol shows here first.
-    let committed = read_cells(sink.read_committed_cells().await?, key_types, value_types)?;
+    let committed = types.read(sink.read_committed_cells().await?)?;
     let diff = WindowDiff::compare(&expected, &found);
     let committed_diff = WindowDiff::compare(&expected, &committed);
     let expected_dead = manifest

@@ -1,7 +1,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use tally_core::declare::{Declaration, WindowRules};
-use tally_core::{CheckpointBarrier, MemStore, Program, Record, WindowOperator, WindowSpec};
+use tally_core::{Program, WindowSpec};
+
+use crate::loadgen::run_through_operator;
 
 use super::*;
 
@@ -167,45 +169,15 @@ fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
             job: Arc::clone(job),
             max_record_bytes: 2048,
         };
-        let mut op =
-            WindowOperator::restore(rules, program, tally_core::Epoch(0), &BTreeMap::new());
-        let mut store = MemStore::default();
-        let mut offsets = [0i64; 3];
-        let mut latest = BTreeMap::new();
-        let mut dead = BTreeSet::new();
-        let mut totals = tally_core::Accounting::default();
-        for i in 0..20_000 {
-            let (r, adds) = generator.next_record();
-            let offset = offsets[r.partition as usize];
-            offsets[r.partition as usize] += 1;
-            builder.record(&r, adds.as_ref(), offset);
-            let record = Record {
-                partition: r.partition,
-                offset,
-                timestamp_ms: None,
-                key: Some(&r.key),
-                value: Some(&r.value),
-            };
-            let Ok(_) = op.process(&store, record);
-            if i % 997 == 0 || i == 19_999 {
-                let cp = op.handle_checkpoint(CheckpointBarrier {
-                    epoch: op.current_epoch(),
-                    is_final: false,
-                });
-                store.apply(&cp);
-                for row in &cp.rows {
-                    latest.insert((row.partition, row.key.clone()), row.value.clone());
-                }
-                for d in &cp.dead_letters {
-                    dead.insert((d.partition, d.offset, d.reason));
-                }
-                if i == 19_999 {
-                    for c in cp.partitions.values() {
-                        totals.add(&c.totals);
-                    }
-                }
-            }
-        }
+        let run = run_through_operator(
+            rules,
+            program,
+            20_000,
+            || generator.next_record(),
+            |(r, _)| r,
+            |(r, adds), offset| builder.record(r, adds.as_ref(), offset),
+        );
+        let (latest, dead, totals) = (run.latest, run.dead, run.totals);
         let manifest = builder.finish();
         // The view's merge of source partitions, by tally's own merge.
         let mut merged: BTreeMap<(i64, Vec<String>), tally_core::WindowAgg> = BTreeMap::new();
