@@ -242,6 +242,40 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
         "every record's fate as the manifest has it"
     );
     assert!(m.duplicates > 0 && m.late > 0 && m.poison > 0, "{m:?}");
+    drop(store);
+
+    // doctor walks every hop of the declared job: the view cell by cell against the committed
+    // versions at its published cut, and the reconciliation through the declaration.
+    let (ok, report) = doctor(&job);
+    println!("{file} doctor:\n{report}");
+    assert!(ok, "{report}");
+    for hop in [
+        "Persisted → Processed",
+        "Processed → Written",
+        "Written → Queryable",
+        "Queryable → Reported",
+    ] {
+        assert_eq!(status_of(&report, hop), "PASS", "{hop}: {report}");
+    }
+    assert!(
+        report.contains("= the committed versions at the published cut"),
+        "{report}"
+    );
+    // A row copied into the published snapshot behind tally's back shows a key twice.
+    ch(&format!(
+        "INSERT INTO {db}.{t}_live SELECT * FROM {db}.{t}_live ORDER BY window_start DESC LIMIT 1",
+        db = job.database,
+        t = job.table
+    ))
+    .await;
+    let (ok, report) = doctor(&job);
+    assert!(!ok, "{report}");
+    assert_eq!(
+        status_of(&report, "Written → Queryable"),
+        "FAIL",
+        "{report}"
+    );
+    assert!(report.contains("appears twice"), "{report}");
 }
 
 /// `config/page_views.toml`: a 5-minute window sliding by a minute, three keys, min/max/avg.

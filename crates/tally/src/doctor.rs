@@ -70,7 +70,10 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         customer: None,
     };
     // A view that cannot be read back (a key twice) is a FAIL row, not the end of the report.
-    let reconciled = prove::reconcile(config, &filter, false).await;
+    let reconciled = match &config.declared {
+        Some(job) => prove::reconcile_declared(config, job, &filter, false).await,
+        None => prove::reconcile(config, &filter, false).await,
+    };
     let source_duplicates = reconciled
         .as_ref()
         .map_or_else(|_| "?".to_owned(), |r| r.source_duplicates.to_string());
@@ -249,7 +252,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
 
     // Processed → Written: the commit log is one contiguous chain; the DLQ matches it.
     let gaps = prove::commit_log_gaps(&batches);
-    let (events, committed_revenue, committed_dead) = sink.commit_totals().await?;
+    let (committed_events, _, committed_dead) = sink.commit_totals().await?;
     let dead = prove::read_dead_letters(config)?;
     let in_dlq: usize = dead.values().map(Vec::len).sum();
     let repeated = dead.values().filter(|v| v.len() > 1).count();
@@ -307,21 +310,21 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     ));
 
     // Written → Queryable: the view shows each key once, and exactly what was committed.
-    // The view and the commit log's totals for its snapshot, read again if a publish came
-    // between them.
     let unpublished_after = config.job.session_timeout.as_duration() + Duration::from_secs(30);
-    let mut attempts = 0;
-    let ((orders, revenue, doubled), (published_events, published_revenue, unpublished)) = loop {
-        let published = sink.published().await?;
-        let totals = (
-            sink.view_totals().await?,
-            sink.published_totals(published.as_ref(), unpublished_after)
-                .await?,
-        );
-        attempts += 1;
-        if attempts == 3 || sink.published().await? == published {
-            break totals;
+    let compare_totals = config.clickhouse.retention.is_none();
+    let shown = match &config.declared {
+        Some(job) => {
+            declared_view(
+                config,
+                job,
+                &sink,
+                unpublished_after,
+                compare_totals,
+                committed_events,
+            )
+            .await?
         }
+        None => revenue_view(&sink, unpublished_after, compare_totals).await?,
     };
     let frontier = sink.frontier().await?;
     let mut problems = Vec::new();
@@ -332,9 +335,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             problems.push(format!("the committed watermarks cannot be read: {e}"));
             None
         });
-    if doubled > 0 {
-        problems.push(format!("{doubled} keys appear more than once in the view"));
-    }
+    problems.extend(shown.problems);
     let (live_rows, live_points) = sink.live_points().await?;
     if live_points > 1 {
         problems.push(format!(
@@ -343,29 +344,11 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         ));
     }
     let read_side = describe_read_side(&sink).await;
-    if unpublished > 0 {
+    if shown.unpublished > 0 {
         problems.push(format!(
-            "{unpublished} batches committed more than {}s ago are not published: nothing publishes ({read_side})",
+            "{} batches committed more than {}s ago are not published: nothing publishes ({read_side})",
+            shown.unpublished,
             unpublished_after.as_secs()
-        ));
-    }
-    let compare_totals = config.clickhouse.retention.is_none();
-    // The view shows what was published: the commit log's batches up to the snapshot's cut.
-    if compare_totals && (orders != published_events || revenue != published_revenue) {
-        problems.push(format!(
-            "the view shows {orders} orders / {revenue} revenue, the commit log recorded {published_events} / {published_revenue} for the batches it published"
-        ));
-    }
-    // And what the next publish would show, from the versions the commit log makes visible.
-    let (answer_orders, answer_revenue, answer_doubled) = sink.answer_totals().await?;
-    if answer_doubled > 0 {
-        problems.push(format!(
-            "{answer_doubled} keys appear more than once in the committed versions"
-        ));
-    }
-    if compare_totals && (answer_orders != events || answer_revenue != committed_revenue) {
-        problems.push(format!(
-            "the committed versions add up to {answer_orders} orders / {answer_revenue} revenue, the commit log recorded {events} / {committed_revenue}"
         ));
     }
     // How much of what is final is still read from versions.
@@ -378,7 +361,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let folding_late = config.clickhouse.fold_interval.0 > 0 && behind > allowed;
     rows.push(row(
         "Written → Queryable",
-        "no key twice, view totals = commit log totals, publishing and folding keep up",
+        "no key twice, the view = what the commit log committed, publishing and folding keep up",
         if !problems.is_empty() {
             Status::Fail
         } else if folding_late || !compare_totals {
@@ -388,12 +371,8 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
         if problems.is_empty() {
             format!(
-                "{orders} orders, {revenue} revenue {}; {read_side}; {} s of final windows not folded yet{}",
-                if compare_totals {
-                    "= commit log"
-                } else {
-                    "(retention on: totals not compared)"
-                },
+                "{}; {read_side}; {} s of final windows not folded yet{}",
+                shown.summary,
                 behind,
                 if folding_late {
                     format!(" (more than {allowed} s: is folding failing?)")
@@ -416,12 +395,19 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 Status::Fail
             },
             format!(
-                "windows of the last {}s: {} keys, {} differ; orders ratio {:.6}, revenue ratio {:.6}",
+                "windows of the last {}s: {} keys, {} differ; {}",
                 since.as_secs(),
                 r.keys,
                 r.mismatched,
-                r.orders_ratio(),
-                r.revenue_ratio()
+                if config.declared.is_some() {
+                    format!("records counted ratio {:.6}", r.orders_ratio())
+                } else {
+                    format!(
+                        "orders ratio {:.6}, revenue ratio {:.6}",
+                        r.orders_ratio(),
+                        r.revenue_ratio()
+                    )
+                }
             ),
         ),
         Err(e) => row(
@@ -432,6 +418,180 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         ),
     });
     Ok(rows)
+}
+
+/// The view against what was committed: problems found, a summary, and how many batches
+/// committed long ago are not published.
+struct ViewAgainstCommits {
+    problems: Vec<String>,
+    summary: String,
+    unpublished: u64,
+}
+
+/// revenue_agg: the view's totals against the commit log's for the batches it published, and
+/// the committed versions' totals against the whole commit log.
+async fn revenue_view(
+    sink: &ClickHouseSink,
+    unpublished_after: Duration,
+    compare_totals: bool,
+) -> Result<ViewAgainstCommits> {
+    // Read again if a publish came between the view and the commit log's totals.
+    let mut attempts = 0;
+    let ((orders, revenue, doubled), (published_events, published_revenue, unpublished)) = loop {
+        let published = sink.published().await?;
+        let totals = (
+            sink.view_totals().await?,
+            sink.published_totals(published.as_ref(), unpublished_after)
+                .await?,
+        );
+        attempts += 1;
+        if attempts == 3 || sink.published().await? == published {
+            break totals;
+        }
+    };
+    let (events, committed_revenue, _) = sink.commit_totals().await?;
+    let mut problems = Vec::new();
+    if doubled > 0 {
+        problems.push(format!("{doubled} keys appear more than once in the view"));
+    }
+    // The view shows what was published: the commit log's batches up to the snapshot's cut.
+    if compare_totals && (orders != published_events || revenue != published_revenue) {
+        problems.push(format!(
+            "the view shows {orders} orders / {revenue} revenue, the commit log recorded {published_events} / {published_revenue} for the batches it published"
+        ));
+    }
+    // And what the next publish would show, from the versions the commit log makes visible.
+    let (answer_orders, answer_revenue, answer_doubled) = sink.answer_totals().await?;
+    if answer_doubled > 0 {
+        problems.push(format!(
+            "{answer_doubled} keys appear more than once in the committed versions"
+        ));
+    }
+    if compare_totals && (answer_orders != events || answer_revenue != committed_revenue) {
+        problems.push(format!(
+            "the committed versions add up to {answer_orders} orders / {answer_revenue} revenue, the commit log recorded {events} / {committed_revenue}"
+        ));
+    }
+    Ok(ViewAgainstCommits {
+        problems,
+        summary: format!(
+            "{orders} orders, {revenue} revenue {}",
+            if compare_totals {
+                "= commit log"
+            } else {
+                "(retention on: totals not compared)"
+            }
+        ),
+        unpublished,
+    })
+}
+
+/// A declared job: the view, cell by cell, against the committed versions read at the
+/// published snapshot's cut; with tumbling windows also its first `count` column against the
+/// commit log's aggregated records (with hopping ones a record counts in each open window
+/// holding it, so no total of the commit log matches).
+async fn declared_view(
+    config: &Config,
+    job: &tally_core::declare::Job,
+    sink: &ClickHouseSink,
+    unpublished_after: Duration,
+    compare_totals: bool,
+    committed_events: u64,
+) -> Result<ViewAgainstCommits> {
+    let types = prove::ViewTypes::of(config, job);
+    let mut problems = Vec::new();
+    let read = |what: &str, cells: tally_clickhouse::Result<tally_clickhouse::Cells>| {
+        cells
+            .map_err(anyhow::Error::from)
+            .and_then(|c| types.read(c))
+            .map_err(|e| format!("{what}: {e:#}"))
+    };
+    // Read again if a publish or a fold step came between the reads.
+    let mut attempts = 0;
+    let (view, at_cut, published_events, unpublished) = loop {
+        let published = sink.published().await?;
+        let frontier = sink.frontier().await?;
+        let cut = published
+            .as_ref()
+            .map(|p| p.cut.clone())
+            .unwrap_or_default();
+        let view = read("the view", sink.read_view_cells().await);
+        let at_cut = read(
+            "the committed versions at the published cut",
+            sink.read_view_at_cells(&cut).await,
+        );
+        let (events, _, unpublished) = sink
+            .published_totals(published.as_ref(), unpublished_after)
+            .await?;
+        attempts += 1;
+        if attempts == 3
+            || (sink.published().await? == published && sink.frontier().await? == frontier)
+        {
+            break (view, at_cut, events, unpublished);
+        }
+    };
+    let answer = read("the committed versions", sink.read_committed_cells().await);
+    let tumbling = config.window.slide.is_none_or(|s| s == config.window.size);
+    let count_column = job
+        .aggregates
+        .iter()
+        .find(|a| a.function == tally_core::declare::Function::Count)
+        .map(|a| a.column.clone());
+    let compare_counts = compare_totals && tumbling && count_column.is_some();
+    let counted = |w: &prove::Windows| prove::counted(job, w).map_or(0, |c| c.0);
+    let mut summary = String::new();
+    match (&view, &at_cut) {
+        (Ok(view), Ok(at_cut)) => {
+            let diff = prove::WindowDiff::compare(at_cut, view);
+            if diff.is_empty() {
+                summary = format!(
+                    "{} rows = the committed versions at the published cut",
+                    view.len()
+                );
+            } else {
+                problems.push(format!(
+                    "the view differs from the committed versions at its published cut: {}",
+                    diff.summary()
+                ));
+            }
+            if compare_counts && counted(view) != published_events {
+                problems.push(format!(
+                    "the view counts {} records ({}), the commit log recorded {published_events} for the batches it published",
+                    counted(view),
+                    count_column.as_deref().unwrap_or_default()
+                ));
+            }
+        }
+        (view, at_cut) => {
+            problems.extend(view.as_ref().err().cloned());
+            problems.extend(at_cut.as_ref().err().cloned());
+        }
+    }
+    match &answer {
+        Ok(answer) if compare_counts && counted(answer) != committed_events => {
+            problems.push(format!(
+                "the committed versions count {} records ({}), the commit log recorded {committed_events}",
+                counted(answer),
+                count_column.as_deref().unwrap_or_default()
+            ))
+        }
+        Ok(_) => {}
+        Err(e) => problems.push(e.clone()),
+    }
+    let view_counted = view.as_ref().map_or(0, counted);
+    summary += &match (compare_counts, count_column) {
+        (true, Some(column)) => format!("; {view_counted} records counted ({column}) = commit log"),
+        _ if !compare_totals => "; retention on: counts not compared with the commit log".into(),
+        (_, Some(column)) => format!(
+            "; {view_counted} window adds ({column}): a record counts in every open window of its hop, so no commit log total compares"
+        ),
+        (_, None) => "; no count column to compare with the commit log".into(),
+    };
+    Ok(ViewAgainstCommits {
+        problems,
+        summary,
+        unpublished,
+    })
 }
 
 /// Who holds the read side, and how recently it beat.

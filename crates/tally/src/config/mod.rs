@@ -840,19 +840,6 @@ impl Config {
         }
     }
 
-    /// Refuses a tool that reads the view or the source as revenue_agg's for a declared job of
-    /// another shape, naming it.
-    pub fn require_built_in(&self, tool: &str) -> anyhow::Result<()> {
-        match &self.declared {
-            None => Ok(()),
-            Some(_) => anyhow::bail!(
-                "`tally {tool}` reads revenue_agg's columns, and job {:?} declares another shape: \
-                 this release runs it but cannot {tool} it yet",
-                self.job.name
-            ),
-        }
-    }
-
     /// Identity stored in the state directory: the job and the topic it reads.
     pub fn state_identity(&self) -> String {
         match self.job.task {

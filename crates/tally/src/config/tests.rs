@@ -212,7 +212,6 @@ fn the_example_declarations_are_valid_and_say_why_this_release_does_not_run_them
                 .unwrap_err()
                 .contains(why)
         );
-        assert!(config.require_built_in("verify").is_err());
     }
     let (_, job) = declared(PAGE_VIEWS).expect("valid");
     assert!(

@@ -18,3 +18,4 @@ pub use verify::{RowDiff, read_dead_letters, verify};
 #[cfg(test)]
 pub(crate) use verify_declared::shown_of;
 pub use verify_declared::verify_declared;
+pub(crate) use verify_declared::{ViewTypes, WindowDiff, Windows, counted};

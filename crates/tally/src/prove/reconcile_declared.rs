@@ -42,6 +42,7 @@ pub async fn reconcile_declared(
     config: &Config,
     job: &Arc<Job>,
     filter: &ReconcileFilter,
+    print: bool,
 ) -> Result<Reconciliation> {
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let Some(Committed {
@@ -51,17 +52,20 @@ pub async fn reconcile_declared(
         gaps,
     }) = committed(config, &sink).await?
     else {
-        println!("reconcile: nothing committed yet");
+        if print {
+            println!("reconcile: nothing committed yet");
+        }
         return Ok(Reconciliation::default());
     };
     let replay_config = config.clone();
-    let replay = tokio::task::spawn_blocking(move || -> Result<SourceReplay<_, _>> {
-        let mut replay = SourceReplay::new(&replay_config, declared_row);
-        replay.read(&replay_config, &ranges, 100_000)?;
-        Ok(replay)
-    })
-    .await
-    .context("reconcile thread")??;
+    let (replay, source_duplicates) =
+        tokio::task::spawn_blocking(move || -> Result<(SourceReplay<_, _>, u64)> {
+            let mut replay = SourceReplay::new(&replay_config, declared_row);
+            let back = replay.read(&replay_config, &ranges, 100_000)?;
+            Ok((replay, back.duplicates))
+        })
+        .await
+        .context("reconcile thread")??;
     let mut source = Windows::new();
     for (key, per_partition) in &replay.values {
         if !filter.keeps_row(key) {
@@ -87,33 +91,36 @@ pub async fn reconcile_declared(
         epoch: Some(epoch),
         keys: keys.len(),
         mismatched: diff.len() + gaps.len(),
+        source_duplicates,
         source_orders: source_counted,
         sink_orders: sink_counted,
         ..Reconciliation::default()
     };
-    println!(
-        "reconcile at committed epoch {epoch}: {} keys, {} differ",
-        result.keys,
-        diff.len()
-    );
-    for gap in gaps.iter().take(20) {
-        println!("  commit log: {gap}");
-    }
-    println!(
-        "{:<26} {:>16} {:>16} {:>10.6}",
-        "records counted (windows)",
-        source_counted,
-        sink_counted,
-        result.orders_ratio()
-    );
-    diff.print("windows", 20);
-    println!(
-        "reconcile: {}",
-        if result.mismatched == 0 {
-            "OK: every window matches the source"
-        } else {
-            "FAILED"
+    if print {
+        println!(
+            "reconcile at committed epoch {epoch}: {} keys, {} differ",
+            result.keys,
+            diff.len()
+        );
+        for gap in gaps.iter().take(20) {
+            println!("  commit log: {gap}");
         }
-    );
+        println!(
+            "{:<26} {:>16} {:>16} {:>10.6}",
+            "records counted (windows)",
+            source_counted,
+            sink_counted,
+            result.orders_ratio()
+        );
+        diff.print("windows", 20);
+        println!(
+            "reconcile: {}",
+            if result.mismatched == 0 {
+                "OK: every window matches the source"
+            } else {
+                "FAILED"
+            }
+        );
+    }
     Ok(result)
 }

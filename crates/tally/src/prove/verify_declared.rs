@@ -167,6 +167,30 @@ impl WindowDiff {
         self.missing.len() + self.extra.len() + self.different.len()
     }
 
+    /// One line for a report: the counts and the first row that differs.
+    pub(crate) fn summary(&self) -> String {
+        let key = |(w, k): &RowKey| format!("{} {}", tally_core::time::format_ms(*w), k.join(" "));
+        let first = self
+            .missing
+            .first()
+            .map(|k| format!("missing {}", key(k)))
+            .or_else(|| self.extra.first().map(|k| format!("extra {}", key(k))))
+            .or_else(|| {
+                self.different.first().map(|(k, e, f)| {
+                    let list =
+                        |v: &[Shown]| v.iter().map(Shown::to_string).collect::<Vec<_>>().join(" ");
+                    format!("{}: {} against {}", key(k), list(e), list(f))
+                })
+            })
+            .unwrap_or_default();
+        format!(
+            "missing {}, extra {}, different {} (first: {first})",
+            self.missing.len(),
+            self.extra.len(),
+            self.different.len()
+        )
+    }
+
     pub(crate) fn print(&self, what: &str, limit: usize) {
         println!(
             "{what}: missing {}, extra {}, different {}",
