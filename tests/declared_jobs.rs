@@ -114,38 +114,7 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
-    let mut loadgen = std::process::Command::new(worker_binary())
-        .args([
-            "loadgen",
-            "--config",
-            &config,
-            "--events",
-            "12000",
-            "--rate",
-            "2000",
-            "--partitions",
-            "2",
-            "--seed",
-            "7",
-            "--customers",
-            "60",
-            "--duplicates",
-            "0.05",
-            "--poison",
-            "0.02",
-            "--late",
-            "0.01",
-            "--filtered",
-            "0.1",
-            "--step-ms",
-            "100",
-            "--manifest",
-            &manifest,
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("loadgen");
+    let mut loadgen = declared_loadgen(&job, &manifest);
     let before = job.log().len();
     job.wait_for_log(before, "checkpoint committed", Duration::from_secs(60))
         .await;
@@ -223,26 +192,7 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     assert!(text.contains("over_counted=0 lost=1"), "{text}");
 
     assert_eq!(assert_accounting(&job, m.produced), 2);
-    let store =
-        tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
-            .unwrap();
-    let mut totals = tally_core::Accounting::default();
-    for c in store.meta().unwrap().partitions.values() {
-        totals.add(&c.totals);
-    }
-    assert_eq!(
-        (
-            totals.aggregated,
-            totals.filtered,
-            totals.duplicates,
-            totals.late,
-            totals.dead_lettered
-        ),
-        (m.valid, m.filtered, m.duplicates, m.late, m.poison),
-        "every record's fate as the manifest has it"
-    );
-    assert!(m.duplicates > 0 && m.late > 0 && m.poison > 0, "{m:?}");
-    drop(store);
+    assert_fates(&job, &m);
 
     // doctor walks every hop of the declared job: the view cell by cell against the committed
     // versions at its published cut, and the reconciliation through the declaration.

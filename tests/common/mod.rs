@@ -746,3 +746,57 @@ pub fn status_of(report: &str, hop: &str) -> String {
         .unwrap_or("missing")
         .to_owned()
 }
+
+/// `tally loadgen` for a declared job's file, as the examples' tests run it: 12,000 records at
+/// 2,000/s over 2 partitions, with duplicates, poison, late and filtered records mixed in, its
+/// manifest at `manifest`. Stdout and stderr piped.
+pub fn declared_loadgen(job: &Job, manifest: &str) -> Child {
+    Command::new(worker_binary())
+        .args(["loadgen", "--config", job.config.to_str().unwrap()])
+        .args([
+            "--events",
+            "12000",
+            "--rate",
+            "2000",
+            "--partitions",
+            "2",
+            "--seed",
+            "7",
+            "--customers",
+            "60",
+            "--duplicates",
+            "0.05",
+            "--poison",
+            "0.02",
+            "--late",
+            "0.01",
+            "--filtered",
+            "0.1",
+            "--step-ms",
+            "100",
+            "--manifest",
+            manifest,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("loadgen")
+}
+
+/// Every record's fate in the job's checkpoint (aggregated, filtered, duplicate, late,
+/// dead-lettered) is the one the declared manifest gave it.
+pub fn assert_fates(job: &Job, m: &tally::loadgen::DeclaredManifest) {
+    let store =
+        tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
+            .unwrap();
+    let mut totals = tally_core::Accounting::default();
+    for c in store.meta().unwrap().partitions.values() {
+        totals.add(&c.totals);
+    }
+    assert_eq!(
+        totals.fates(),
+        m.fates(),
+        "every record's fate as the manifest has it"
+    );
+    assert!(m.duplicates > 0 && m.late > 0 && m.poison > 0, "{m:?}");
+}

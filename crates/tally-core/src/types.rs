@@ -119,6 +119,17 @@ pub struct Accounting {
 }
 
 impl Accounting {
+    /// What became of the records: (aggregated, filtered, duplicates, late, dead-lettered).
+    pub fn fates(&self) -> [u64; 5] {
+        [
+            self.aggregated,
+            self.filtered,
+            self.duplicates,
+            self.late,
+            self.dead_lettered,
+        ]
+    }
+
     pub fn balances(&self) -> bool {
         self.consumed
             == self.aggregated + self.duplicates + self.late + self.dead_lettered + self.filtered

@@ -21,9 +21,7 @@ impl Background {
         stop: Arc<AtomicBool>,
         body: impl FnOnce() + Send + 'static,
     ) -> Result<Background> {
-        let thread = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(body)
+        let thread = crate::job_scope::spawn(std::thread::Builder::new().name(name.into()), body)
             .with_context(|| format!("starting the {name} thread"))?;
         Ok(Background {
             stop,

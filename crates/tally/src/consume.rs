@@ -275,10 +275,11 @@ impl Consumer {
         // Freeing a pre-committed cut (every key and id of an epoch) costs as much as processing
         // thousands of records: it happens on a thread of its own, not on the consuming one.
         let (retired_tx, retired_rx) = mpsc::channel::<Arc<EpochCut>>();
-        std::thread::Builder::new()
-            .name("tally-free".into())
-            .spawn(move || retired_rx.into_iter().for_each(drop))
-            .context("starting the thread that frees pre-committed epochs")?;
+        crate::job_scope::spawn(
+            std::thread::Builder::new().name("tally-free".into()),
+            move || retired_rx.into_iter().for_each(drop),
+        )
+        .context("starting the thread that frees pre-committed epochs")?;
         let retire_precommitted = |in_flight: &mut InFlight| {
             for cut in in_flight.precommitted(Epoch(precommitted.load(Ordering::Acquire))) {
                 // A closed channel means the thread ended: the cut is freed here instead.
@@ -545,9 +546,9 @@ pub fn rebuild_seen_filters(
         return Ok(None);
     }
     let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("tally-idscan".into())
-        .spawn(move || {
+    crate::job_scope::spawn(
+std::thread::Builder::new().name("tally-idscan".into()),
+move || {
             for partition in partitions {
                 let started = Instant::now();
                 let mut builder = FilterBuilder::new(horizon_ms);

@@ -8,12 +8,16 @@ use anyhow::{Context, Result};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+const FAILED: &str = "stopped: the job ended with an error (see the log)";
+
 /// What `/ready` reports; the worker sets it.
 #[derive(Debug, Default)]
 pub struct Readiness {
     restored: AtomicBool,
     sinks_failing: AtomicBool,
     standby: AtomicBool,
+    /// The job ended with an error while others of the process run on.
+    failed: AtomicBool,
 }
 
 impl Readiness {
@@ -29,6 +33,10 @@ impl Readiness {
     pub fn set_standby(&self, standby: bool) {
         self.standby.store(standby, Ordering::SeqCst);
         metrics::gauge!("tally_worker_standby").set(if standby { 1.0 } else { 0.0 });
+    }
+
+    pub fn set_failed(&self) {
+        self.failed.store(true, Ordering::SeqCst);
     }
 
     pub fn is_standby(&self) -> bool {
@@ -49,6 +57,9 @@ impl Readiness {
 
     /// `Ok` when ready, else why not.
     pub fn check(&self) -> Result<(), &'static str> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(FAILED);
+        }
         if !self.restored.load(Ordering::SeqCst) {
             return Err(
                 "restoring: the checkpoint is not restored or a pre-committed epoch is not completed yet",
@@ -68,10 +79,21 @@ fn response(status: &str, content_type: &str, body: &str) -> String {
     )
 }
 
-/// The answer to one request line, e.g. `GET /ready HTTP/1.1`.
+/// What `/ready` says of one job: `Ok` with "ready" or "standby", or why not.
+fn job_status(readiness: &Readiness) -> Result<&'static str, &'static str> {
+    // A standby is ready in its own way: healthy, waiting to take the job over.
+    if readiness.is_standby() && !readiness.failed.load(Ordering::SeqCst) {
+        return Ok("standby");
+    }
+    readiness.check().map(|()| "ready")
+}
+
+/// The answer to one request line, e.g. `GET /ready HTTP/1.1`, for the process's `jobs`
+/// (name, readiness). With several jobs `/ready` is 200 only while every job is, and names
+/// each job's status.
 pub fn route(
     request_line: &str,
-    readiness: &Readiness,
+    jobs: &[(&str, &Readiness)],
     metrics: impl FnOnce() -> String,
 ) -> String {
     let path = request_line.split_whitespace().nth(1).unwrap_or("");
@@ -79,12 +101,25 @@ pub fn route(
     match path {
         "/metrics" => response("200 OK", "text/plain; version=0.0.4", &metrics()),
         "/health" => response("200 OK", "text/plain", "ok\n"),
-        // A standby is ready in its own way: healthy, waiting to take the job over.
-        "/ready" if readiness.is_standby() => response("200 OK", "text/plain", "standby\n"),
-        "/ready" => match readiness.check() {
-            Ok(()) => response("200 OK", "text/plain", "ready\n"),
-            Err(why) => response("503 Service Unavailable", "text/plain", &format!("{why}\n")),
-        },
+        "/ready" => {
+            let statuses: Vec<(&str, Result<&str, &str>)> = jobs
+                .iter()
+                .map(|(name, r)| (*name, job_status(r)))
+                .collect();
+            let all_ready = statuses.iter().all(|(_, s)| s.is_ok());
+            let body = match statuses.as_slice() {
+                [(_, one)] => format!("{}\n", one.unwrap_or_else(|why| why)),
+                several => several
+                    .iter()
+                    .map(|(name, s)| format!("{name}: {}\n", s.unwrap_or_else(|why| why)))
+                    .collect(),
+            };
+            if all_ready {
+                response("200 OK", "text/plain", &body)
+            } else {
+                response("503 Service Unavailable", "text/plain", &body)
+            }
+        }
         _ => response(
             "404 Not Found",
             "text/plain",
@@ -97,19 +132,28 @@ pub fn route(
 /// alerts serve every job a Prometheus scrapes (`job` itself is Prometheus's scrape job).
 pub const JOB_LABEL: &str = "tally_job";
 
-/// Installs the Prometheus recorder, every series labelled with `job`, and serves the three
-/// paths on `address` (empty: none).
-pub async fn serve(address: &str, job: &str, readiness: Arc<Readiness>) -> Result<()> {
+/// Installs the Prometheus recorder, every series labelled with the job that emitted it, and
+/// serves the three paths on `address` (empty: none) for the process's `jobs`.
+pub async fn serve(address: &str, jobs: Vec<(String, Arc<Readiness>)>) -> Result<()> {
     if address.is_empty() {
         return Ok(());
     }
     let addr: std::net::SocketAddr = address
         .parse()
         .with_context(|| format!("metrics.address {address:?}"))?;
-    let handle: PrometheusHandle = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .add_global_label(JOB_LABEL, job)
-        .install_recorder()
-        .context("installing the metrics recorder")?;
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle: PrometheusHandle = recorder.handle();
+    // One job: a series of no job's thread (the process's memory) is the job's too.
+    let fallback = match jobs.as_slice() {
+        [(name, _)] => Some(name.clone()),
+        _ => None,
+    };
+    metrics::set_global_recorder(crate::job_scope::JobLabelled {
+        inner: recorder,
+        fallback,
+    })
+    .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
+    let jobs = Arc::new(jobs);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("listening on metrics.address {addr}"))?;
@@ -120,7 +164,7 @@ pub async fn serve(address: &str, job: &str, readiness: Arc<Readiness>) -> Resul
                 continue;
             };
             let handle = handle.clone();
-            let readiness = readiness.clone();
+            let jobs = jobs.clone();
             tokio::spawn(async move {
                 // Read the request head, which may arrive in several segments.
                 let mut buf = vec![0u8; 4096];
@@ -134,7 +178,9 @@ pub async fn serve(address: &str, job: &str, readiness: Arc<Readiness>) -> Resul
                 }
                 let text = String::from_utf8_lossy(&buf[..n]);
                 let line = text.lines().next().unwrap_or("");
-                let answer = route(line, &readiness, || handle.render());
+                let jobs: Vec<(&str, &Readiness)> =
+                    jobs.iter().map(|(n, r)| (n.as_str(), r.as_ref())).collect();
+                let answer = route(line, &jobs, || handle.render());
                 let _ = stream.write_all(answer.as_bytes()).await;
                 let _ = stream.shutdown().await;
             });
@@ -171,19 +217,44 @@ mod tests {
     #[test]
     fn ready_only_once_restored_and_while_sinks_work() {
         let r = Readiness::default();
-        assert!(route("GET /health HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 200"));
-        let not_yet = route("GET /ready HTTP/1.1", &r, String::new);
+        let job = [("revenue_agg", &r)];
+        assert!(route("GET /health HTTP/1.1", &job, String::new).starts_with("HTTP/1.1 200"));
+        let not_yet = route("GET /ready HTTP/1.1", &job, String::new);
         assert!(not_yet.starts_with("HTTP/1.1 503"), "{not_yet}");
         assert!(not_yet.contains("restoring"));
         r.set_restored();
-        assert!(route("GET /ready HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 200"));
+        assert!(route("GET /ready HTTP/1.1", &job, String::new).starts_with("HTTP/1.1 200"));
         r.set_sinks_failing(true);
-        let failing = route("GET /ready HTTP/1.1", &r, String::new);
+        let failing = route("GET /ready HTTP/1.1", &job, String::new);
         assert!(failing.contains("a sink is failing"), "{failing}");
         r.set_sinks_failing(false);
-        assert!(route("GET /ready?x=1 HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 200"));
-        let m = route("GET /metrics HTTP/1.1", &r, || "tally_epoch 3\n".into());
+        assert!(route("GET /ready?x=1 HTTP/1.1", &job, String::new).starts_with("HTTP/1.1 200"));
+        let m = route("GET /metrics HTTP/1.1", &job, || "tally_epoch 3\n".into());
         assert!(m.ends_with("tally_epoch 3\n") && m.contains("Content-Length: 14"));
-        assert!(route("GET /nope HTTP/1.1", &r, String::new).starts_with("HTTP/1.1 404"));
+        assert!(route("GET /nope HTTP/1.1", &job, String::new).starts_with("HTTP/1.1 404"));
+    }
+
+    #[test]
+    fn with_several_jobs_ready_names_each_and_waits_for_all() {
+        let (a, b) = (Readiness::default(), Readiness::default());
+        a.set_restored();
+        b.set_standby(true);
+        let jobs = [("orders", &a), ("page_views", &b)];
+        let ready = route("GET /ready HTTP/1.1", &jobs, String::new);
+        assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+        assert!(
+            ready.ends_with("orders: ready\npage_views: standby\n"),
+            "{ready}"
+        );
+        b.set_standby(false);
+        b.set_failed();
+        let failed = route("GET /ready HTTP/1.1", &jobs, String::new);
+        assert!(failed.starts_with("HTTP/1.1 503"), "{failed}");
+        assert!(
+            failed.ends_with(
+                "orders: ready\npage_views: stopped: the job ended with an error (see the log)\n"
+            ),
+            "{failed}"
+        );
     }
 }

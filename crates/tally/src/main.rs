@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -10,7 +10,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tally::config::{Config, Millis};
 use tally::loadgen::LoadSpec;
 use tally::prove;
-use tally::retry::Interrupted;
 
 /// Exactly-once stream processing from Kafka into ClickHouse.
 ///
@@ -40,16 +39,18 @@ enum LogFormat {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a job until SIGTERM or SIGINT (then it takes a final checkpoint and exits).
+    /// Run jobs until SIGTERM or SIGINT (then each takes a final checkpoint and exits).
     Run {
-        /// The job's TOML file.
-        #[arg(long, short)]
-        config: PathBuf,
+        /// A job's TOML file, or a directory of them; repeat for several jobs in one process,
+        /// each with its own group, state directory, tables and failures.
+        #[arg(long, short, required = true)]
+        config: Vec<PathBuf>,
     },
-    /// Validate a job's config and print the effective settings (passwords masked).
+    /// Validate a job's config and print the effective settings (passwords masked); with
+    /// several files (or a directory), also that one process can run them together.
     CheckConfig {
-        #[arg(long, short)]
-        config: PathBuf,
+        #[arg(long, short, required = true)]
+        config: Vec<PathBuf>,
     },
     /// Produce a deterministic order stream to the job's source topic and write its ground truth.
     Loadgen(LoadgenArgs),
@@ -275,7 +276,7 @@ fn main() {
 /// Dispatches the command line to its command.
 fn real_main(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Run { config } => run(&load_config(&config)?),
+        Command::Run { config } => run(&config),
         Command::CheckConfig { config } => check_config(&config),
         Command::Loadgen(args) => loadgen(args),
         Command::Verify { config, manifest } => {
@@ -329,48 +330,14 @@ fn parse_duration(text: &str, flag: &str) -> Result<std::time::Duration> {
         .as_duration())
 }
 
-/// `tally run`: the job's identity checked, its read side and its tasks run until a stop.
-fn run(cfg: &Config) -> Result<()> {
-    let rt = runtime()?;
-    let shutdown = Arc::new(AtomicBool::new(false));
-    rt.block_on(async {
-        let readiness = Arc::new(tally::health::Readiness::default());
-        tally::health::serve(&cfg.metrics.address, &cfg.job.name, readiness.clone()).await?;
-        tokio::spawn(tally::memory::report());
-        spawn_signal_handler(shutdown.clone());
-        // A worker whose rules or resources clash with its job's, or another job's, stops
-        // here, before it joins anything.
-        if !tally::identity::check(cfg, &shutdown).await? {
-            tracing::info!("stopped before the job's identity was checked");
-            return Ok(());
-        }
-        let handle = tokio::runtime::Handle::current();
-        // Every worker of the job may hold its read side, standing by or not.
-        let signals = tally::read_side::CommitSignals::default();
-        let read_side = tally::read_side::ReadSide::start(cfg, handle.clone(), signals.clone())?;
-        let (cfg, flag) = (cfg.clone(), shutdown.clone());
-        let result = tokio::task::spawn_blocking(move || {
-            let result = tally::tasks::run(cfg, handle, flag, readiness, signals);
-            // A clean stop publishes what it committed and hands the read side on; otherwise
-            // it is only released.
-            if result.is_ok() {
-                read_side.publish_and_stop();
-            } else {
-                drop(read_side);
-            }
-            result
-        })
-        .await
-        .context("worker thread")?;
-        match result {
-            // Asked to stop while still waiting for a service: nothing to checkpoint.
-            Err(e) if e.is::<Interrupted>() && shutdown.load(Ordering::SeqCst) => {
-                tracing::info!("stopped before the first record: {e:#}");
-                Ok(())
-            }
-            other => other,
-        }
-    })
+/// `tally run`: each job file's jobs, until a stop.
+fn run(paths: &[PathBuf]) -> Result<()> {
+    // The files are checked against each other before the process takes their shared settings.
+    let jobs = tally::process::load_jobs(paths, |file| Ok(Config::load(file)?))?;
+    for cfg in &jobs {
+        use_state_memory(cfg)?;
+    }
+    tally::process::run(jobs, Arc::new(AtomicBool::new(false)))
 }
 
 fn loadgen(args: LoadgenArgs) -> Result<()> {
@@ -464,7 +431,7 @@ fn probe(cfg: &Config, interval: &str, duration: Option<&str>) -> Result<()> {
         .transpose()?;
     let stop = Arc::new(AtomicBool::new(false));
     let report = runtime()?.block_on(async {
-        spawn_signal_handler(stop.clone());
+        tokio::spawn(tally::process::stop_on_signal(stop.clone()));
         prove::probe(cfg, interval, duration, &stop).await
     })?;
     println!(
@@ -538,7 +505,21 @@ fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
 
 /// Loads the configuration and applies what is the process's, not one store's or client's.
 /// Prints the effective settings and the declared job, and how `run` runs it.
-fn check_config(path: &std::path::Path) -> Result<()> {
+/// Each job file of `paths` checked and described; several are also checked against each
+/// other as one process would run them.
+fn check_config(paths: &[PathBuf]) -> Result<()> {
+    let files = tally::process::job_files(paths)?;
+    for file in &files {
+        check_job_file(file)?;
+    }
+    if files.len() > 1 {
+        tally::process::load_jobs(&files, |file| Ok(Config::load(file)?))?;
+        println!("{} jobs can run in one process", files.len());
+    }
+    Ok(())
+}
+
+fn check_job_file(path: &std::path::Path) -> Result<()> {
     let (cfg, job) = Config::load_declared(path)?;
     println!("{cfg:#?}");
     let Some(job) = job else {
@@ -554,14 +535,17 @@ fn check_config(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// The configuration of a tool that reads revenue_agg's columns: tools by declaration are the
-/// next step of docs/declared-jobs.md.
+/// A job's configuration, with its RocksDB memory taken as the process's.
 fn load_config(path: &std::path::Path) -> Result<Config> {
     let cfg = Config::load(path)?;
-    tally_state::set_shared_memory_mib(cfg.job.state_memory_mib).map_err(|set| {
-        anyhow::anyhow!("job.state_memory_mib: this process already uses {set} MiB")
-    })?;
+    use_state_memory(&cfg)?;
     Ok(cfg)
+}
+
+/// The process's RocksDB memory, from the job's `job.state_memory_mib`.
+fn use_state_memory(cfg: &Config) -> Result<()> {
+    tally_state::set_shared_memory_mib(cfg.job.state_memory_mib)
+        .map_err(|set| anyhow::anyhow!("job.state_memory_mib: this process already uses {set} MiB"))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -570,23 +554,4 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
-}
-
-fn spawn_signal_handler(shutdown: Arc<AtomicBool>) {
-    tokio::spawn(async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot listen for SIGTERM");
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        tracing::info!("shutdown requested");
-        shutdown.store(true, Ordering::SeqCst);
-    });
 }

@@ -279,12 +279,13 @@ fn share(
 /// silent after its session timeout.
 fn leave_group(member: Arc<Source>, within: Duration) {
     let (closed, wait) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new()
-        .name("tally-leave".into())
-        .spawn(move || {
+    let spawned = crate::job_scope::spawn(
+        std::thread::Builder::new().name("tally-leave".into()),
+        move || {
             drop(member);
             let _ = closed.send(());
-        });
+        },
+    );
     if spawned.is_ok() && wait.recv_timeout(within).is_err() {
         tracing::warn!(
             waited_ms = within.as_millis() as u64,
@@ -308,16 +309,17 @@ fn start_task(
     let config = config.for_task(task);
     let (rt, member, flag, ready) = (rt.clone(), member.clone(), stop.clone(), readiness.clone());
     let ended = SetOnDrop(done.clone());
-    let thread = std::thread::Builder::new()
-        .name(format!("tally-task-{task}"))
-        .spawn(move || -> Result<()> {
+    let thread = crate::job_scope::spawn(
+        std::thread::Builder::new().name(format!("tally-task-{task}")),
+        move || -> Result<()> {
             let _ended = ended;
             tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
             let producer = crate::lease::fence_and_make_current(&config, &rt, &flag, None)?;
             crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer), signals)?
                 .run()
-        })
-        .context("starting a task thread")?;
+        },
+    )
+    .context("starting a task thread")?;
     Ok(RunningTask {
         end: TaskEnd { stop, done },
         readiness,

@@ -211,14 +211,16 @@ impl Worker {
             fault,
             precommitted: precommitted.clone(),
         };
-        let persister = std::thread::Builder::new()
-            .name("tally-persist".into())
-            .spawn(move || persister.run(handoff_rx, persisted_tx))
-            .context("starting the persister thread")?;
-        let sink_thread = std::thread::Builder::new()
-            .name("tally-sinks".into())
-            .spawn(move || committer.run(persisted_rx, committed_tx))
-            .context("starting the sink thread")?;
+        let persister = crate::job_scope::spawn(
+            std::thread::Builder::new().name("tally-persist".into()),
+            move || persister.run(handoff_rx, persisted_tx),
+        )
+        .context("starting the persister thread")?;
+        let sink_thread = crate::job_scope::spawn(
+            std::thread::Builder::new().name("tally-sinks".into()),
+            move || committer.run(persisted_rx, committed_tx),
+        )
+        .context("starting the sink thread")?;
 
         let consumed = consumer.consume(
             &mut operator,

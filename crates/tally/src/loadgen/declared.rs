@@ -619,6 +619,17 @@ impl ManifestBuilder {
 }
 
 impl DeclaredManifest {
+    /// The fate of the records produced, as [`tally_core::Accounting::fates`] counts them.
+    pub fn fates(&self) -> [u64; 5] {
+        [
+            self.valid,
+            self.filtered,
+            self.duplicates,
+            self.late,
+            self.poison,
+        ]
+    }
+
     pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
         let text = serde_json::to_vec(self).map_err(std::io::Error::other)?;
         std::fs::write(path, text)

@@ -582,7 +582,11 @@ pub async fn reconcile_every(
 ) -> Result<()> {
     let readiness = Arc::new(crate::health::Readiness::default());
     readiness.set_restored();
-    crate::health::serve(&config.metrics.address, &config.job.name, readiness).await?;
+    crate::health::serve(
+        &config.metrics.address,
+        vec![(config.job.name.clone(), readiness)],
+    )
+    .await?;
     let mut reconciler = IncrementalReconciler::new(config, full_every);
     loop {
         let round = reconciler.round(filter).await.map(|round| {
