@@ -132,6 +132,17 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
         "resumed, not recomputed:\n{}",
         job.log()
     );
+    // `reconcile --every` checks each round's new input while the stream goes on.
+    let rounds_path = job.dir.path().join("rounds.out");
+    let reconciler = Worker(
+        std::process::Command::new(worker_binary())
+            .args(["reconcile", "--config", &config])
+            .args(["--every", "500ms", "--full-every", "1000"])
+            .stdout(std::fs::File::create(&rounds_path).unwrap())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let out = loadgen.wait_with_output().unwrap();
     assert!(
         out.status.success(),
@@ -169,6 +180,43 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     assert!(ok && text.contains("reconcile: OK"), "{text}");
 
     let m = tally::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    // Its rounds read every record once, one full round then the new input, and every
+    // window they recomputed matches the view.
+    let mut text = String::new();
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    let read = |text: &str| -> u64 {
+        reconcile_rounds(text, "full")
+            .iter()
+            .chain(&reconcile_rounds(text, "incremental"))
+            .map(|r| r.0)
+            .sum()
+    };
+    while std::time::Instant::now() < until {
+        text = std::fs::read_to_string(&rounds_path).unwrap();
+        if read(&text) >= m.produced {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(reconciler);
+    let (full, incremental) = (
+        reconcile_rounds(&text, "full"),
+        reconcile_rounds(&text, "incremental"),
+    );
+    println!(
+        "{file} reconcile --every: {} full and {} incremental rounds read {} records, {} differ",
+        full.len(),
+        incremental.len(),
+        read(&text),
+        full.iter().chain(&incremental).map(|r| r.1).sum::<u64>()
+    );
+    assert_eq!(full.len(), 1, "{text}");
+    assert_eq!(read(&text), m.produced, "{text}");
+    assert!(incremental.iter().any(|r| r.0 > 0), "{text}");
+    assert!(
+        full.iter().chain(&incremental).all(|r| r.1 == 0),
+        "every round matches: {text}"
+    );
     // And verify does fail: one window counted once more in a copy of the manifest is found.
     let mut wrong = m.clone();
     let first = &mut wrong.windows[0].2[0];

@@ -334,24 +334,7 @@ async fn reconcile_every_reads_only_what_was_committed_since_the_last_round() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let rounds = |text: &str, kind: &str| -> Vec<(u64, u64)> {
-        text.lines()
-            .filter(|l| l.contains(&format!("({kind})")))
-            .map(|l| {
-                let num = |after: &str| -> u64 {
-                    l.split(after)
-                        .next()
-                        .unwrap_or("")
-                        .split_whitespace()
-                        .last()
-                        .unwrap_or("0")
-                        .parse()
-                        .unwrap_or(0)
-                };
-                (num(" records read"), num(" differ"))
-            })
-            .collect()
-    };
+    let rounds = reconcile_rounds;
     let until = Instant::now() + Duration::from_secs(60);
     while Instant::now() < until
         && rounds(&std::fs::read_to_string(&out_path).unwrap(), "full").is_empty()

@@ -800,3 +800,24 @@ pub fn assert_fates(job: &Job, m: &tally::loadgen::DeclaredManifest) {
     );
     assert!(m.duplicates > 0 && m.late > 0 && m.poison > 0, "{m:?}");
 }
+
+/// The rounds of `tally reconcile --every` output `text` of `kind` ("full" or
+/// "incremental"): (records read, keys that differ) each.
+pub fn reconcile_rounds(text: &str, kind: &str) -> Vec<(u64, u64)> {
+    text.lines()
+        .filter(|l| l.contains(&format!("({kind})")))
+        .map(|l| {
+            let num = |after: &str| -> u64 {
+                l.split(after)
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .last()
+                    .unwrap_or("0")
+                    .parse()
+                    .unwrap_or(0)
+            };
+            (num(" records read"), num(" differ"))
+        })
+        .collect()
+}

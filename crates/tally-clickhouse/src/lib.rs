@@ -666,6 +666,21 @@ impl ClickHouseSink {
         self.collect_cells(&sql, "reading the view at a cut").await
     }
 
+    /// [`read_view_at_windows`](Self::read_view_at_windows) for a job of any shape.
+    pub async fn read_view_at_windows_cells(
+        &self,
+        cut: &Cut,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> Result<Cells> {
+        let frontier = self.frontier().await?;
+        let range = (seconds(from_ms)?, seconds(to_ms)?);
+        let sql = self
+            .names
+            .cells_sql(&self.names.read_view_at_sql(frontier, cut, Some(range)));
+        self.collect_cells(&sql, "reading the view at a cut").await
+    }
+
     async fn collect_cells(&self, sql: &str, context: &str) -> Result<Cells> {
         let rows: Vec<CellsRow> = self
             .client

@@ -403,16 +403,11 @@ fn reconcile(args: ReconcileArgs) -> Result<()> {
             let r = rt.block_on(prove::reconcile_declared(&cfg, &job, &filter, true))?;
             exit_unless(r.mismatched == 0)
         }
-        (Some(_), Some(_)) => anyhow::bail!(
-            "`tally reconcile --every` reads revenue_agg's columns, and job {:?} declares another \
-             shape: this release reconciles it once per run (without --every)",
-            cfg.job.name
-        ),
         (None, None) => {
             let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
             exit_unless(r.mismatched == 0)
         }
-        (Some(every), None) => {
+        (Some(every), _) => {
             let every = parse_duration(&every, "--every")?;
             rt.block_on(prove::reconcile_every(
                 &cfg,

@@ -10,8 +10,7 @@ mod verify_declared;
 
 pub use probe::{ProbeReport, probe};
 pub use reconcile::{
-    IncrementalReconciler, ReconcileFilter, Reconciliation, Round, commit_log_gaps, reconcile,
-    reconcile_every,
+    ReconcileFilter, Reconciliation, Round, commit_log_gaps, reconcile, reconcile_every,
 };
 pub use reconcile_declared::reconcile_declared;
 pub use verify::{RowDiff, read_dead_letters, verify};

@@ -10,7 +10,9 @@ use tally_clickhouse::ClickHouseSink;
 use tally_core::declare::Job;
 use tally_core::{OutputRow, WindowAgg};
 
-use super::reconcile::{Committed, ReconcileFilter, Reconciliation, SourceReplay, committed};
+use super::reconcile::{
+    Committed, ReconcileFilter, Reconciliation, RoundRows, SourceReplay, committed,
+};
 use super::verify_declared::{RowKey, ViewTypes, WindowDiff, Windows, counted, shown_of};
 use crate::config::Config;
 
@@ -33,6 +35,90 @@ impl ReconcileFilter {
                 .customer
                 .as_ref()
                 .is_none_or(|c| keys.first() == Some(c))
+    }
+}
+
+/// A window's values of each source partition merged as the view merges them, and shown as
+/// the view shows them.
+fn merged_shown(
+    job: &Job,
+    key: &RowKey,
+    per_partition: &std::collections::BTreeMap<i32, WindowAgg>,
+) -> Result<Vec<crate::loadgen::Shown>> {
+    let mut merged = job.empty_value();
+    for value in per_partition.values() {
+        job.merge(&mut merged, value)
+            .map_err(|o| anyhow::anyhow!("window {key:?}: {o:?} merging partitions"))?;
+    }
+    Ok(shown_of(job, &merged))
+}
+
+/// A declared job's rows for `reconcile --every`: each window's partitions merged by the
+/// declaration, every shown column compared.
+pub(crate) struct DeclaredRows {
+    job: Arc<Job>,
+    types: ViewTypes,
+}
+
+impl DeclaredRows {
+    pub(crate) fn of(config: &Config, job: &Arc<Job>) -> DeclaredRows {
+        DeclaredRows {
+            job: job.clone(),
+            types: ViewTypes::of(config, job),
+        }
+    }
+}
+
+impl RoundRows for DeclaredRows {
+    type Key = RowKey;
+    type Value = WindowAgg;
+
+    fn row(&self) -> fn(&OutputRow) -> (RowKey, WindowAgg) {
+        declared_row
+    }
+
+    fn first_at(ms: i64) -> RowKey {
+        (ms, Vec::new())
+    }
+
+    fn window_start(key: &RowKey) -> i64 {
+        key.0
+    }
+
+    fn keeps(filter: &ReconcileFilter, key: &RowKey) -> bool {
+        filter.keeps_row(key)
+    }
+
+    async fn compare(
+        &self,
+        sink: &ClickHouseSink,
+        cut: &tally_clickhouse::Cut,
+        changed: &std::collections::BTreeSet<RowKey>,
+        replay: &SourceReplay<RowKey, WindowAgg>,
+        result: &mut Reconciliation,
+    ) -> Result<()> {
+        let (Some(first), Some(last)) = (changed.first(), changed.last()) else {
+            return Ok(());
+        };
+        let mut expected = Windows::new();
+        for key in changed {
+            if let Some(per_partition) = replay.values.get(key) {
+                expected.insert(key.clone(), merged_shown(&self.job, key, per_partition)?);
+            }
+        }
+        let found: Windows = self
+            .types
+            .read(
+                sink.read_view_at_windows_cells(cut, first.0, last.0)
+                    .await?,
+            )?
+            .into_iter()
+            .filter(|(k, _)| changed.contains(k))
+            .collect();
+        result.mismatched += WindowDiff::compare(&expected, &found).len();
+        result.source_orders += counted(&self.job, &expected).map_or(0, |c| c.0);
+        result.sink_orders += counted(&self.job, &found).map_or(0, |c| c.0);
+        Ok(())
     }
 }
 
@@ -68,15 +154,9 @@ pub async fn reconcile_declared(
         .context("reconcile thread")??;
     let mut source = Windows::new();
     for (key, per_partition) in &replay.values {
-        if !filter.keeps_row(key) {
-            continue;
+        if filter.keeps_row(key) {
+            source.insert(key.clone(), merged_shown(job, key, per_partition)?);
         }
-        let mut merged = job.empty_value();
-        for value in per_partition.values() {
-            job.merge(&mut merged, value)
-                .map_err(|o| anyhow::anyhow!("window {key:?}: {o:?} merging partitions"))?;
-        }
-        source.insert(key.clone(), shown_of(job, &merged));
     }
     let found: Windows = ViewTypes::of(config, job)
         .read(sink.read_view_at_cells(&cut).await?)?
