@@ -1,7 +1,8 @@
 //! Several jobs in one `tally run` process, against the real services: the two shipped example
-//! jobs and a third whose state directory cannot be opened. The broken job stops alone; the
-//! others run through a kill -9 of the process and verify exactly, each with its own series
-//! on the one metrics address.
+//! jobs, a third whose state directory cannot be opened and a fourth whose ClickHouse is
+//! unreachable. The broken job stops alone and the cut-off one waits; the others run through a
+//! kill -9 of the process and verify exactly, each with its own series on the one metrics
+//! address.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 mod common;
@@ -62,7 +63,7 @@ fn get(address: &str, path: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn jobs_of_one_process_are_exact_after_a_kill_9_and_a_broken_one_stops_alone() {
+async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_off_one() {
     let address = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().to_string()
@@ -84,8 +85,17 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_and_a_broken_one_stops_alo
     create_topic(&broken_topic, 1).await;
     let broken = Job::new(&broken_topic, "");
     write_file(&broken.state_dir(), "not a directory");
+    // A job whose ClickHouse does not answer: it waits for it, and stops at SIGTERM.
+    let cut_off_topic = unique("orders");
+    create_topic(&cut_off_topic, 1).await;
+    let cut_off = Job::new(&cut_off_topic, "");
+    let text = std::fs::read_to_string(&cut_off.config).unwrap();
+    write_file(
+        &cut_off.config,
+        &text.replace(CLICKHOUSE, "http://127.0.0.1:9"),
+    );
     let log_of = &jobs[0];
-    let all = [&jobs[0], &jobs[1], &broken];
+    let all = [&jobs[0], &jobs[1], &broken, &cut_off];
 
     let before = log_of.log().len();
     let mut process = spawn_process(&all);
@@ -168,6 +178,14 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_and_a_broken_one_stops_alo
             broken.name
         )),
         "{ready}"
+    );
+    let waiting = ready
+        .lines()
+        .find(|l| l.starts_with(&format!("{}: ", cut_off.name)));
+    println!("/ready: {ready}");
+    assert!(
+        waiting.is_some_and(|l| !l.ends_with(": ready")),
+        "the job cut off from ClickHouse is not ready: {ready}"
     );
 
     sigterm(&process.0);
