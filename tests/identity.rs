@@ -185,3 +185,53 @@ async fn two_jobs_writing_one_table_are_refused_in_either_order_even_without_a_s
     )
     .await;
 }
+
+/// A declared job run again with its declaration changed (its filter's status range narrowed) is
+/// refused before it reads anything, naming the declaration and the way to migrate: a new job.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_changed_declaration_is_refused_with_the_way_to_migrate() {
+    let topic = unique("api_latency");
+    create_topic(&topic, 2).await;
+    let job = Job::shipped("api_latency.toml", &topic);
+    let manifest = job.dir.path().join("m.json");
+    let (ok, out) = tally_command(
+        &job,
+        "loadgen",
+        &[
+            "--events",
+            "600",
+            "--partitions",
+            "2",
+            "--manifest",
+            manifest.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{out}");
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_for_log(before, "checkpoint committed", Duration::from_secs(60))
+        .await;
+    sigterm(&worker);
+    assert!(wait_exit(&mut worker, Duration::from_secs(30)).is_some_and(|s| s.success()));
+
+    let text = std::fs::read_to_string(&job.config).unwrap();
+    assert!(text.contains("max = 599"), "{text}");
+    write_file(&job.config, &text.replace("max = 599", "max = 499"));
+    let (ok, log) = run_to_exit(&job, &[]);
+    assert!(!ok, "refused; log:\n{log}");
+    let error = error_line(&log);
+    eprintln!("{error}");
+    assert!(error.contains("aggregation: the job has"), "{error}");
+    assert!(
+        error.contains("100 <= status <= 599"),
+        "the old filter: {error}"
+    );
+    assert!(
+        error.contains("100 <= status <= 499"),
+        "the new filter: {error}"
+    );
+    assert!(
+        error.contains("run the new rules as a new job") && error.contains("tally retire"),
+        "says how to migrate: {error}"
+    );
+}

@@ -31,6 +31,7 @@ use tally_core::{Epoch, OutputRow, PartitionId};
 pub use fold::{FOLD_STEP_ROWS, FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
 pub use publish::{PublishOutcome, PublishStep, Published};
 pub use read_side::{ReadLease, ReadSideHolder};
+pub use rows::ColumnType;
 pub use schema::{Cut, Frontier, Shape, TableNames};
 
 #[derive(Debug, thiserror::Error)]

@@ -10,9 +10,9 @@ use crate::{Result, Shape, SinkError};
 /// The columns every data row starts with, before the keys.
 const FIXED_COLUMNS: [&str; 4] = ["version", "source_partition", "window_start", "window_end"];
 
-/// A ClickHouse type the sink writes in key and value columns.
+/// A ClickHouse type the sink writes in key and value columns (and the view shows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ColumnType {
+pub enum ColumnType {
     String,
     Int64,
     UInt64,
@@ -25,7 +25,8 @@ enum ColumnType {
 }
 
 impl ColumnType {
-    fn parse(ty: &str) -> Option<ColumnType> {
+    /// The type a [`Shape`] column names (`Decimal(18, 2)`, ...).
+    pub fn parse(ty: &str) -> Option<ColumnType> {
         let ty: String = ty.chars().filter(|c| !c.is_whitespace()).collect();
         Some(match ty.as_str() {
             "String" => ColumnType::String,

@@ -252,7 +252,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
 
     // Processed → Written: the commit log is one contiguous chain; the DLQ matches it.
     let gaps = prove::commit_log_gaps(&batches);
-    let (committed_events, _, committed_dead) = sink.commit_totals().await?;
+    let (committed_events, committed_revenue, committed_dead) = sink.commit_totals().await?;
     let dead = prove::read_dead_letters(config)?;
     let in_dlq: usize = dead.values().map(Vec::len).sum();
     let repeated = dead.values().filter(|v| v.len() > 1).count();
@@ -324,7 +324,10 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             )
             .await?
         }
-        None => revenue_view(&sink, unpublished_after, compare_totals).await?,
+        None => {
+            let committed = (committed_events, committed_revenue);
+            revenue_view(&sink, unpublished_after, compare_totals, committed).await?
+        }
     };
     let frontier = sink.frontier().await?;
     let mut problems = Vec::new();
@@ -429,11 +432,12 @@ struct ViewAgainstCommits {
 }
 
 /// revenue_agg: the view's totals against the commit log's for the batches it published, and
-/// the committed versions' totals against the whole commit log.
+/// the committed versions' totals against the whole commit log's, `(events, revenue)`.
 async fn revenue_view(
     sink: &ClickHouseSink,
     unpublished_after: Duration,
     compare_totals: bool,
+    (events, committed_revenue): (u64, String),
 ) -> Result<ViewAgainstCommits> {
     // Read again if a publish came between the view and the commit log's totals.
     let mut attempts = 0;
@@ -449,7 +453,6 @@ async fn revenue_view(
             break totals;
         }
     };
-    let (events, committed_revenue, _) = sink.commit_totals().await?;
     let mut problems = Vec::new();
     if doubled > 0 {
         problems.push(format!("{doubled} keys appear more than once in the view"));
@@ -498,7 +501,7 @@ async fn declared_view(
     compare_totals: bool,
     committed_events: u64,
 ) -> Result<ViewAgainstCommits> {
-    let types = prove::ViewTypes::of(config, job);
+    let types = prove::ViewTypes::of(config, job)?;
     let mut problems = Vec::new();
     let read = |what: &str, cells: tally_clickhouse::Result<tally_clickhouse::Cells>| {
         cells

@@ -85,16 +85,31 @@ impl JobIdentity {
         }
     }
 
-    /// `(key, recorded, mine)` for every rule that differs.
+    /// `(key, recorded, mine)` for every rule that differs. A rule of several lines (the
+    /// declaration) shows only the lines the other lacks.
     pub fn differences(&self, mine: &JobIdentity) -> Vec<(String, String, String)> {
         let keys: std::collections::BTreeSet<&String> =
             self.rules.keys().chain(mine.rules.keys()).collect();
         keys.into_iter()
             .filter_map(|k| {
                 let (a, b) = (self.rules.get(k), mine.rules.get(k));
-                (a != b).then(|| {
-                    let show = |v: Option<&String>| v.map_or("(none)".into(), |v| format!("{v:?}"));
-                    (k.clone(), show(a), show(b))
+                (a != b).then(|| match (a, b) {
+                    (Some(a), Some(b)) if a.contains('\n') || b.contains('\n') => {
+                        let only = |x: &str, y: &str| {
+                            let lines: Vec<&str> = x
+                                .lines()
+                                .map(str::trim)
+                                .filter(|l| !y.lines().any(|o| o.trim() == *l))
+                                .collect();
+                            format!("{:?}", lines.join("; "))
+                        };
+                        (k.clone(), only(a, b), only(b, a))
+                    }
+                    _ => {
+                        let show =
+                            |v: Option<&String>| v.map_or("(none)".into(), |v| format!("{v:?}"));
+                        (k.clone(), show(a), show(b))
+                    }
                 })
             })
             .collect()
@@ -339,6 +354,26 @@ mod tests {
         );
         assert!(!err.contains("job.tasks"), "{err}");
         assert!(refuse_differences(&job, &job, "x").is_ok());
+        // A declaration shows the lines that differ, not itself twice.
+        let declared = |filter: &str| {
+            identity(
+                "a",
+                &[(
+                    "aggregation",
+                    &format!("aggregation:\n  field  status integer\n  filter {filter}\n"),
+                )],
+            )
+        };
+        let err = refuse_differences(&declared("status <= 599"), &declared("status <= 499"), "x")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains(
+                r#"aggregation: the job has "filter status <= 599", this worker "filter status <= 499""#
+            ),
+            "{err}"
+        );
     }
 
     #[test]

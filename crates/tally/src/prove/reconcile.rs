@@ -657,7 +657,7 @@ pub async fn reconcile_every(
     .await?;
     match &config.declared {
         Some(job) => {
-            let rows = super::reconcile_declared::DeclaredRows::of(config, job);
+            let rows = super::reconcile_declared::DeclaredRows::of(config, job)?;
             every_round(
                 IncrementalReconciler::new(config, full_every, rows),
                 filter,

@@ -61,11 +61,11 @@ pub(crate) struct DeclaredRows {
 }
 
 impl DeclaredRows {
-    pub(crate) fn of(config: &Config, job: &Arc<Job>) -> DeclaredRows {
-        DeclaredRows {
+    pub(crate) fn of(config: &Config, job: &Arc<Job>) -> Result<DeclaredRows> {
+        Ok(DeclaredRows {
             job: job.clone(),
-            types: ViewTypes::of(config, job),
-        }
+            types: ViewTypes::of(config, job)?,
+        })
     }
 }
 
@@ -158,7 +158,7 @@ pub async fn reconcile_declared(
             source.insert(key.clone(), merged_shown(job, key, per_partition)?);
         }
     }
-    let found: Windows = ViewTypes::of(config, job)
+    let found: Windows = ViewTypes::of(config, job)?
         .read(sink.read_view_at_cells(&cut).await?)?
         .into_iter()
         .filter(|(k, _)| filter.keeps_row(k))

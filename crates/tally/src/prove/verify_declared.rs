@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
-use tally_clickhouse::{Cells, ClickHouseSink};
+use tally_clickhouse::{Cells, ClickHouseSink, ColumnType};
 use tally_core::declare::{FieldKind, Function, Job, parse_decimal};
 use tally_core::{WindowAgg, Word};
 
@@ -18,37 +18,25 @@ use crate::loadgen::{DeclaredManifest, Shown};
 pub(crate) type RowKey = (i64, Vec<String>);
 pub(crate) type Windows = BTreeMap<RowKey, Vec<Shown>>;
 
-/// The scale of a `Decimal(18, s)` column type.
-fn decimal_scale(kind: &str) -> Option<u32> {
-    kind.strip_prefix("Decimal(18, ")?
-        .strip_suffix(')')?
-        .parse()
-        .ok()
-}
-
 /// A key as loadgen writes it: decimals in units, floats as Rust prints them.
-fn canonical_key(text: &str, kind: &str) -> Result<String> {
-    if let Some(scale) = decimal_scale(kind) {
-        return parse_decimal(text, scale)
-            .map(|u| u.to_string())
-            .map_err(anyhow::Error::msg);
-    }
-    if kind == "Float64" {
-        return Ok(text.parse::<f64>().context("a float key")?.to_string());
-    }
-    Ok(text.to_owned())
+fn canonical_key(text: &str, kind: ColumnType) -> Result<String> {
+    Ok(match kind {
+        ColumnType::Decimal(scale) => parse_decimal(text, scale)
+            .map_err(anyhow::Error::msg)?
+            .to_string(),
+        ColumnType::Float64 => text.parse::<f64>().context("a float key")?.to_string(),
+        _ => text.to_owned(),
+    })
 }
 
-fn shown_value(text: &str, kind: &str) -> Result<Shown> {
-    if let Some(scale) = decimal_scale(kind) {
-        return parse_decimal(text, scale)
-            .map(|u| Shown::Exact(i128::from(u)))
-            .map_err(anyhow::Error::msg);
-    }
-    if kind == "Float64" {
-        return Ok(Shown::Float(text.parse()?));
-    }
-    Ok(Shown::Exact(text.parse()?))
+fn shown_value(text: &str, kind: ColumnType) -> Result<Shown> {
+    Ok(match kind {
+        ColumnType::Decimal(scale) => Shown::Exact(i128::from(
+            parse_decimal(text, scale).map_err(anyhow::Error::msg)?,
+        )),
+        ColumnType::Float64 => Shown::Float(text.parse()?),
+        _ => Shown::Exact(text.parse()?),
+    })
 }
 
 /// A window's value (its aggregates' words) as the view shows it.
@@ -87,25 +75,27 @@ pub(crate) fn shown_of(job: &Job, value: &WindowAgg) -> Vec<Shown> {
 
 /// The ClickHouse types of a declared job's view columns: its keys', then its aggregates'.
 pub(crate) struct ViewTypes {
-    keys: Vec<String>,
-    values: Vec<String>,
+    keys: Vec<ColumnType>,
+    values: Vec<ColumnType>,
 }
 
 impl ViewTypes {
-    pub(crate) fn of(config: &Config, job: &Job) -> ViewTypes {
+    pub(crate) fn of(config: &Config, job: &Job) -> Result<ViewTypes> {
         // The view's columns are window_start, window_end, the keys, the aggregates.
-        let mut types: Vec<String> = config
+        let mut types = config
             .sink_shape()
             .view_columns()
             .into_iter()
             .skip(2)
-            .map(|(_, t)| t)
-            .collect();
+            .map(|(c, t)| {
+                ColumnType::parse(&t).with_context(|| format!("view column {c} of type {t}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let values = types.split_off(job.keys.len().min(types.len()));
-        ViewTypes {
+        Ok(ViewTypes {
             keys: types,
             values,
-        }
+        })
     }
 
     /// Cells read back as the manifest holds them, by the view's column types.
@@ -118,12 +108,12 @@ impl ViewTypes {
             let keys = keys
                 .iter()
                 .zip(&self.keys)
-                .map(|(k, t)| canonical_key(k, t))
+                .map(|(k, t)| canonical_key(k, *t))
                 .collect::<Result<Vec<_>>>()?;
             let values = values
                 .iter()
                 .zip(&self.values)
-                .map(|(v, t)| shown_value(v, t).with_context(|| format!("{v:?} as {t}")))
+                .map(|(v, t)| shown_value(v, *t).with_context(|| format!("{v:?} as {t}")))
                 .collect::<Result<Vec<_>>>()?;
             out.insert((start, keys), values);
         }
@@ -258,7 +248,7 @@ fn miscounted(job: &Job, expected: &Windows, found: &Windows) -> (u64, u64) {
 pub async fn verify_declared(config: &Config, job: &Job, manifest_path: &Path) -> Result<bool> {
     let manifest = DeclaredManifest::load(manifest_path)
         .with_context(|| format!("reading {}", manifest_path.display()))?;
-    let types = ViewTypes::of(config, job);
+    let types = ViewTypes::of(config, job)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let expected = manifest.shown(job);
     let found = types.read(sink.read_view_cells().await?)?;
@@ -322,19 +312,20 @@ mod tests {
 
     #[test]
     fn cells_read_back_by_their_column_types() {
-        assert_eq!(canonical_key("12.5", "Decimal(18, 2)").unwrap(), "1250");
-        assert_eq!(canonical_key("3", "Float64").unwrap(), "3");
-        assert_eq!(canonical_key("/home", "String").unwrap(), "/home");
+        let t = |ty: &str| ColumnType::parse(ty).unwrap();
+        assert_eq!(canonical_key("12.5", t("Decimal(18, 2)")).unwrap(), "1250");
+        assert_eq!(canonical_key("3", t("Float64")).unwrap(), "3");
+        assert_eq!(canonical_key("/home", t("String")).unwrap(), "/home");
         assert_eq!(
-            shown_value("-0.01", "Decimal(18, 4)").unwrap(),
+            shown_value("-0.01", t("Decimal(18, 4)")).unwrap(),
             Shown::Exact(-100)
         );
         assert_eq!(
-            shown_value("1790000000", "DateTime").unwrap(),
+            shown_value("1790000000", t("DateTime")).unwrap(),
             Shown::Exact(1_790_000_000)
         );
-        assert_eq!(shown_value("2.5", "Float64").unwrap(), Shown::Float(2.5));
-        assert!(shown_value("x", "UInt64").is_err());
+        assert_eq!(shown_value("2.5", t("Float64")).unwrap(), Shown::Float(2.5));
+        assert!(shown_value("x", t("UInt64")).is_err());
         assert!(Shown::Float(1.0).matches(&Shown::Float(1.0 + 1e-12)));
         assert!(!Shown::Float(1.0).matches(&Shown::Float(1.0001)));
         assert!(!Shown::Exact(1).matches(&Shown::Float(1.0)));
