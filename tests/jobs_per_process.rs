@@ -1,8 +1,8 @@
 //! Several jobs in one `tally run` process, against the real services: the two shipped example
 //! jobs, a third whose state directory cannot be opened and a fourth whose ClickHouse is
 //! unreachable. The broken job stops alone and the cut-off one waits; the others run through a
-//! kill -9 of the process and verify exactly, each with its own series on the one metrics
-//! address.
+//! kill -9 of the process and verify exactly, each with its own series; each metrics address
+//! serves the jobs that name it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 mod common;
@@ -64,20 +64,28 @@ fn get(address: &str, path: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_off_one() {
-    let address = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().to_string()
+    // The examples share one metrics address, the two others have one of their own.
+    let (address, other_address) = {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        (
+            a.local_addr().unwrap().to_string(),
+            b.local_addr().unwrap().to_string(),
+        )
+    };
+    let metrics_at = |job: &Job, address: &str| {
+        let text = std::fs::read_to_string(&job.config).unwrap();
+        write_file(
+            &job.config,
+            &text.replace("address = \"\"", &format!("address = \"{address}\"")),
+        );
     };
     let mut jobs = Vec::new();
     for file in ["page_views.toml", "api_latency.toml"] {
         let topic = unique(file.trim_end_matches(".toml"));
         create_topic(&topic, 2).await;
         let job = Job::shipped(file, &topic);
-        let text = std::fs::read_to_string(&job.config).unwrap();
-        write_file(
-            &job.config,
-            &text.replace("address = \"\"", &format!("address = \"{address}\"")),
-        );
+        metrics_at(&job, &address);
         jobs.push(job);
     }
     // A job whose state directory is a file: it cannot start.
@@ -85,6 +93,7 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_
     create_topic(&broken_topic, 1).await;
     let broken = Job::new(&broken_topic, "");
     write_file(&broken.state_dir(), "not a directory");
+    metrics_at(&broken, &other_address);
     // A job whose ClickHouse does not answer: it waits for it, and stops at SIGTERM.
     let cut_off_topic = unique("orders");
     create_topic(&cut_off_topic, 1).await;
@@ -94,6 +103,7 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_
         &cut_off.config,
         &text.replace(CLICKHOUSE, "http://127.0.0.1:9"),
     );
+    metrics_at(&cut_off, &other_address);
     let log_of = &jobs[0];
     let all = [&jobs[0], &jobs[1], &broken, &cut_off];
 
@@ -160,18 +170,25 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_
         }
     }
 
-    // One address serves every job's series, each labelled with its job; /ready names the
-    // broken job and is 503 while it is stopped.
+    // An address serves the series of the jobs that name it, each labelled with its job, and
+    // /ready for them: 200 for the examples; 503 for the others, naming the broken one.
     let metrics = get(&address, "/metrics");
     for job in &jobs {
         let series = format!("tally_records_consumed_total{{tally_job=\"{}\"}}", job.name);
         assert!(metrics.contains(&series), "{series}:\n{metrics}");
     }
+    assert!(
+        !metrics.contains(&broken.name) && !metrics.contains(&cut_off.name),
+        "{metrics}"
+    );
     let ready = get(&address, "/ready");
-    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     for job in &jobs {
         assert!(ready.contains(&format!("{}: ready", job.name)), "{ready}");
     }
+    let ready = get(&other_address, "/ready");
+    println!("/ready: {ready}");
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
     assert!(
         ready.contains(&format!(
             "{}: stopped: the job ended with an error",
@@ -182,7 +199,6 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_
     let waiting = ready
         .lines()
         .find(|l| l.starts_with(&format!("{}: ", cut_off.name)));
-    println!("/ready: {ready}");
     assert!(
         waiting.is_some_and(|l| !l.ends_with(": ready")),
         "the job cut off from ClickHouse is not ready: {ready}"

@@ -132,27 +132,63 @@ pub fn route(
 /// alerts serve every job a Prometheus scrapes (`job` itself is Prometheus's scrape job).
 pub const JOB_LABEL: &str = "tally_job";
 
-/// Installs the Prometheus recorder, every series labelled with the job that emitted it, and
-/// serves the three paths on `address` (empty: none) for the process's `jobs`.
-pub async fn serve(address: &str, jobs: Vec<(String, Arc<Readiness>)>) -> Result<()> {
-    if address.is_empty() {
-        return Ok(());
-    }
-    let addr: std::net::SocketAddr = address
-        .parse()
-        .with_context(|| format!("metrics.address {address:?}"))?;
+/// Installs the Prometheus recorder, every series labelled with the job of the thread that
+/// registers it; `fallback` labels the series of no job's thread (a process of one job).
+pub fn install_recorder(fallback: Option<String>) -> Result<PrometheusHandle> {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-    let handle: PrometheusHandle = recorder.handle();
-    // One job: a series of no job's thread (the process's memory) is the job's too.
-    let fallback = match jobs.as_slice() {
-        [(name, _)] => Some(name.clone()),
-        _ => None,
-    };
+    let handle = recorder.handle();
     metrics::set_global_recorder(crate::job_scope::JobLabelled {
         inner: recorder,
         fallback,
     })
     .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
+    Ok(handle)
+}
+
+/// The recorder for a process of one job, and its three paths on `address` (empty: none).
+pub async fn serve(address: &str, jobs: Vec<(String, Arc<Readiness>)>) -> Result<()> {
+    if address.is_empty() {
+        return Ok(());
+    }
+    // One job: a series of no job's thread (the process's memory) is the job's too.
+    let fallback = match jobs.as_slice() {
+        [(name, _)] => Some(name.clone()),
+        _ => None,
+    };
+    let handle = install_recorder(fallback)?;
+    serve_at(address, handle, jobs, false).await
+}
+
+/// Series of `handle`'s rendering `text` that belong to one of `jobs` (`tally_job`), or to no
+/// job (the process's own).
+pub fn only_jobs(text: &str, jobs: &[&str]) -> String {
+    let label = format!("{JOB_LABEL}=\"");
+    text.lines()
+        .filter(|line| {
+            line.starts_with('#')
+                || line.split_once(&label).is_none_or(|(_, rest)| {
+                    rest.split_once('"')
+                        .is_some_and(|(job, _)| jobs.contains(&job))
+                })
+        })
+        .fold(String::new(), |mut out, line| {
+            out.push_str(line);
+            out.push('\n');
+            out
+        })
+}
+
+/// Serves `/metrics`, `/health` and `/ready` on `address` for `jobs`; with `only_these`, the
+/// series of the process's other jobs (served on their own addresses) are left out.
+pub async fn serve_at(
+    address: &str,
+    handle: PrometheusHandle,
+    jobs: Vec<(String, Arc<Readiness>)>,
+    only_these: bool,
+) -> Result<()> {
+    let addr: std::net::SocketAddr = address
+        .parse()
+        .with_context(|| format!("metrics.address {address:?}"))?;
     let jobs = Arc::new(jobs);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -180,7 +216,15 @@ pub async fn serve(address: &str, jobs: Vec<(String, Arc<Readiness>)>) -> Result
                 let line = text.lines().next().unwrap_or("");
                 let jobs: Vec<(&str, &Readiness)> =
                     jobs.iter().map(|(n, r)| (n.as_str(), r.as_ref())).collect();
-                let answer = route(line, &jobs, || handle.render());
+                let answer = route(line, &jobs, || {
+                    let all = handle.render();
+                    if only_these {
+                        let names: Vec<&str> = jobs.iter().map(|(n, _)| *n).collect();
+                        only_jobs(&all, &names)
+                    } else {
+                        all
+                    }
+                });
                 let _ = stream.write_all(answer.as_bytes()).await;
                 let _ = stream.shutdown().await;
             });
@@ -255,6 +299,20 @@ mod tests {
                 "orders: ready\npage_views: stopped: the job ended with an error (see the log)\n"
             ),
             "{failed}"
+        );
+    }
+
+    #[test]
+    fn an_address_of_some_jobs_serves_their_series_and_the_process_s() {
+        let text = "# TYPE tally_epoch gauge\n\
+                    tally_epoch{tally_job=\"orders\"} 3\n\
+                    tally_epoch{tally_job=\"page_views\",task=\"1\"} 4\n\
+                    tally_memory_bytes{part=\"rss\"} 9\n";
+        assert_eq!(
+            only_jobs(text, &["page_views"]),
+            "# TYPE tally_epoch gauge\n\
+             tally_epoch{tally_job=\"page_views\",task=\"1\"} 4\n\
+             tally_memory_bytes{part=\"rss\"} 9\n"
         );
     }
 }
