@@ -658,27 +658,20 @@ impl ClickHouseSink {
             .await
     }
 
-    /// [`read_view_at`](Self::read_view_at) for a job of any shape.
-    pub async fn read_view_at_cells(&self, cut: &Cut) -> Result<Cells> {
-        let frontier = self.frontier().await?;
-        let sql = self
-            .names
-            .cells_sql(&self.names.read_view_at_sql(frontier, cut, None));
-        self.collect_cells(&sql, "reading the view at a cut").await
-    }
-
-    /// [`read_view_at_windows`](Self::read_view_at_windows) for a job of any shape.
-    pub async fn read_view_at_windows_cells(
+    /// [`read_view_at`](Self::read_view_at) for a job of any shape; with `windows`, only the
+    /// windows starting in `[from_ms, to_ms]`.
+    pub async fn read_view_at_cells(
         &self,
         cut: &Cut,
-        from_ms: i64,
-        to_ms: i64,
+        windows: Option<(i64, i64)>,
     ) -> Result<Cells> {
         let frontier = self.frontier().await?;
-        let range = (seconds(from_ms)?, seconds(to_ms)?);
+        let range = windows
+            .map(|(from_ms, to_ms)| Ok::<_, SinkError>((seconds(from_ms)?, seconds(to_ms)?)))
+            .transpose()?;
         let sql = self
             .names
-            .cells_sql(&self.names.read_view_at_sql(frontier, cut, Some(range)));
+            .cells_sql(&self.names.read_view_at_sql(frontier, cut, range));
         self.collect_cells(&sql, "reading the view at a cut").await
     }
 

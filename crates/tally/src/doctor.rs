@@ -70,10 +70,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         customer: None,
     };
     // A view that cannot be read back (a key twice) is a FAIL row, not the end of the report.
-    let reconciled = match &config.declared {
-        Some(job) => prove::reconcile_declared(config, job, &filter, false).await,
-        None => prove::reconcile(config, &filter, false).await,
-    };
+    let reconciled = prove::reconcile(config, &filter, false).await;
     let source_duplicates = reconciled
         .as_ref()
         .map_or_else(|_| "?".to_owned(), |r| r.source_duplicates.to_string());
@@ -521,7 +518,7 @@ async fn declared_view(
         let view = read("the view", sink.read_view_cells().await);
         let at_cut = read(
             "the committed versions at the published cut",
-            sink.read_view_at_cells(&cut).await,
+            sink.read_view_at_cells(&cut, None).await,
         );
         let (events, _, unpublished) = sink
             .published_totals(published.as_ref(), unpublished_after)

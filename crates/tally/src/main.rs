@@ -398,16 +398,12 @@ fn reconcile(args: ReconcileArgs) -> Result<()> {
         customer: args.customer,
     };
     let rt = runtime()?;
-    match (args.every, cfg.declared.clone()) {
-        (None, Some(job)) => {
-            let r = rt.block_on(prove::reconcile_declared(&cfg, &job, &filter, true))?;
-            exit_unless(r.mismatched == 0)
-        }
-        (None, None) => {
+    match args.every {
+        None => {
             let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
             exit_unless(r.mismatched == 0)
         }
-        (Some(every), _) => {
+        Some(every) => {
             let every = parse_duration(&every, "--every")?;
             rt.block_on(prove::reconcile_every(
                 &cfg,

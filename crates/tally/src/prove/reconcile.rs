@@ -1,7 +1,7 @@
-//! `tally reconcile`: the sink against a recomputation from the source, once or every round.
+//! `tally reconcile`: the sink against a recomputation from the source; the replay and the
+//! commit log's chains that `--every` (`reconcile_every.rs`) shares.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -22,21 +22,21 @@ pub(crate) struct SourceReplay<K, V> {
     /// Per window key and source partition, the value the replay computed.
     pub(crate) values: BTreeMap<K, BTreeMap<i32, V>>,
     /// Per partition, where the replay's reading ended.
-    read_to: BTreeMap<i32, i64>,
+    pub(super) read_to: BTreeMap<i32, i64>,
     /// A row of a checkpoint as a key and value.
     row: fn(&OutputRow) -> (K, V),
 }
 
 /// What one [`SourceReplay::read`] did.
 pub(crate) struct ReadBack<K> {
-    records: u64,
+    pub(super) records: u64,
     pub(crate) duplicates: u64,
     /// The window keys whose value changed.
-    changed: BTreeSet<K>,
+    pub(super) changed: BTreeSet<K>,
 }
 
 /// revenue_agg's rows as the view shows them.
-fn revenue_row(row: &OutputRow) -> (ViewKey, ViewTotals) {
+pub(super) fn revenue_row(row: &OutputRow) -> (ViewKey, ViewTotals) {
     (
         (
             row.key.window_start_ms,
@@ -125,7 +125,7 @@ impl<K: Ord + Clone, V> SourceReplay<K, V> {
 
 impl SourceReplay<ViewKey, ViewTotals> {
     /// The recomputed value of `key`, summed over source partitions.
-    fn value(&self, key: &ViewKey) -> ViewTotals {
+    pub(super) fn value(&self, key: &ViewKey) -> ViewTotals {
         self.values.get(key).map_or((0, 0), |per_partition| {
             per_partition
                 .values()
@@ -141,7 +141,7 @@ pub struct ReconcileFilter {
 }
 
 impl ReconcileFilter {
-    fn keeps(&self, k: &ViewKey) -> bool {
+    pub(super) fn keeps(&self, k: &ViewKey) -> bool {
         self.from_ms.is_none_or(|f| k.0 >= f)
             && self.to_ms.is_none_or(|t| k.0 < t)
             && self.customer.as_ref().is_none_or(|c| *c == k.1)
@@ -235,6 +235,58 @@ pub(crate) async fn committed(config: &Config, sink: &ClickHouseSink) -> Result<
     }))
 }
 
+/// The committed source ranges replayed, and where the commit log says they were committed.
+pub(crate) struct Replayed<K, V> {
+    pub(crate) epoch: Epoch,
+    pub(crate) cut: tally_clickhouse::Cut,
+    pub(crate) gaps: Vec<String>,
+    pub(crate) replay: SourceReplay<K, V>,
+    /// Records whose event id the replay saw before.
+    pub(crate) duplicates: u64,
+}
+
+/// Reads the commit log and replays its committed ranges of the source, keeping each row by
+/// `row`; `None` (said when `print`) before the first commit.
+pub(crate) async fn replay_committed<K, V>(
+    config: &Config,
+    sink: &ClickHouseSink,
+    row: fn(&OutputRow) -> (K, V),
+    print: bool,
+) -> Result<Option<Replayed<K, V>>>
+where
+    K: Ord + Clone + Send + 'static,
+    V: Send + 'static,
+{
+    let Some(Committed {
+        epoch,
+        cut,
+        ranges,
+        gaps,
+    }) = committed(config, sink).await?
+    else {
+        if print {
+            println!("reconcile: nothing committed yet");
+        }
+        return Ok(None);
+    };
+    let replay_config = config.clone();
+    let (replay, duplicates) =
+        tokio::task::spawn_blocking(move || -> Result<(SourceReplay<K, V>, u64)> {
+            let mut replay = SourceReplay::new(&replay_config, row);
+            let back = replay.read(&replay_config, &ranges, 100_000)?;
+            Ok((replay, back.duplicates))
+        })
+        .await
+        .context("reconcile thread")??;
+    Ok(Some(Replayed {
+        epoch,
+        cut,
+        gaps,
+        replay,
+        duplicates,
+    }))
+}
+
 /// Recomputes the aggregates from the source topic up to the last committed epoch, with the
 /// same rules but none of the worker's state, and compares them with the sink at that epoch.
 pub async fn reconcile(
@@ -243,28 +295,16 @@ pub async fn reconcile(
     print: bool,
 ) -> Result<Reconciliation> {
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
-    let Some(Committed {
+    let Some(Replayed {
         epoch,
         cut,
-        ranges,
         gaps,
-    }) = committed(config, &sink).await?
+        replay,
+        duplicates: source_duplicates,
+    }) = replay_committed(config, &sink, revenue_row, print).await?
     else {
-        if print {
-            println!("reconcile: nothing committed yet");
-        }
         return Ok(Reconciliation::default());
     };
-    let replay_config = config.clone();
-    let (replay, back) =
-        tokio::task::spawn_blocking(move || -> Result<(SourceReplay<_, _>, ReadBack<_>)> {
-            let mut replay = SourceReplay::new(&replay_config, revenue_row);
-            let back = replay.read(&replay_config, &ranges, 100_000)?;
-            Ok((replay, back))
-        })
-        .await
-        .context("reconcile thread")??;
-    let source_duplicates = back.duplicates;
     let source_view: BTreeMap<ViewKey, ViewTotals> = replay
         .values
         .keys()
@@ -284,7 +324,7 @@ pub async fn reconcile(
     let result = Reconciliation {
         epoch: Some(epoch),
         keys: keys.len(),
-        mismatched: diff.missing.len() + diff.extra.len() + diff.different.len() + gaps.len(),
+        mismatched: diff.len() + gaps.len(),
         source_orders: source.values().map(|v| v.0).sum(),
         source_duplicates,
         sink_orders: found.values().map(|v| v.0).sum(),
@@ -357,7 +397,7 @@ pub fn commit_log_gaps(batches: &[tally_clickhouse::CommittedBatch]) -> Vec<Stri
 }
 
 /// [`commit_log_gaps`] for `batches` that continue the chains ending at `ends` (checked before).
-fn chain_gaps(
+pub(super) fn chain_gaps(
     ends: &BTreeMap<i32, i64>,
     batches: &[tally_clickhouse::CommittedBatch],
 ) -> Vec<String> {
@@ -450,253 +490,6 @@ fn missing_first_batches(starts: &BTreeMap<i32, i64>, lows: &BTreeMap<i32, i64>)
             })
         })
         .collect()
-}
-
-/// One round of [`IncrementalReconciler`].
-pub struct Round {
-    pub result: Reconciliation,
-    /// Whether this round started over from the beginning of the committed ranges.
-    pub full: bool,
-    /// Source records read in this round.
-    pub records_read: u64,
-}
-
-/// How `reconcile --every` keys, recomputes and compares the rows of one kind of job:
-/// revenue_agg's, or a declared job's.
-pub(crate) trait RoundRows {
-    type Key: Ord + Clone + Send;
-    type Value: Send;
-    /// A checkpoint's row as the replay keeps it.
-    fn row(&self) -> fn(&OutputRow) -> (Self::Key, Self::Value);
-    /// The first key of windows starting at `ms`.
-    fn first_at(ms: i64) -> Self::Key;
-    fn window_start(key: &Self::Key) -> i64;
-    fn keeps(filter: &ReconcileFilter, key: &Self::Key) -> bool;
-    /// Compares the recomputed `changed` windows with the view at `cut`, adding to `result`.
-    async fn compare(
-        &self,
-        sink: &ClickHouseSink,
-        cut: &tally_clickhouse::Cut,
-        changed: &BTreeSet<Self::Key>,
-        replay: &SourceReplay<Self::Key, Self::Value>,
-        result: &mut Reconciliation,
-    ) -> Result<()>;
-}
-
-/// revenue_agg's rows: orders and revenue summed over source partitions.
-pub(crate) struct RevenueRows;
-
-impl RoundRows for RevenueRows {
-    type Key = ViewKey;
-    type Value = ViewTotals;
-
-    fn row(&self) -> fn(&OutputRow) -> (ViewKey, ViewTotals) {
-        revenue_row
-    }
-
-    fn first_at(ms: i64) -> ViewKey {
-        (ms, String::new(), String::new())
-    }
-
-    fn window_start(key: &ViewKey) -> i64 {
-        key.0
-    }
-
-    fn keeps(filter: &ReconcileFilter, key: &ViewKey) -> bool {
-        filter.keeps(key)
-    }
-
-    async fn compare(
-        &self,
-        sink: &ClickHouseSink,
-        cut: &tally_clickhouse::Cut,
-        changed: &BTreeSet<ViewKey>,
-        replay: &SourceReplay<ViewKey, ViewTotals>,
-        result: &mut Reconciliation,
-    ) -> Result<()> {
-        let (Some(first), Some(last)) = (changed.first(), changed.last()) else {
-            return Ok(());
-        };
-        let found = sink.read_view_at_windows(cut, first.0, last.0).await?;
-        for key in changed {
-            let expected = replay.value(key);
-            let seen = found.get(key).copied().unwrap_or((0, 0));
-            result.source_orders += expected.0;
-            result.source_revenue += i128::from(expected.1);
-            result.sink_orders += seen.0;
-            result.sink_revenue += i128::from(seen.1);
-            if seen != expected {
-                result.mismatched += 1;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `reconcile --every`: each round reads from the source only what was committed since the
-/// previous round, recomputes the windows that input changed, and compares just those with the
-/// sink, so a round costs what the new input costs, not what the topic holds. Every
-/// `full_every` rounds it starts over from the beginning, which also checks windows that no new
-/// input touched.
-pub(crate) struct IncrementalReconciler<R: RoundRows> {
-    config: Config,
-    full_every: u64,
-    rounds: u64,
-    rows: R,
-    /// Final windows are let go between rounds.
-    replay: SourceReplay<R::Key, R::Value>,
-}
-
-impl<R: RoundRows> IncrementalReconciler<R> {
-    pub(crate) fn new(config: &Config, full_every: u64, rows: R) -> IncrementalReconciler<R> {
-        IncrementalReconciler {
-            config: config.clone(),
-            full_every: full_every.max(1),
-            rounds: 0,
-            replay: SourceReplay::new(config, rows.row()),
-            rows,
-        }
-    }
-
-    pub(crate) async fn round(&mut self, filter: &ReconcileFilter) -> Result<Round> {
-        let full = self.rounds.is_multiple_of(self.full_every);
-        if full {
-            self.replay = SourceReplay::new(&self.config, self.rows.row());
-        }
-        self.rounds += 1;
-        let sink = ClickHouseSink::connect(&self.config.sink_settings()).await?;
-        let read_to = self.replay.read_to.clone();
-        // The batches that reach past what earlier rounds read, in any partition.
-        let batches: Vec<_> = sink
-            .committed_batches()
-            .await?
-            .into_iter()
-            .filter(|b| {
-                b.partitions
-                    .iter()
-                    .zip(&b.to_offsets)
-                    .any(|(p, to)| read_to.get(p).is_none_or(|r| to > r))
-            })
-            .collect();
-        let mut result = Reconciliation {
-            epoch: None,
-            ..Reconciliation::default()
-        };
-        let Some(newest) = batches.iter().max_by_key(|b| b.epoch).cloned() else {
-            return Ok(Round {
-                result,
-                full,
-                records_read: 0,
-            });
-        };
-        let gaps = chain_gaps(&read_to, &batches);
-        let cut = {
-            let mut cut = read_to.clone();
-            cut.extend(tally_clickhouse::Cut::after(&batches).0);
-            tally_clickhouse::Cut(cut)
-        };
-        let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
-        for b in &batches {
-            for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
-                let start = read_to.get(p).copied().unwrap_or(*from);
-                if *to <= start {
-                    continue;
-                }
-                let e = ranges.entry(*p).or_insert((start, Some(*to)));
-                e.1 = Some(e.1.unwrap_or(*to).max(*to));
-            }
-        }
-        let (replay, config) = (&mut self.replay, &self.config);
-        let back = tokio::task::block_in_place(|| replay.read(config, &ranges, u64::MAX))?;
-        result.source_duplicates = back.duplicates;
-        let changed: BTreeSet<R::Key> = back
-            .changed
-            .into_iter()
-            .filter(|k| R::keeps(filter, k))
-            .collect();
-        let epoch = Epoch(newest.epoch);
-        result.epoch = Some(epoch);
-        result.keys = changed.len();
-        result.mismatched = gaps.len();
-        self.rows
-            .compare(&sink, &cut, &changed, &self.replay, &mut result)
-            .await?;
-        // Final windows cannot change any more: let them go, so memory stays bounded. (A
-        // hopping window is final once the frontier passes its start too.)
-        let frontier_ms = i64::from(sink.frontier().await?.seconds) * 1000;
-        self.replay.values = self.replay.values.split_off(&R::first_at(frontier_ms));
-        debug_assert!(
-            self.replay
-                .values
-                .keys()
-                .all(|k| R::window_start(k) >= frontier_ms)
-        );
-        Ok(Round {
-            result,
-            full,
-            records_read: back.records,
-        })
-    }
-}
-
-/// `tally reconcile --every`: a round every `every` (a full one every `full_every`), each
-/// reported in the log and the `tally_reconcile_*` metrics, served on the metrics address.
-/// A declared job's orders ratio is that of its first `count` column.
-pub async fn reconcile_every(
-    config: &Config,
-    filter: &ReconcileFilter,
-    every: Duration,
-    full_every: u64,
-) -> Result<()> {
-    let readiness = Arc::new(crate::health::Readiness::default());
-    readiness.set_restored();
-    crate::health::serve(
-        &config.metrics.address,
-        vec![(config.job.name.clone(), readiness)],
-    )
-    .await?;
-    match &config.declared {
-        Some(job) => {
-            let rows = super::reconcile_declared::DeclaredRows::of(config, job)?;
-            every_round(
-                IncrementalReconciler::new(config, full_every, rows),
-                filter,
-                every,
-            )
-            .await
-        }
-        None => {
-            every_round(
-                IncrementalReconciler::new(config, full_every, RevenueRows),
-                filter,
-                every,
-            )
-            .await
-        }
-    }
-}
-
-async fn every_round<R: RoundRows>(
-    mut reconciler: IncrementalReconciler<R>,
-    filter: &ReconcileFilter,
-    every: Duration,
-) -> Result<()> {
-    loop {
-        let round = reconciler.round(filter).await.map(|round| {
-            let r = round.result;
-            crate::events::ReconcileRound {
-                full: round.full,
-                epoch: r.epoch,
-                records_read: round.records_read,
-                keys: r.keys,
-                mismatched: r.mismatched,
-                orders_ratio: r.orders_ratio(),
-                revenue_ratio: r.revenue_ratio(),
-            }
-        });
-        crate::events::Reconciled { round: &round }.emit();
-        tokio::time::sleep(every).await;
-    }
 }
 
 #[cfg(test)]

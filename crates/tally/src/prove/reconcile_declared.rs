@@ -5,14 +5,13 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use tally_clickhouse::ClickHouseSink;
 use tally_core::declare::Job;
 use tally_core::{OutputRow, WindowAgg};
 
-use super::reconcile::{
-    Committed, ReconcileFilter, Reconciliation, RoundRows, SourceReplay, committed,
-};
+use super::reconcile::{ReconcileFilter, Reconciliation, Replayed, SourceReplay, replay_committed};
+use super::reconcile_every::RoundRows;
 use super::verify_declared::{RowKey, ViewTypes, WindowDiff, Windows, counted, shown_of};
 use crate::config::Config;
 
@@ -81,10 +80,6 @@ impl RoundRows for DeclaredRows {
         (ms, Vec::new())
     }
 
-    fn window_start(key: &RowKey) -> i64 {
-        key.0
-    }
-
     fn keeps(filter: &ReconcileFilter, key: &RowKey) -> bool {
         filter.keeps_row(key)
     }
@@ -109,7 +104,7 @@ impl RoundRows for DeclaredRows {
         let found: Windows = self
             .types
             .read(
-                sink.read_view_at_windows_cells(cut, first.0, last.0)
+                sink.read_view_at_cells(cut, Some((first.0, last.0)))
                     .await?,
             )?
             .into_iter()
@@ -131,27 +126,16 @@ pub async fn reconcile_declared(
     print: bool,
 ) -> Result<Reconciliation> {
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
-    let Some(Committed {
+    let Some(Replayed {
         epoch,
         cut,
-        ranges,
         gaps,
-    }) = committed(config, &sink).await?
+        replay,
+        duplicates: source_duplicates,
+    }) = replay_committed(config, &sink, declared_row, print).await?
     else {
-        if print {
-            println!("reconcile: nothing committed yet");
-        }
         return Ok(Reconciliation::default());
     };
-    let replay_config = config.clone();
-    let (replay, source_duplicates) =
-        tokio::task::spawn_blocking(move || -> Result<(SourceReplay<_, _>, u64)> {
-            let mut replay = SourceReplay::new(&replay_config, declared_row);
-            let back = replay.read(&replay_config, &ranges, 100_000)?;
-            Ok((replay, back.duplicates))
-        })
-        .await
-        .context("reconcile thread")??;
     let mut source = Windows::new();
     for (key, per_partition) in &replay.values {
         if filter.keeps_row(key) {
@@ -159,7 +143,7 @@ pub async fn reconcile_declared(
         }
     }
     let found: Windows = ViewTypes::of(config, job)?
-        .read(sink.read_view_at_cells(&cut).await?)?
+        .read(sink.read_view_at_cells(&cut, None).await?)?
         .into_iter()
         .filter(|(k, _)| filter.keeps_row(k))
         .collect();

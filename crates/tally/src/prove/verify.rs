@@ -34,24 +34,31 @@ fn miscounted(
     (over, lost)
 }
 
-/// Differences between what a sink should hold and what it holds.
-#[derive(Debug, Default)]
-pub struct RowDiff {
-    pub missing: Vec<ViewKey>,
-    pub extra: Vec<ViewKey>,
-    pub different: Vec<(ViewKey, ViewTotals, ViewTotals)>,
+/// Rows missing, extra and different between what a sink should hold and what it holds,
+/// by key.
+#[derive(Debug)]
+pub struct KeyedDiff<K, V> {
+    pub missing: Vec<K>,
+    pub extra: Vec<K>,
+    pub different: Vec<(K, V, V)>,
 }
 
-impl RowDiff {
-    pub fn compare(
-        expected: &BTreeMap<ViewKey, ViewTotals>,
-        found: &BTreeMap<ViewKey, ViewTotals>,
-    ) -> RowDiff {
-        let mut diff = RowDiff::default();
+impl<K: Ord + Clone, V: Clone> KeyedDiff<K, V> {
+    /// `expected` against `found`, values compared by `same`.
+    pub fn compare_by(
+        expected: &BTreeMap<K, V>,
+        found: &BTreeMap<K, V>,
+        same: impl Fn(&V, &V) -> bool,
+    ) -> KeyedDiff<K, V> {
+        let mut diff = KeyedDiff {
+            missing: Vec::new(),
+            extra: Vec::new(),
+            different: Vec::new(),
+        };
         for (k, e) in expected {
             match found.get(k) {
                 None => diff.missing.push(k.clone()),
-                Some(f) if f != e => diff.different.push((k.clone(), *e, *f)),
+                Some(f) if !same(e, f) => diff.different.push((k.clone(), e.clone(), f.clone())),
                 Some(_) => {}
             }
         }
@@ -65,6 +72,22 @@ impl RowDiff {
 
     pub fn is_empty(&self) -> bool {
         self.missing.is_empty() && self.extra.is_empty() && self.different.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.missing.len() + self.extra.len() + self.different.len()
+    }
+}
+
+/// revenue_agg's rows: (orders, revenue) compared exactly.
+pub type RowDiff = KeyedDiff<ViewKey, ViewTotals>;
+
+impl RowDiff {
+    pub fn compare(
+        expected: &BTreeMap<ViewKey, ViewTotals>,
+        found: &BTreeMap<ViewKey, ViewTotals>,
+    ) -> RowDiff {
+        KeyedDiff::compare_by(expected, found, |e, f| e == f)
     }
 
     fn print_first(&self, limit: usize) {

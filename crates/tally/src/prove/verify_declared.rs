@@ -10,7 +10,7 @@ use tally_clickhouse::{Cells, ClickHouseSink, ColumnType};
 use tally_core::declare::{FieldKind, Function, Job, parse_decimal};
 use tally_core::{WindowAgg, Word};
 
-use super::verify::{DeadLetterDiff, read_dead_letters};
+use super::verify::{DeadLetterDiff, KeyedDiff, read_dead_letters};
 use crate::config::Config;
 use crate::loadgen::{DeclaredManifest, Shown};
 
@@ -121,40 +121,14 @@ impl ViewTypes {
     }
 }
 
-/// Rows missing, extra and different.
-#[derive(Debug, Default)]
-pub(crate) struct WindowDiff {
-    missing: Vec<RowKey>,
-    extra: Vec<RowKey>,
-    different: Vec<(RowKey, Vec<Shown>, Vec<Shown>)>,
-}
+/// A declared job's windows, every shown column compared (floats within 1e-9 relative).
+pub(crate) type WindowDiff = KeyedDiff<RowKey, Vec<Shown>>;
 
 impl WindowDiff {
     pub(crate) fn compare(expected: &Windows, found: &Windows) -> WindowDiff {
-        let mut diff = WindowDiff::default();
-        for (k, e) in expected {
-            match found.get(k) {
-                None => diff.missing.push(k.clone()),
-                Some(f) if e.len() != f.len() || !e.iter().zip(f).all(|(e, f)| e.matches(f)) => {
-                    diff.different.push((k.clone(), e.clone(), f.clone()))
-                }
-                Some(_) => {}
-            }
-        }
-        diff.extra = found
-            .keys()
-            .filter(|k| !expected.contains_key(*k))
-            .cloned()
-            .collect();
-        diff
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.missing.is_empty() && self.extra.is_empty() && self.different.is_empty()
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.missing.len() + self.extra.len() + self.different.len()
+        KeyedDiff::compare_by(expected, found, |e, f| {
+            e.len() == f.len() && e.iter().zip(f).all(|(e, f)| e.matches(f))
+        })
     }
 
     /// One line for a report: the counts and the first row that differs.

@@ -1,0 +1,249 @@
+//! `tally reconcile --every`: rounds that read only what was committed since the previous one
+//! and compare the windows it changed, for revenue_agg's rows or a declaration's.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
+use tally_core::{Epoch, OutputRow};
+
+use super::reconcile::{ReconcileFilter, Reconciliation, SourceReplay, chain_gaps, revenue_row};
+use crate::config::Config;
+
+/// One round of [`IncrementalReconciler`].
+pub struct Round {
+    pub result: Reconciliation,
+    /// Whether this round started over from the beginning of the committed ranges.
+    pub full: bool,
+    /// Source records read in this round.
+    pub records_read: u64,
+}
+
+/// How `reconcile --every` keys, recomputes and compares the rows of one kind of job:
+/// revenue_agg's, or a declared job's.
+pub(crate) trait RoundRows {
+    type Key: Ord + Clone + Send;
+    type Value: Send;
+    /// A checkpoint's row as the replay keeps it.
+    fn row(&self) -> fn(&OutputRow) -> (Self::Key, Self::Value);
+    /// The first key of windows starting at `ms`.
+    fn first_at(ms: i64) -> Self::Key;
+    fn keeps(filter: &ReconcileFilter, key: &Self::Key) -> bool;
+    /// Compares the recomputed `changed` windows with the view at `cut`, adding to `result`.
+    async fn compare(
+        &self,
+        sink: &ClickHouseSink,
+        cut: &tally_clickhouse::Cut,
+        changed: &BTreeSet<Self::Key>,
+        replay: &SourceReplay<Self::Key, Self::Value>,
+        result: &mut Reconciliation,
+    ) -> Result<()>;
+}
+
+/// revenue_agg's rows: orders and revenue summed over source partitions.
+pub(crate) struct RevenueRows;
+
+impl RoundRows for RevenueRows {
+    type Key = ViewKey;
+    type Value = ViewTotals;
+
+    fn row(&self) -> fn(&OutputRow) -> (ViewKey, ViewTotals) {
+        revenue_row
+    }
+
+    fn first_at(ms: i64) -> ViewKey {
+        (ms, String::new(), String::new())
+    }
+
+    fn keeps(filter: &ReconcileFilter, key: &ViewKey) -> bool {
+        filter.keeps(key)
+    }
+
+    async fn compare(
+        &self,
+        sink: &ClickHouseSink,
+        cut: &tally_clickhouse::Cut,
+        changed: &BTreeSet<ViewKey>,
+        replay: &SourceReplay<ViewKey, ViewTotals>,
+        result: &mut Reconciliation,
+    ) -> Result<()> {
+        let (Some(first), Some(last)) = (changed.first(), changed.last()) else {
+            return Ok(());
+        };
+        let found = sink.read_view_at_windows(cut, first.0, last.0).await?;
+        for key in changed {
+            let expected = replay.value(key);
+            let seen = found.get(key).copied().unwrap_or((0, 0));
+            result.source_orders += expected.0;
+            result.source_revenue += i128::from(expected.1);
+            result.sink_orders += seen.0;
+            result.sink_revenue += i128::from(seen.1);
+            if seen != expected {
+                result.mismatched += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `reconcile --every`: each round reads from the source only what was committed since the
+/// previous round, recomputes the windows that input changed, and compares just those with the
+/// sink, so a round costs what the new input costs, not what the topic holds. Every
+/// `full_every` rounds it starts over from the beginning, which also checks windows that no new
+/// input touched.
+pub(crate) struct IncrementalReconciler<R: RoundRows> {
+    config: Config,
+    full_every: u64,
+    rounds: u64,
+    rows: R,
+    /// Final windows are let go between rounds.
+    replay: SourceReplay<R::Key, R::Value>,
+}
+
+impl<R: RoundRows> IncrementalReconciler<R> {
+    pub(crate) fn new(config: &Config, full_every: u64, rows: R) -> IncrementalReconciler<R> {
+        IncrementalReconciler {
+            config: config.clone(),
+            full_every: full_every.max(1),
+            rounds: 0,
+            replay: SourceReplay::new(config, rows.row()),
+            rows,
+        }
+    }
+
+    pub(crate) async fn round(&mut self, filter: &ReconcileFilter) -> Result<Round> {
+        let full = self.rounds.is_multiple_of(self.full_every);
+        if full {
+            self.replay = SourceReplay::new(&self.config, self.rows.row());
+        }
+        self.rounds += 1;
+        let sink = ClickHouseSink::connect(&self.config.sink_settings()).await?;
+        let read_to = self.replay.read_to.clone();
+        // The batches that reach past what earlier rounds read, in any partition.
+        let batches: Vec<_> = sink
+            .committed_batches()
+            .await?
+            .into_iter()
+            .filter(|b| {
+                b.partitions
+                    .iter()
+                    .zip(&b.to_offsets)
+                    .any(|(p, to)| read_to.get(p).is_none_or(|r| to > r))
+            })
+            .collect();
+        let mut result = Reconciliation {
+            epoch: None,
+            ..Reconciliation::default()
+        };
+        let Some(newest) = batches.iter().max_by_key(|b| b.epoch).cloned() else {
+            return Ok(Round {
+                result,
+                full,
+                records_read: 0,
+            });
+        };
+        let gaps = chain_gaps(&read_to, &batches);
+        let cut = {
+            let mut cut = read_to.clone();
+            cut.extend(tally_clickhouse::Cut::after(&batches).0);
+            tally_clickhouse::Cut(cut)
+        };
+        let mut ranges: BTreeMap<i32, (i64, Option<i64>)> = BTreeMap::new();
+        for b in &batches {
+            for ((p, from), to) in b.partitions.iter().zip(&b.from_offsets).zip(&b.to_offsets) {
+                let start = read_to.get(p).copied().unwrap_or(*from);
+                if *to <= start {
+                    continue;
+                }
+                let e = ranges.entry(*p).or_insert((start, Some(*to)));
+                e.1 = Some(e.1.unwrap_or(*to).max(*to));
+            }
+        }
+        let (replay, config) = (&mut self.replay, &self.config);
+        let back = tokio::task::block_in_place(|| replay.read(config, &ranges, u64::MAX))?;
+        result.source_duplicates = back.duplicates;
+        let changed: BTreeSet<R::Key> = back
+            .changed
+            .into_iter()
+            .filter(|k| R::keeps(filter, k))
+            .collect();
+        let epoch = Epoch(newest.epoch);
+        result.epoch = Some(epoch);
+        result.keys = changed.len();
+        result.mismatched = gaps.len();
+        self.rows
+            .compare(&sink, &cut, &changed, &self.replay, &mut result)
+            .await?;
+        // Final windows cannot change any more: let them go, so memory stays bounded. (A
+        // hopping window is final once the frontier passes its start too.)
+        let frontier_ms = i64::from(sink.frontier().await?.seconds) * 1000;
+        self.replay.values = self.replay.values.split_off(&R::first_at(frontier_ms));
+        Ok(Round {
+            result,
+            full,
+            records_read: back.records,
+        })
+    }
+}
+
+/// `tally reconcile --every`: a round every `every` (a full one every `full_every`), each
+/// reported in the log and the `tally_reconcile_*` metrics, served on the metrics address.
+/// A declared job's orders ratio is that of its first `count` column.
+pub async fn reconcile_every(
+    config: &Config,
+    filter: &ReconcileFilter,
+    every: Duration,
+    full_every: u64,
+) -> Result<()> {
+    let readiness = Arc::new(crate::health::Readiness::default());
+    readiness.set_restored();
+    crate::health::serve(
+        &config.metrics.address,
+        vec![(config.job.name.clone(), readiness)],
+    )
+    .await?;
+    match &config.declared {
+        Some(job) => {
+            let rows = super::reconcile_declared::DeclaredRows::of(config, job)?;
+            every_round(
+                IncrementalReconciler::new(config, full_every, rows),
+                filter,
+                every,
+            )
+            .await
+        }
+        None => {
+            every_round(
+                IncrementalReconciler::new(config, full_every, RevenueRows),
+                filter,
+                every,
+            )
+            .await
+        }
+    }
+}
+
+async fn every_round<R: RoundRows>(
+    mut reconciler: IncrementalReconciler<R>,
+    filter: &ReconcileFilter,
+    every: Duration,
+) -> Result<()> {
+    loop {
+        let round = reconciler.round(filter).await.map(|round| {
+            let r = round.result;
+            crate::events::ReconcileRound {
+                full: round.full,
+                epoch: r.epoch,
+                records_read: round.records_read,
+                keys: r.keys,
+                mismatched: r.mismatched,
+                orders_ratio: r.orders_ratio(),
+                revenue_ratio: r.revenue_ratio(),
+            }
+        });
+        crate::events::Reconciled { round: &round }.emit();
+        tokio::time::sleep(every).await;
+    }
+}
