@@ -4,9 +4,10 @@
 set -euo pipefail
 
 # libclang: librocksdb-sys runs bindgen. pkg-config, libssl-dev, zlib1g-dev: librdkafka (TLS, gzip).
-# Java + Maven: the real Kafka broker, fetched as jars. clickhouse-server: the local ClickHouse.
+# Java + Maven: the real Kafka broker and Kafka Connect, fetched as jars. clickhouse-server: the local
+# ClickHouse. postgresql-15: the local PostgreSQL (services.sh runs its own cluster, as the postgres user).
 PACKAGES=(build-essential pkg-config libclang-dev libssl-dev zlib1g-dev curl ca-certificates
-          openjdk-17-jre-headless maven clickhouse-server clickhouse-client)
+          openjdk-17-jre-headless maven clickhouse-server clickhouse-client postgresql-15)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -15,6 +16,13 @@ done
 if ((${#missing[@]})); then
   echo "[bootstrap] installing: ${missing[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  # Debian's postgresql-15 would create (and on systemd machines start) a cluster "main" on port 5432,
+  # the port of services.sh's own cluster: don't let it (same drop-in as services.sh).
+  if [[ " ${missing[*]} " == *" postgresql-15 "* ]]; then
+    $SUDO mkdir -p /etc/postgresql-common/createcluster.d
+    printf '%s\n' "# scripts/services.sh (tally): no default cluster, tally runs its own on 5432." \
+      "create_main_cluster = false" | $SUDO tee /etc/postgresql-common/createcluster.d/tally.conf >/dev/null
+  fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi

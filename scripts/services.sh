@@ -1,18 +1,51 @@
 #!/usr/bin/env bash
-# Local Kafka + ClickHouse for tally, without Docker (this project's machines have no Docker engine).
+# Local Kafka + ClickHouse + PostgreSQL + Kafka Connect (Debezium) for tally, without Docker (this
+# project's machines have no Docker engine).
 #
-#   scripts/services.sh up      [kafka|clickhouse]   start (idempotent) and wait until answering
-#   scripts/services.sh down    [--wipe] [kafka|clickhouse]   stop what this script started; --wipe deletes data
-#   scripts/services.sh restart [kafka|clickhouse]   down + up, keeping data (used by chaos tests)
-#   scripts/services.sh status  [kafka|clickhouse]   exit 0 only if every service answers
-#   scripts/services.sh logs    [-f] [-n N] [kafka|clickhouse]
-#   scripts/services.sh pid     kafka|clickhouse      the PID of a service this script started
+#   scripts/services.sh up      [SERVICE...]          start (idempotent) and wait until answering
+#   scripts/services.sh down    [--wipe] [SERVICE...] stop what this script started; --wipe deletes data
+#   scripts/services.sh restart [SERVICE...]          down + up, keeping data (used by chaos tests)
+#   scripts/services.sh status  [SERVICE...]          exit 0 only if every service answers
+#   scripts/services.sh logs    [-f] [-n N] [SERVICE]
+#   scripts/services.sh pid     SERVICE               the PID of a service this script started
 #   scripts/services.sh kafka-cli CLASS [ARGS...]     run a Kafka CLI class, e.g.
 #       scripts/services.sh kafka-cli org.apache.kafka.tools.TopicCommand --bootstrap-server 127.0.0.1:9092 --list
+#
+# SERVICE is kafka, clickhouse, postgres or connect; none means all of them. `up` starts connect only
+# once kafka answers (`up connect` brings kafka up too); the others start in parallel. `down` stops
+# connect before kafka.
 #
 # Kafka: the real Apache Kafka 4.x broker, fetched as jars from Maven Central (scripts/kafka/pom.xml),
 #        KRaft combined mode on 127.0.0.1:9092 (controller 9093).
 # ClickHouse: Debian's clickhouse-server (18.16 on bookworm), HTTP 127.0.0.1:8123, native 127.0.0.1:9000.
+# PostgreSQL: Debian's postgresql-15, its own cluster (not Debian's "main"), 127.0.0.1:5432 only,
+#        wal_level=logical, 16 replication slots / WAL senders (scripts/postgres/postgresql.conf.in).
+#        Role tally / password tally-secret (LOGIN REPLICATION, scram-sha-256 over TCP, also for
+#        replication connections), owner of database tally:
+#          psql "host=127.0.0.1 port=5432 dbname=tally user=tally password=tally-secret"
+#          jdbc:postgresql://127.0.0.1:5432/tally
+#        The superuser postgres has no password: peer login on a private Unix socket, for this script.
+#        PostgreSQL refuses to run as root, so initdb and the server run as the postgres OS user
+#        (setpriv; the package creates that user). The postgres user can't reach a state dir inside a
+#        0700 home (/root, or a bookworm user's home), and a non-root caller couldn't delete files the
+#        postgres user owns, so the cluster lives outside the state dir, in a directory owned by
+#        postgres: /var/lib/postgresql/tally-<first 12 hex of sha256(state dir path)>/ ("pg root":
+#        data/, run/ (socket), postgresql.conf, pg_hba.conf, cluster.id). <state>/postgres holds the
+#        log, the PID file and cluster.id, which must match the pg root's or the cluster is re-created
+#        (so deleting the state dir also means a fresh database). 'down --wipe postgres' deletes both.
+#        When this script installs postgresql-15 itself it first drops
+#        /etc/postgresql-common/createcluster.d/tally.conf (create_main_cluster = false), so Debian's
+#        own "main" cluster, which would take port 5432, is not created. If one already runs on 5432:
+#        pg_ctlcluster 15 main stop.
+# Kafka Connect: Apache Kafka's connect-runtime of the broker's version (scripts/connect/pom.xml,
+#        jars in <cache>/connect-libs), distributed mode, one worker, REST on http://127.0.0.1:8083,
+#        group.id tally-connect, configs/offsets/status in the topics tally-connect-configs|offsets|status
+#        (RF 1), so source offsets survive a kill -9 of the JVM; offsets flushed every 1 s. JsonConverter
+#        for keys and values, schemas.enable=false unless a connector overrides it. Plugins from
+#        <cache>/connect-plugins/ (plugin.path): debezium-postgres/ holds Debezium's PostgreSQL
+#        connector (io.debezium.connector.postgresql.PostgresConnector) and its dependencies.
+#        scripts/connect/README.md shows how to register a connector. 'down --wipe connect' also
+#        deletes the three internal topics (if kafka answers), i.e. every connector and its offsets.
 #
 # TLS endpoints (beside the plaintext ones above, for tests of TLS and passwords):
 #   Kafka      SASL_SSL://127.0.0.1:9094, SASL mechanism PLAIN, user tally / password tally-secret
@@ -29,12 +62,19 @@
 #   All of these are test-only secrets. Delete <state>/tls and restart both services to regenerate;
 #   'down --wipe' keeps it (it is not service data).
 #
+# Ports (all on 127.0.0.1): kafka 9092 9093 9094, clickhouse 8123 9000 8443, postgres 5432, connect 8083.
+# Root: apt-get installs and PostgreSQL (run as the postgres user) need root; a non-root caller needs
+# sudo for those (the server is then started and signalled through sudo).
+#
 # Environment:
 #   TALLY_SERVICES_DIR   state (data, logs, PID files); default <repo>/.state/services
-#   TALLY_CACHE_DIR      Kafka jars; default ~/.cache/tally (outside the clone so fresh clones start fast)
+#   TALLY_CACHE_DIR      Kafka/Connect jars; default ~/.cache/tally (outside the clone so fresh clones start fast)
 #   TALLY_SERVICES_TIMEOUT       seconds to wait for readiness (default 120)
-#   TALLY_SERVICES_STOP_TIMEOUT  seconds between TERM and KILL (default 30)
+#   TALLY_SERVICES_STOP_TIMEOUT  seconds between TERM (postgres: INT, fast shutdown) and KILL (default 30)
 #   TALLY_KAFKA_HEAP_OPTS        default "-Xms512m -Xmx1g"
+#   TALLY_CONNECT_HEAP_OPTS      default "-Xms256m -Xmx768m"
+#   TALLY_POSTGRES_ROOT          the pg root described above (its parents must be traversable by the
+#                                postgres user); default /var/lib/postgresql/tally-<hash of state dir>
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,6 +83,7 @@ CACHE_DIR="${TALLY_CACHE_DIR:-$HOME/.cache/tally}"
 READY_TIMEOUT="${TALLY_SERVICES_TIMEOUT:-120}"
 STOP_TIMEOUT="${TALLY_SERVICES_STOP_TIMEOUT:-30}"
 KAFKA_HEAP_OPTS="${TALLY_KAFKA_HEAP_OPTS:--Xms512m -Xmx1g}"
+CONNECT_HEAP_OPTS="${TALLY_CONNECT_HEAP_OPTS:--Xms256m -Xmx768m}"
 
 TLS_DIR="$STATE_DIR/tls"
 # Test-only secrets, documented in the header above.
@@ -67,10 +108,51 @@ CH_LOGS="$CH_DIR/logs"
 CH_OUT="$CH_LOGS/stdout.log"
 CH_HTTP="http://127.0.0.1:8123"
 
-ALL_SERVICES=(clickhouse kafka)
+PG_SRC="$REPO_ROOT/scripts/postgres"
+PG_BIN="/usr/lib/postgresql/15/bin"
+PG_DIR="$STATE_DIR/postgres"
+PG_LOGS="$PG_DIR/logs"
+PG_OUT="$PG_LOGS/postgres.log"
+PG_PIDFILE="$PG_DIR/postgres.pid"
+# The cluster itself, owned by the postgres OS user, outside the state dir (see the header).
+PG_ROOT="${TALLY_POSTGRES_ROOT:-/var/lib/postgresql/tally-$(realpath -m "$STATE_DIR" | tr -d '\n' | sha256sum | cut -c1-12)}"
+PG_DATA="$PG_ROOT/data"
+PG_RUN="$PG_ROOT/run"
+PG_CONF="$PG_ROOT/postgresql.conf"
+# Test-only secret, documented in the header above.
+PG_CONNINFO="host=127.0.0.1 port=5432 dbname=tally user=tally password=tally-secret connect_timeout=2"
+
+CONNECT_SRC="$REPO_ROOT/scripts/connect"
+CONNECT_POM="$CONNECT_SRC/pom.xml"
+CONNECT_LIBS="$CACHE_DIR/connect-libs"
+CONNECT_PLUGINS="$CACHE_DIR/connect-plugins"
+DEBEZIUM_PG_PLUGIN="$CONNECT_PLUGINS/debezium-postgres"
+DEBEZIUM_PG_CLASS="io.debezium.connector.postgresql.PostgresConnector"
+CONNECT_DIR="$STATE_DIR/connect"
+CONNECT_LOGS="$CONNECT_DIR/logs"
+CONNECT_PROPS="$CONNECT_DIR/connect-distributed.properties"
+CONNECT_PIDFILE="$CONNECT_DIR/connect.pid"
+CONNECT_OUT="$CONNECT_LOGS/connect.out"
+CONNECT_URL="http://127.0.0.1:8083"
+CONNECT_TOPICS=(tally-connect-configs tally-connect-offsets tally-connect-status)
+
+# Start order for `up`/`status`; `down` walks it backwards (connect before kafka).
+ALL_SERVICES=(clickhouse kafka postgres connect)
+# `up` launches these only once what they need answers.
+declare -A DEPENDS_ON=([connect]=kafka)
+# The services that serve the TLS material of tls_ensure.
+TLS_SERVICES=(clickhouse kafka)
 
 log() { printf '[services] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
+
+# in_list WORD LIST... -- true if WORD is one of LIST.
+in_list() {
+  local w="$1" x
+  shift
+  for x in "$@"; do [[ $x == "$w" ]] && return 0; done
+  return 1
+}
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2
@@ -146,28 +228,65 @@ svc_pid() {
   return 1
 }
 
-pidfile_of() { case $1 in kafka) echo "$KAFKA_PIDFILE" ;; clickhouse) echo "$CH_PIDFILE" ;; esac; }
-marker_of() { case $1 in kafka) echo "$KAFKA_PROPS" ;; clickhouse) echo "$CH_CONF" ;; esac; }
-ports_of() { case $1 in kafka) echo "9092 9093 9094" ;; clickhouse) echo "8123 9000 8443" ;; esac; }
+pidfile_of() {
+  case $1 in
+    kafka) echo "$KAFKA_PIDFILE" ;; clickhouse) echo "$CH_PIDFILE" ;;
+    postgres) echo "$PG_PIDFILE" ;; connect) echo "$CONNECT_PIDFILE" ;;
+  esac
+}
+# A path on the service's command line that is unique to this state dir (postgres: its config file,
+# in the pg root named after the state dir; the postmaster keeps its original command line).
+marker_of() {
+  case $1 in
+    kafka) echo "$KAFKA_PROPS" ;; clickhouse) echo "$CH_CONF" ;;
+    postgres) echo "$PG_CONF" ;; connect) echo "$CONNECT_PROPS" ;;
+  esac
+}
+ports_of() {
+  case $1 in
+    kafka) echo "9092 9093 9094" ;; clickhouse) echo "8123 9000 8443" ;;
+    postgres) echo "5432" ;; connect) echo "8083" ;;
+  esac
+}
+# Signals stop_svc sends in turn. PostgreSQL: SIGINT is a fast shutdown (a clean checkpoint; open
+# sessions, e.g. Debezium's, are ended), SIGTERM would wait for every client to disconnect; SIGQUIT
+# (immediate shutdown) before SIGKILL, which would leave its backends behind.
+stop_signals_of() { case $1 in postgres) echo "INT QUIT KILL" ;; *) echo "TERM KILL" ;; esac; }
+
+# signal_pid SIG PID -- also for a server that runs as another user (postgres) when we aren't root.
+signal_pid() {
+  kill -s "$1" "$2" 2>/dev/null && return 0
+  [[ $EUID -ne 0 ]] && as_root kill -s "$1" "$2" 2>/dev/null
+  return 0
+}
 
 port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
-# launch SVC DIR OUTFILE CMD... -- start CMD detached (own session, immune to the caller's
+# launch [--as-root] SVC DIR OUTFILE CMD... -- start CMD detached (own session, immune to the caller's
 # Ctrl-C/hangup). The child writes its own PID before exec'ing, so the PID file holds the real
-# server PID no matter whether setsid had to fork.
+# server PID no matter whether setsid had to fork. --as-root: CMD needs root (it drops to another
+# user itself); a non-root caller goes through sudo, in the foreground so it can ask for a password,
+# and sudo exits once the server is detached.
 launch() {
+  local root=0
+  if [[ $1 == --as-root ]]; then root=1; shift; fi
   local svc="$1" dir="$2" out="$3" pidfile
   shift 3
   pidfile="$(pidfile_of "$svc")"
   rm -f "$pidfile"
   echo "==== $(date -u '+%Y-%m-%dT%H:%M:%SZ') services.sh starting $svc" >>"$out"
+  # shellcheck disable=SC2016 # expanded by the child shells, on purpose
+  local wrapper='echo $$ >"$0.tmp" && mv "$0.tmp" "$0" && exec "$@"' \
+    detach='out="$1"; shift; nohup setsid bash -c "$0" "$@" >>"$out" 2>&1 </dev/null &'
   (
     # fd 9 is the up/down lock: a long-lived child holding it would block every later up/down.
     exec 9>&-
     cd "$dir"
-    # shellcheck disable=SC2016 # expanded by the child shell, on purpose
-    nohup setsid bash -c 'echo $$ >"$0.tmp" && mv "$0.tmp" "$0" && exec "$@"' "$pidfile" "$@" \
-      >>"$out" 2>&1 </dev/null &
+    if [[ $root == 1 ]]; then
+      as_root bash -c "$detach" "$wrapper" "$out" "$pidfile" "$@"
+    else
+      nohup setsid bash -c "$wrapper" "$pidfile" "$@" >>"$out" 2>&1 </dev/null &
+    fi
   )
   local i
   for ((i = 0; i < 50; i++)); do
@@ -177,29 +296,27 @@ launch() {
   die "$svc: process did not start (no PID file); see $out"
 }
 
-# stop_svc SVC -- TERM the PID from our PID file, KILL after STOP_TIMEOUT. Never matches by name.
+# stop_svc SVC -- TERM (see stop_signals_of) the PID from our PID file, KILL after STOP_TIMEOUT.
+# Never matches by name.
 stop_svc() {
-  local svc="$1" pid marker pidfile i
+  local svc="$1" pid marker pidfile i sig wait=$STOP_TIMEOUT
   pidfile="$(pidfile_of "$svc")"; marker="$(marker_of "$svc")"
   if ! pid="$(svc_pid "$svc")"; then
     log "$svc: not running"
     return 0
   fi
   log "$svc: stopping pid $pid"
-  kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
-    is_ours "$pid" "$marker" || break
-    sleep 0.1
-  done
-  if is_ours "$pid" "$marker"; then
-    log "$svc: still running after ${STOP_TIMEOUT}s, sending KILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do
+  for sig in $(stop_signals_of "$svc"); do
+    signal_pid "$sig" "$pid"
+    for ((i = 0; i < wait * 10; i++)); do
       is_ours "$pid" "$marker" || break
       sleep 0.1
     done
-    is_ours "$pid" "$marker" && die "$svc: pid $pid survived SIGKILL"
-  fi
+    is_ours "$pid" "$marker" || break
+    [[ $sig == KILL ]] && die "$svc: pid $pid survived SIGKILL"
+    log "$svc: still running ${wait}s after SIG$sig, sending the next signal"
+    wait=10
+  done
   rm -f "$pidfile"
   log "$svc: stopped"
 }
@@ -299,7 +416,7 @@ PROPS
   mv "$tmp" "$TLS_DIR"
   rm -rf "$TLS_DIR.old.$$"
   if [[ $new_pair == 1 ]]; then
-    for svc in "${ALL_SERVICES[@]}"; do
+    for svc in "${TLS_SERVICES[@]}"; do
       if svc_pid "$svc" >/dev/null 2>&1; then
         log "tls: $svc is running with the old certificate; 'services.sh restart $svc' to serve the new one"
       fi
@@ -311,30 +428,38 @@ PROPS
 
 kafka_version() { sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$KAFKA_POM"; }
 
-# Fetch broker + tools jars once per pom content; the stamp makes warm runs skip Maven entirely.
-kafka_fetch() {
-  local want tmp
-  want="kafka=$(kafka_version) pom=$(sha256sum "$KAFKA_POM" | cut -c1-16)"
-  if [[ -f $KAFKA_LIBS/.stamp && "$(cat "$KAFKA_LIBS/.stamp")" == "$want" ]]; then
+# mvn_fetch LABEL DEST STAMP MVN-ARGS... -- copy the runtime dependencies of a dependency-list POM
+# into DEST with Maven, unless DEST/.stamp already says STAMP (warm runs skip Maven entirely).
+# Copied into a temp dir (outside DEST's parent, which may be Connect's plugin.path) and swapped in,
+# so an interrupted download never looks complete and jars of an older version never linger.
+mvn_fetch() {
+  local label="$1" dest="$2" want="$3" tmp
+  shift 3
+  if [[ -f $dest/.stamp && "$(cat "$dest/.stamp")" == "$want" ]]; then
     return 0
   fi
   ensure_cmds java:openjdk-17-jre-headless mvn:maven
-  log "kafka: fetching Apache Kafka $(kafka_version) jars with Maven into $KAFKA_LIBS"
-  mkdir -p "$CACHE_DIR"
-  # Copy into a temp dir and swap, so an interrupted download never looks complete and jars of
-  # an older Kafka version never linger on the classpath.
-  tmp="$KAFKA_LIBS.tmp.$$"
+  log "$label: fetching jars ($want) with Maven into $dest"
+  mkdir -p "$CACHE_DIR" "$(dirname "$dest")"
+  tmp="$CACHE_DIR/.fetch.$(basename "$dest").$$"
   rm -rf "$tmp"
   # Maven's output goes to a log (it prints colour codes even with -q); shown only on failure.
-  if ! mvn -q -B -Dstyle.color=never -f "$KAFKA_POM" dependency:copy-dependencies \
+  if ! mvn -q -B -Dstyle.color=never "$@" dependency:copy-dependencies \
     -DoutputDirectory="$tmp" -DincludeScope=runtime >"$CACHE_DIR/mvn.log" 2>&1; then
     cat "$CACHE_DIR/mvn.log" >&2
     rm -rf "$tmp"
-    die "kafka: Maven could not fetch the Kafka jars"
+    die "$label: Maven could not fetch the jars for $dest"
   fi
   echo "$want" >"$tmp/.stamp"
-  rm -rf "$KAFKA_LIBS"
-  mv "$tmp" "$KAFKA_LIBS"
+  rm -rf "$dest"
+  mv "$tmp" "$dest"
+}
+
+# Fetch broker + tools jars once per pom content.
+kafka_fetch() {
+  local want
+  want="kafka=$(kafka_version) pom=$(sha256sum "$KAFKA_POM" | cut -c1-16)"
+  mvn_fetch kafka "$KAFKA_LIBS" "$want" -f "$KAFKA_POM"
 }
 
 # kafka_cli CLASS ARGS... -- run a Kafka tool class with quiet (stderr, WARN) logging.
@@ -420,6 +545,183 @@ clickhouse_ready() {
 
 clickhouse_logfiles() { echo "$CH_LOGS/clickhouse-server.log $CH_LOGS/clickhouse-server.err.log $CH_OUT"; }
 
+# --- PostgreSQL ---------------------------------------------------------------------------------
+
+# as_postgres CMD... -- run CMD as the postgres OS user (exec, no extra process), from / so it never
+# starts in a directory it can't enter.
+as_postgres() {
+  (cd / && as_root setpriv --reuid=postgres --regid=postgres --init-groups --reset-env -- "$@")
+}
+
+# as_root_write FILE [MODE] -- stdin into FILE (which may be inside the pg root), owned by postgres.
+as_root_write() {
+  local tmp
+  tmp="$(mktemp "$PG_DIR/.write.XXXXXX")"
+  cat >"$tmp"
+  as_root install -o postgres -g postgres -m "${2:-600}" "$tmp" "$1"
+  rm -f "$tmp"
+}
+
+# pg_root_ours -- the pg root is absent, empty or made by this script (so it may be deleted).
+pg_root_ours() {
+  as_root test -e "$PG_ROOT" || return 0
+  as_root test -e "$PG_ROOT/.made-by-tally-services" && return 0
+  [[ -z "$(as_root ls -A "$PG_ROOT")" ]]
+}
+
+postgres_wipe() {
+  as_root test -e "$PG_ROOT" || return 0
+  pg_root_ours || die "postgres: $PG_ROOT was not made by services.sh; not deleting it"
+  log "postgres: wiping $PG_ROOT"
+  as_root rm -rf "$PG_ROOT"
+}
+
+# pg_cluster_ensure -- initdb once, plus role and database tally. The pg root is paired with the state
+# dir by a random id written into both, the pg root's copy last: a cluster from a deleted state dir
+# at the same path, or from an interrupted initdb, doesn't match and is made again.
+pg_cluster_ensure() {
+  local want have id
+  want="$(cat "$PG_DIR/cluster.id" 2>/dev/null || true)"
+  have="$(as_root cat "$PG_ROOT/cluster.id" 2>/dev/null || true)"
+  if [[ -n $want && $want == "$have" ]] && as_root test -s "$PG_DATA/PG_VERSION"; then
+    return 0
+  fi
+  if as_root test -e "$PG_ROOT"; then
+    pg_root_ours || die "postgres: $PG_ROOT exists but was not made by services.sh; move it away or set TALLY_POSTGRES_ROOT"
+    log "postgres: $PG_ROOT is not this state dir's cluster (id ${have:-none}, want ${want:-none}): re-creating it"
+    as_root rm -rf "$PG_ROOT"
+  fi
+  log "postgres: creating a cluster in $PG_ROOT (initdb; role tally, database tally)"
+  as_root install -d -o postgres -g postgres -m 700 "$PG_ROOT" "$PG_RUN"
+  as_root touch "$PG_ROOT/.made-by-tally-services"
+  rm -f "$PG_DIR/cluster.id"
+  # No password for the superuser: peer login on the private socket only (pg_hba.conf).
+  if ! as_postgres "$PG_BIN/initdb" -D "$PG_DATA" -U postgres -E UTF8 --no-locale \
+    --auth-local=peer --auth-host=scram-sha-256 >"$PG_LOGS/initdb.log" 2>&1; then
+    cat "$PG_LOGS/initdb.log" >&2
+    die "postgres: initdb failed"
+  fi
+  # Role and database in single-user mode, before the server ever listens. One statement per line.
+  # scram-sha-256 is PostgreSQL 15's default password_encryption.
+  if ! printf '%s\n' "CREATE ROLE tally LOGIN REPLICATION PASSWORD 'tally-secret';" \
+    "CREATE DATABASE tally OWNER tally;" |
+    as_postgres "$PG_BIN/postgres" --single -D "$PG_DATA" postgres >>"$PG_LOGS/initdb.log" 2>&1 ||
+    grep -qE '(ERROR|FATAL|PANIC): ' "$PG_LOGS/initdb.log"; then
+    cat "$PG_LOGS/initdb.log" >&2
+    die "postgres: creating role and database tally failed"
+  fi
+  id="$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
+  printf '%s\n' "$id" | as_root_write "$PG_ROOT/cluster.id" 644
+  printf '%s\n' "$id" >"$PG_DIR/cluster.id"
+}
+
+postgres_prepare() {
+  if [[ ! -x $PG_BIN/postgres ]]; then
+    # Debian's package would create (and on a systemd machine start) a cluster "main" on port 5432.
+    as_root mkdir -p /etc/postgresql-common/createcluster.d
+    printf '%s\n' "# scripts/services.sh (tally): no default cluster, tally runs its own on 5432." \
+      "create_main_cluster = false" | as_root tee /etc/postgresql-common/createcluster.d/tally.conf >/dev/null
+    ensure_cmds "$PG_BIN/postgres:postgresql-15"
+  fi
+  ensure_cmds setpriv:util-linux
+  getent passwd postgres >/dev/null || die "postgres: no 'postgres' OS user (the postgresql-15 package makes it)"
+  mkdir -p "$PG_LOGS"
+  pg_cluster_ensure
+  # Rendered on every start so template edits apply (the cluster stays).
+  sed -e "s#@PG_DATA@#$PG_DATA#g" -e "s#@PG_RUN@#$PG_RUN#g" -e "s#@PG_ROOT@#$PG_ROOT#g" \
+    "$PG_SRC/postgresql.conf.in" | as_root_write "$PG_CONF"
+  as_root_write "$PG_ROOT/pg_hba.conf" <"$PG_SRC/pg_hba.conf"
+  # The socket directory may be gone (e.g. an older pg root); the server doesn't create it.
+  as_root install -d -o postgres -g postgres -m 700 "$PG_RUN"
+}
+
+# The postmaster itself as the postgres user, in the foreground of its own session (setpriv execs,
+# so the PID file holds the postmaster's PID); its stderr log goes to $PG_OUT.
+postgres_launch() {
+  launch --as-root postgres "$PG_DIR" "$PG_OUT" \
+    setpriv --reuid=postgres --regid=postgres --init-groups --reset-env -- \
+    "$PG_BIN/postgres" -D "$PG_DATA" -c config_file="$PG_CONF"
+}
+
+# Ready = the application role logs in over TCP with its password and runs a query.
+postgres_ready() {
+  [[ -x $PG_BIN/psql ]] || return 1
+  [[ "$(timeout 10 "$PG_BIN/psql" -X "$PG_CONNINFO" -tAc 'SELECT 1' 2>/dev/null)" == "1" ]]
+}
+
+postgres_logfiles() { echo "$PG_OUT"; }
+
+# --- Kafka Connect ------------------------------------------------------------------------------
+
+debezium_version() { sed -n 's:.*<debezium.version>\(.*\)</debezium.version>.*:\1:p' "$CONNECT_POM"; }
+
+# The worker's classpath, always of the broker's Kafka version, and the Debezium plugin directory.
+connect_fetch() {
+  local pom kv
+  pom="$(sha256sum "$CONNECT_POM" | cut -c1-16)"
+  kv="$(kafka_version)"
+  mvn_fetch connect "$CONNECT_LIBS" "kafka=$kv pom=$pom" \
+    -f "$CONNECT_POM" -P worker -Dkafka.version="$kv"
+  mvn_fetch connect "$DEBEZIUM_PG_PLUGIN" "debezium=$(debezium_version) pom=$pom" \
+    -f "$CONNECT_POM" -P debezium-postgres
+}
+
+connect_prepare() {
+  ensure_cmds java:openjdk-17-jre-headless curl:curl
+  check_java
+  connect_fetch
+  mkdir -p "$CONNECT_LOGS"
+  # Rendered on every start so template edits apply; the worker's state is in Kafka topics.
+  sed -e "s#@PLUGIN_PATH@#$CONNECT_PLUGINS#g" "$CONNECT_SRC/connect-distributed.properties.in" \
+    >"$CONNECT_PROPS.tmp"
+  mv "$CONNECT_PROPS.tmp" "$CONNECT_PROPS"
+  cp "$CONNECT_SRC/log4j2.xml" "$CONNECT_DIR/log4j2.xml"
+}
+
+connect_launch() {
+  # shellcheck disable=SC2086 # heap opts are intentionally word-split
+  launch connect "$CONNECT_DIR" "$CONNECT_OUT" \
+    java $CONNECT_HEAP_OPTS -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+    -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent \
+    -Djava.awt.headless=true \
+    -Dconnect.logs.dir="$CONNECT_LOGS" -Dlog4j2.configurationFile="$CONNECT_DIR/log4j2.xml" \
+    -cp "$CONNECT_LIBS/*" org.apache.kafka.connect.cli.ConnectDistributed "$CONNECT_PROPS"
+}
+
+# Ready = the worker reports healthy (startup done: joined its group, read the config topic; KIP-1017)
+# and Debezium's PostgreSQL connector is among its plugins.
+connect_ready() {
+  curl -fsS --max-time 5 "$CONNECT_URL/health" >/dev/null 2>&1 || return 1
+  curl -fsS --max-time 5 "$CONNECT_URL/connector-plugins" 2>/dev/null | grep -qF "\"$DEBEZIUM_PG_CLASS\""
+}
+
+connect_logfiles() { echo "$CONNECT_LOGS/connect.log $CONNECT_OUT"; }
+
+# Connectors, their configs and source offsets live in Kafka: wiping connect deletes its topics.
+connect_wipe() {
+  local t existing
+  if ! kafka_ready; then
+    log "connect: kafka is not answering; its topics ${CONNECT_TOPICS[*]} stay (wipe again with kafka up)"
+    return 0
+  fi
+  existing="$(kafka_cli org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_BOOTSTRAP" --list)"
+  for t in "${CONNECT_TOPICS[@]}"; do
+    grep -qx "$t" <<<"$existing" || continue
+    log "connect: deleting topic $t"
+    kafka_cli org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_BOOTSTRAP" --delete --topic "$t"
+  done
+  # Deletion completes asynchronously; a worker started meanwhile couldn't create its topics again.
+  local i left
+  for ((i = 0; i < 30; i++)); do
+    existing="$(kafka_cli org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_BOOTSTRAP" --list)"
+    left=0
+    for t in "${CONNECT_TOPICS[@]}"; do grep -qx "$t" <<<"$existing" && left=1; done
+    [[ $left == 0 ]] && return 0
+    sleep 1
+  done
+  log "connect: its topics are still listed after 30 tries"
+}
+
 # --- commands -----------------------------------------------------------------------------------
 
 show_log_tail() {
@@ -444,6 +746,7 @@ svc_prepare() {
       FOREIGN[$svc]=1
       return 0
     fi
+    [[ $svc == postgres ]] && log "postgres: is it Debian's own cluster? pg_lsclusters; pg_ctlcluster 15 main stop"
     die "$svc: port $p is in use by a process this script did not start"
   done
   "$svc"_prepare
@@ -493,20 +796,45 @@ svc_await() {
   return 1
 }
 
+# Services without dependencies (and the dependencies of the requested ones, e.g. kafka for `up
+# connect`) are launched together; the others once what they depend on answers.
 cmd_up() {
-  local svc rc=0
-  for svc in "$@"; do svc_prepare "$svc"; done
-  for svc in "$@"; do svc_launch "$svc"; done
-  for svc in "$@"; do svc_await "$svc" || rc=1; done
+  local svc dep rc=0 first=() later=() down=()
+  for svc in "$@"; do
+    dep="${DEPENDS_ON[$svc]:-}"
+    if [[ -n $dep ]]; then
+      later+=("$svc")
+      in_list "$dep" "$@" || in_list "$dep" "${first[@]}" || first+=("$dep")
+    else
+      in_list "$svc" "${first[@]}" || first+=("$svc")
+    fi
+  done
+  for svc in "${first[@]}" "${later[@]}"; do svc_prepare "$svc"; done
+  for svc in "${first[@]}"; do svc_launch "$svc"; done
+  for svc in "${first[@]}"; do svc_await "$svc" || { rc=1; down+=("$svc"); }; done
+  for svc in "${later[@]}"; do
+    dep="${DEPENDS_ON[$svc]}"
+    if in_list "$dep" "${down[@]}"; then
+      log "$svc: not started, $dep is not up"
+      rc=1
+      continue
+    fi
+    svc_launch "$svc"
+    svc_await "$svc" || rc=1
+  done
   return $rc
 }
 
 cmd_down() {
-  local wipe="$1" svc
+  local wipe="$1" svc i
   shift
-  for svc in "$@"; do
+  # Walk ALL_SERVICES backwards, so dependents stop first (connect before kafka).
+  for ((i = ${#ALL_SERVICES[@]} - 1; i >= 0; i--)); do
+    svc="${ALL_SERVICES[i]}"
+    in_list "$svc" "$@" || continue
     stop_svc "$svc"
     if [[ $wipe == 1 ]]; then
+      if declare -F "${svc}_wipe" >/dev/null; then "${svc}_wipe"; fi
       log "$svc: wiping $STATE_DIR/$svc"
       rm -rf "${STATE_DIR:?}/$svc"
     fi
@@ -539,8 +867,8 @@ cmd_logs() {
     case $1 in
       -f) follow=1 ;;
       -n) lines="$2"; shift ;;
-      kafka | clickhouse) svc="$1" ;;
-      *) usage ;;
+      -*) usage ;;
+      *) in_list "$1" "${ALL_SERVICES[@]}" || usage; svc="$1" ;;
     esac
     shift
   done
@@ -558,7 +886,7 @@ parse_services() {
   local s
   [[ $# -eq 0 ]] && { echo "${ALL_SERVICES[*]}"; return; }
   for s in "$@"; do
-    [[ $s == kafka || $s == clickhouse ]] || { log "unknown service: $s"; usage; }
+    in_list "$s" "${ALL_SERVICES[@]}" || { log "unknown service: $s"; usage; }
   done
   echo "$*"
 }
@@ -571,38 +899,42 @@ take_lock() {
 }
 
 main() {
-  local cmd="${1:-}"
+  local cmd="${1:-}" svcs
   [[ $# -gt 0 ]] && shift
   case $cmd in
     up)
+      # (parse_services runs in a subshell: its usage exit must end this script too)
+      svcs="$(parse_services "$@")" || exit 2
       take_lock
-      # shellcheck disable=SC2046
-      cmd_up $(parse_services "$@")
+      # shellcheck disable=SC2086
+      cmd_up $svcs
       ;;
     down)
       local wipe=0
       if [[ ${1:-} == --wipe ]]; then wipe=1; shift; fi
+      svcs="$(parse_services "$@")" || exit 2
       take_lock
-      # shellcheck disable=SC2046
-      cmd_down "$wipe" $(parse_services "$@")
+      # shellcheck disable=SC2086
+      cmd_down "$wipe" $svcs
       ;;
     restart)
+      svcs="$(parse_services "$@")" || exit 2
       take_lock
-      local svcs
-      svcs="$(parse_services "$@")"
       # shellcheck disable=SC2086
       cmd_down 0 $svcs
       # shellcheck disable=SC2086
       cmd_up $svcs
       ;;
     status)
-      # shellcheck disable=SC2046
-      cmd_status $(parse_services "$@")
+      svcs="$(parse_services "$@")" || exit 2
+      # shellcheck disable=SC2086
+      cmd_status $svcs
       ;;
     logs) cmd_logs "$@" ;;
     pid)
       [[ $# -eq 1 ]] || usage
-      svc_pid "$(parse_services "$1")"
+      svcs="$(parse_services "$1")" || exit 2
+      svc_pid "$svcs"
       ;;
     kafka-cli)
       [[ $# -ge 1 ]] || usage
