@@ -76,6 +76,19 @@ def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8", table="revenue_agg
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+def runner(engine, check, label=""):
+    """A statement runner on `engine` that records each statement's success in `check`."""
+    def run(name, sql):
+        try:
+            out = engine.query(sql)
+            check.that(True, f"{label}{name}")
+            return out
+        except RuntimeError as e:
+            check.that(False, f"{engine.name} rejected {label}{name}: {str(e)[:400]}\n  {sql[:400]}")
+            return ""
+    return run
+
+
 def run_steps(run, statements, wanted):
     """Runs, in catalog order, the statements whose name `wanted` accepts."""
     for s in statements:
@@ -173,14 +186,7 @@ def scenario(engine, database, check):
                      if s["name"].startswith("publish.")]
     answers = {}
 
-    def run(name, sql):
-        try:
-            out = engine.query(sql)
-            check.that(True, name)
-            return out
-        except RuntimeError as e:
-            check.that(False, f"{engine.name} rejected {name}: {str(e)[:400]}\n  {sql[:400]}")
-            return ""
+    run = runner(engine, check)
 
     lease_db = f"{database}__revenue_agg__read1"
     engine.query(f"DROP DATABASE IF EXISTS {lease_db}")
@@ -329,14 +335,7 @@ def page_views_scenario(engine, database, check):
                                         config=PAGE_VIEWS_CONFIG) if s["name"].startswith("publish.")]
     answers = {}
 
-    def run(name, sql):
-        try:
-            out = engine.query(sql)
-            check.that(True, f"page_views {name}")
-            return out
-        except RuntimeError as e:
-            check.that(False, f"{engine.name} rejected page_views {name}: {str(e)[:400]}\n  {sql[:400]}")
-            return ""
+    run = runner(engine, check, "page_views ")
 
     engine.query(f"DROP DATABASE IF EXISTS {database}__page_views__read1")
     engine.query(f"DROP DATABASE IF EXISTS {database}")
@@ -385,6 +384,75 @@ def page_views_scenario(engine, database, check):
     return answers
 
 
+ORDERS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "config", "orders.toml")
+H0 = T0 - T0 % 3600  # orders' windows are hours
+
+EXPECTED_ORDERS = [
+    # (window start, customer, orders, revenue): c1's rows were all retracted (count 0 in both
+    # partitions' newest versions): the view leaves the group out.
+    f"{H0}\tc3\t1\t7.5",
+    f"{H0 + 3600}\tc2\t1\t5",
+]
+
+
+def orders_scenario(engine, database, check):
+    """config/orders.toml's shape, a job of changes: a group whose rows were all retracted
+    (count 0 in each partition's newest version) is left out of the published answer, of the
+    folded rows and of the view. Returns {step name: normalised answer}."""
+    atomic = engine.name == "chdb"
+    everything = "0:20,1:25"
+    statements = catalog(TALLY, database, atomic, as_of=everything, table="orders", config=ORDERS_CONFIG)
+    by_name = {s["name"]: s["sql"] for s in statements}
+    answers = {}
+
+    run = runner(engine, check, "orders ")
+
+    engine.query(f"DROP DATABASE IF EXISTS {database}__orders__read1")
+    engine.query(f"DROP DATABASE IF EXISTS {database}")
+    run_steps(run, statements, lambda name: name.startswith("create."))
+    run_steps(run, statements, lambda name: name.startswith("claim."))
+    t = f"{database}.orders"
+    versions = [
+        # (version, partition, window start, customer, orders, revenue)
+        (10, 0, H0, "c1", 2, "30.00"),
+        (20, 0, H0, "c1", 0, "0.00"),
+        (10, 0, H0 + 3600, "c2", 1, "5.00"),
+        (15, 1, H0, "c1", 1, "2.00"),
+        (15, 1, H0, "c3", 1, "7.50"),
+        (25, 1, H0, "c1", 0, "0.00"),
+    ]
+    values = ", ".join(
+        f"({v}, {p}, toDateTime({w}), toDateTime({w + 3600}), '{c}', {n}, toDecimal64('{r}', 2))"
+        for v, p, w, c, n, r in versions
+    )
+    run("sample.versions", f"INSERT INTO {t}_data VALUES {values}")
+    for batch, epoch, parts, frm, to, max_ws in (("a", 1, [0], [0], [10], H0 + 3600), ("b", 2, [0], [10], [20], H0),
+                                                 ("c", 1, [1], [0], [15], H0), ("d", 2, [1], [15], [25], H0)):
+        ids = ",".join(f"{p}:{o}" for p, o in zip(parts, to))
+        run(f"sample.commit_{batch}",
+            f"INSERT INTO {t}_commits (batch_id, job, epoch, partitions, from_offsets, to_offsets, watermarks, "
+            f"max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at) VALUES "
+            f"('o/orders[{ids}]', 'o', {epoch}, {parts}, {frm}, {to}, [{(H0 + 9 * 3600) * MS}], toDateTime({max_ws}), "
+            f"1, 1, 0, 0, toDateTime({T0}))")
+    run_steps(run, statements, lambda name: name.startswith("publish."))
+    answers["orders.published.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["orders.published.read.view"] == normal("\n".join(EXPECTED_ORDERS)),
+               f"{engine.name}: orders view: {answers['orders.published.read.view']}")
+    answers["orders.read.view_at"] = normal(run("read.view_at", by_name["read.view_at"]))
+    check.that(answers["orders.read.view_at"] == answers["orders.published.read.view"],
+               f"{engine.name}: orders answer as of the cut: {answers['orders.read.view_at']}")
+    run_steps(run, statements, lambda name: name.split(".")[0] in ("fold", "install") or name == "drop.versions")
+    answers["orders.folded.read.view"] = normal(run("read.view", by_name["read.view"]))
+    check.that(answers["orders.folded.read.view"] == answers["orders.published.read.view"],
+               f"{engine.name}: folding changed the orders view: {answers['orders.folded.read.view']}")
+    answers["orders.folded.count_final"] = normal(run("read.count_final", by_name["read.count_final"]))
+    check.that(answers["orders.folded.count_final"] == ["1"],
+               f"{engine.name}: orders windows folded (c3 only; c1 is empty): {answers['orders.folded.count_final']}")
+    engine.query(f"DROP DATABASE IF EXISTS {database}__orders__read1")
+    engine.query(f"DROP DATABASE IF EXISTS {database}")
+    return answers
+
+
 def main():
     global TALLY
     TALLY = sys.argv[1]
@@ -399,6 +467,7 @@ def main():
             print(f"{engine.name}: ClickHouse {version}")
             results[engine.name] = scenario(engine, database, check)
             results[engine.name].update(page_views_scenario(engine, database, check))
+            results[engine.name].update(orders_scenario(engine, database, check))
     # Engine-specific reads: the database engine, and part names.
     skip = ("read.database_engine", "read.partitions", "read.beat_age")
     current, old = results["chdb"], results["server"]

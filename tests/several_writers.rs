@@ -62,6 +62,10 @@ fn batch<'a>(
         revenue_units: 0,
         dead_letters: 0,
         filtered_count: 0,
+        duplicate_count: 0,
+        stale_count: 0,
+        tombstone_count: 0,
+        source_lsn: 0,
     }
 }
 

@@ -16,6 +16,8 @@ use rdkafka::{Offset, TopicPartitionList};
 use tally::loadgen::{GeneratedRecord, Generator, LoadSpec, Manifest};
 use tally_core::{OperatorConfig, WindowSpec};
 
+pub mod capture;
+
 pub const BROKERS: &str = "127.0.0.1:9092";
 pub const CLICKHOUSE: &str = "http://127.0.0.1:8123";
 
@@ -357,6 +359,18 @@ address = ""
             "no {needle:?} in the log within {timeout:?}:\n{}",
             self.log()
         );
+    }
+
+    /// Sets `section.key` of the job file to the string `value`.
+    pub fn set(&self, section: &str, key: &str, value: &str) {
+        let text = std::fs::read_to_string(&self.config).expect("job file");
+        let mut doc: toml::Table = toml::from_str(&text).expect("TOML");
+        doc.entry(section)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .expect("a section")
+            .insert(key.into(), toml::Value::String(value.into()));
+        std::fs::write(&self.config, toml::to_string(&doc).expect("TOML")).expect("write config");
     }
 
     pub fn log(&self) -> String {

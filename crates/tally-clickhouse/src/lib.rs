@@ -110,6 +110,12 @@ pub struct Batch<'a> {
     pub dead_letters: u64,
     /// Valid records the declaration's filter left out.
     pub filtered_count: u64,
+    pub duplicate_count: u64,
+    /// Changes older than the one applied to their row.
+    pub stale_count: u64,
+    pub tombstone_count: u64,
+    /// A change job's newest source LSN read up to this batch, of any of its partitions.
+    pub source_lsn: u64,
 }
 
 impl<'a> Batch<'a> {
@@ -142,6 +148,16 @@ impl<'a> Batch<'a> {
             // restored from the changelog, whose dead letters are only in their topic.
             dead_letters: acc.late + acc.dead_lettered,
             filtered_count: acc.filtered,
+            duplicate_count: acc.duplicates,
+            stale_count: acc.stale,
+            tombstone_count: acc.tombstones,
+            source_lsn: checkpoint
+                .partitions
+                .values()
+                .filter_map(|c| c.newest_change)
+                .map(|p| p.lsn)
+                .max()
+                .unwrap_or(0),
         }
     }
 }
@@ -188,8 +204,12 @@ struct CommitRow {
     revenue_sum: i128,
     dead_letters: u64,
     committed_at: u32,
-    // Last, where `ADD COLUMN` puts it in a commit log of an earlier release.
+    // Last, where `ADD COLUMN` puts them in a commit log of an earlier release.
     filtered_count: u64,
+    duplicate_count: u64,
+    stale_count: u64,
+    tombstone_count: u64,
+    source_lsn: u64,
 }
 
 /// What writing a batch did.
@@ -442,6 +462,10 @@ impl ClickHouseSink {
             )
             .unwrap_or(u32::MAX),
             filtered_count: batch.filtered_count,
+            duplicate_count: batch.duplicate_count,
+            stale_count: batch.stale_count,
+            tombstone_count: batch.tombstone_count,
+            source_lsn: batch.source_lsn,
         };
         let mut insert = self
             .client
@@ -536,6 +560,46 @@ pub struct CommittedBatch {
     pub partitions: Vec<i32>,
     pub from_offsets: Vec<i64>,
     pub to_offsets: Vec<i64>,
+}
+
+/// What the commit log records of one batch's input: its ranges, the partitions' watermarks
+/// after it and where its records went (the counts of earlier releases' batches read 0 where
+/// they had no column).
+#[derive(Debug, Clone, Deserialize, clickhouse::Row)]
+pub struct BatchAccounting {
+    pub partitions: Vec<i32>,
+    pub from_offsets: Vec<i64>,
+    pub to_offsets: Vec<i64>,
+    pub watermarks: Vec<i64>,
+    pub event_count: u64,
+    /// Late and other dead letters.
+    pub dead_letters: u64,
+    pub filtered_count: u64,
+    pub duplicate_count: u64,
+    pub stale_count: u64,
+    pub tombstone_count: u64,
+    pub source_lsn: u64,
+}
+
+impl BatchAccounting {
+    /// Records the batch consumed: the lengths of its ranges.
+    pub fn consumed(&self) -> u64 {
+        self.from_offsets
+            .iter()
+            .zip(&self.to_offsets)
+            .map(|(from, to)| u64::try_from(to - from).unwrap_or(0))
+            .sum()
+    }
+
+    /// Records it accounts for, each once.
+    pub fn accounted(&self) -> u64 {
+        self.event_count
+            + self.dead_letters
+            + self.filtered_count
+            + self.duplicate_count
+            + self.stale_count
+            + self.tombstone_count
+    }
 }
 
 /// What the commit log recorded of one batch.
@@ -732,6 +796,21 @@ impl ClickHouseSink {
             .map_err(self.err("reading the commit log"))
     }
 
+    /// Every batch's accounting, once per batch however many copies were written.
+    pub async fn batch_accounting(&self) -> Result<Vec<BatchAccounting>> {
+        let sql = format!(
+            "SELECT partitions, any(from_offsets), to_offsets, any(watermarks), any(event_count), any(dead_letters), \
+             any(filtered_count), any(duplicate_count), any(stale_count), any(tombstone_count), any(source_lsn) \
+             FROM {} GROUP BY partitions, to_offsets",
+            self.names.commits
+        );
+        self.client
+            .query(&sql)
+            .fetch_all()
+            .await
+            .map_err(self.err("reading the commit log's accounting"))
+    }
+
     /// Totals the commit log records, once per batch: (events aggregated, revenue as a
     /// decimal string, dead letters).
     pub async fn commit_totals(&self) -> Result<(u64, String, u64)> {
@@ -774,9 +853,14 @@ impl ClickHouseSink {
 impl Cut {
     /// The point after every batch of `batches`: per partition, the newest offset.
     pub fn after(batches: &[CommittedBatch]) -> Cut {
+        Cut::of_ends(batches.iter().map(|b| (&b.partitions, &b.to_offsets)))
+    }
+
+    /// The point after batches given by (partitions, end offsets).
+    pub fn of_ends<'a>(batches: impl Iterator<Item = (&'a Vec<i32>, &'a Vec<i64>)>) -> Cut {
         let mut cut = std::collections::BTreeMap::new();
-        for b in batches {
-            for (p, to) in b.partitions.iter().zip(&b.to_offsets) {
+        for (partitions, ends) in batches {
+            for (p, to) in partitions.iter().zip(ends) {
                 let end = cut.entry(*p).or_insert(*to);
                 *end = (*end).max(*to);
             }

@@ -24,10 +24,12 @@ pub enum PoisonReason {
     InvalidTime,
     TooLarge,
     Late,
+    /// Not a change event tally applies: no op or position, or an op such as truncate.
+    InvalidChange,
 }
 
 impl PoisonReason {
-    pub const ALL: [PoisonReason; 9] = [
+    pub const ALL: [PoisonReason; 10] = [
         PoisonReason::InvalidUtf8,
         PoisonReason::InvalidJson,
         PoisonReason::MissingField,
@@ -37,6 +39,7 @@ impl PoisonReason {
         PoisonReason::InvalidTime,
         PoisonReason::TooLarge,
         PoisonReason::Late,
+        PoisonReason::InvalidChange,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +53,7 @@ impl PoisonReason {
             PoisonReason::InvalidTime => "invalid_time",
             PoisonReason::TooLarge => "too_large",
             PoisonReason::Late => "late",
+            PoisonReason::InvalidChange => "invalid_change",
         }
     }
 

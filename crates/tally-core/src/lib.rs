@@ -9,6 +9,7 @@ pub mod group_key;
 pub mod mem;
 pub mod operator;
 pub mod seen_filter;
+pub mod source_row;
 pub mod time;
 pub mod types;
 pub mod window;
@@ -23,6 +24,7 @@ pub use operator::{
     StateReader, WindowOperator, WithInFlight,
 };
 pub use seen_filter::SeenIdFilter;
+pub use source_row::{Contribution, SourceRow};
 pub use types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 
 use crate::operator::{Checkpoint, PartitionCheckpoint, StateReader};
+use crate::source_row::SourceRow;
 use crate::types::{Epoch, PartitionId, WindowKey};
 use crate::window_agg::WindowAgg;
 
@@ -14,6 +15,7 @@ pub struct MemStore {
     pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
     pub windows: BTreeMap<(PartitionId, WindowKey), WindowAgg>,
     pub seen: HashMap<(PartitionId, String), i64>,
+    pub source_rows: HashMap<(PartitionId, String), SourceRow>,
 }
 
 impl MemStore {
@@ -29,6 +31,9 @@ impl MemStore {
         }
         for (p, id, t) in &checkpoint.seen {
             self.seen.insert((*p, id.clone()), *t);
+        }
+        for (p, key, row) in &checkpoint.source_rows {
+            self.source_rows.insert((*p, key.clone()), row.clone());
         }
         for &(p, cutoff) in &checkpoint.close_windows_before {
             self.windows
@@ -57,5 +62,13 @@ impl StateReader for MemStore {
         event_id: &str,
     ) -> Result<Option<i64>, Infallible> {
         Ok(self.seen.get(&(partition, event_id.to_owned())).copied())
+    }
+
+    fn source_row(
+        &self,
+        partition: PartitionId,
+        key: &str,
+    ) -> Result<Option<SourceRow>, Infallible> {
+        Ok(self.source_rows.get(&(partition, key.to_owned())).cloned())
     }
 }

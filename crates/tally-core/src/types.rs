@@ -103,7 +103,9 @@ pub struct DeadLetter {
 }
 
 /// Where every consumed record went. Invariant:
-/// `consumed == aggregated + duplicates + late + dead_lettered + filtered`.
+/// `consumed == aggregated + duplicates + late + dead_lettered + filtered + stale + tombstones`.
+/// For a job of changes, `aggregated` counts the changes applied, `duplicates` the changes
+/// repeated at the position already applied to their row, `stale` those older than it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Accounting {
     pub consumed: u64,
@@ -116,6 +118,10 @@ pub struct Accounting {
     pub revenue_units: i128,
     /// Valid records the declaration's filter leaves out.
     pub filtered: u64,
+    /// Changes older than the one already applied to their row (a source's replay).
+    pub stale: u64,
+    /// Records without a value (a change source's tombstone after a delete).
+    pub tombstones: u64,
 }
 
 impl Accounting {
@@ -132,7 +138,13 @@ impl Accounting {
 
     pub fn balances(&self) -> bool {
         self.consumed
-            == self.aggregated + self.duplicates + self.late + self.dead_lettered + self.filtered
+            == self.aggregated
+                + self.duplicates
+                + self.late
+                + self.dead_lettered
+                + self.filtered
+                + self.stale
+                + self.tombstones
     }
 
     pub fn add(&mut self, other: &Accounting) {
@@ -143,5 +155,7 @@ impl Accounting {
         self.dead_lettered += other.dead_lettered;
         self.revenue_units += other.revenue_units;
         self.filtered += other.filtered;
+        self.stale += other.stale;
+        self.tombstones += other.tombstones;
     }
 }

@@ -150,6 +150,21 @@ pub fn decode_seen_id(k: &[u8]) -> Option<(PartitionId, &[u8])> {
     Some((read_i32(k)?, k.get(4..)?))
 }
 
+/// A change job's row by primary key: partition | the key's text, as a dedup id is keyed.
+pub fn source_row_into(k: &mut Vec<u8>, p: PartitionId, key: &str) {
+    seen_id_into(k, p, key.as_bytes());
+}
+
+/// Orders source rows as their encoded keys are ordered, without encoding them.
+pub fn source_row_order(p: PartitionId, key: &str) -> impl Ord + '_ {
+    seen_id_order(p, key.as_bytes())
+}
+
+pub fn decode_source_row(k: &[u8]) -> Option<(PartitionId, &str)> {
+    let (p, key) = decode_seen_id(k)?;
+    Some((p, std::str::from_utf8(key).ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

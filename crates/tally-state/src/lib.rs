@@ -30,11 +30,13 @@ use rocksdb::{
     BlockBasedOptions, ColumnFamilyDescriptor, DB, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 use serde::{Deserialize, Serialize};
-use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId, RowShape};
+use tally_core::{Checkpoint, Epoch, PartitionCheckpoint, PartitionId, RowShape, SourceRow};
 
 const CF_META: &str = "meta";
 const CF_WINDOWS: &str = "windows";
 const CF_SEEN_ID: &str = "seen_by_id";
+/// A change job's rows by primary key: the position and contribution of each (format 6 on).
+const CF_SOURCE_ROWS: &str = "source_rows";
 /// Format 1's dedup time index, dropped when such a store is opened.
 const CF_SEEN_TIME_V1: &str = "seen_by_time";
 const CF_PENDING: &str = "pending";
@@ -131,6 +133,7 @@ struct PendingOutputs<'a> {
     dead_letters: &'a [tally_core::DeadLetter],
     close_windows_before: &'a [(PartitionId, i64)],
     expire_seen_before: &'a [(PartitionId, i64)],
+    source_rows: &'a [(PartitionId, String, SourceRow)],
 }
 
 impl<'a> PendingOutputs<'a> {
@@ -143,6 +146,7 @@ impl<'a> PendingOutputs<'a> {
             dead_letters: &c.dead_letters,
             close_windows_before: &c.close_windows_before,
             expire_seen_before: &c.expire_seen_before,
+            source_rows: &[],
         }
     }
 }
@@ -170,10 +174,11 @@ fn bincode_config() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
-const ALL_CFS: [&str; 5] = [
+const ALL_CFS: [&str; 6] = [
     CF_META,
     CF_WINDOWS,
     CF_SEEN_ID,
+    CF_SOURCE_ROWS,
     CF_PENDING,
     CF_PENDING_CHANGELOG,
 ];
@@ -186,6 +191,15 @@ fn seen_of(checkpoint: &Checkpoint) -> impl Iterator<Item = (PartitionId, &str, 
         .seen
         .iter()
         .map(|(p, id, t)| (*p, id.as_str(), *t))
+}
+
+fn source_rows_of(
+    checkpoint: &Checkpoint,
+) -> impl Iterator<Item = (PartitionId, &str, &SourceRow)> {
+    checkpoint
+        .source_rows
+        .iter()
+        .map(|(p, key, row)| (*p, key.as_str(), row))
 }
 
 /// 64 random bits (the standard library's hasher keys come from the OS), with the creation
@@ -414,25 +428,33 @@ impl StateStore {
     /// its stored time is past the horizon, i.e. below this checkpoint's expiry cutoff, so the
     /// expiry below has removed (or removes first) its old entries.
     pub fn pre_commit(&self, checkpoint: &Checkpoint) -> Result<(), StateError> {
-        self.pre_commit_with_seen(checkpoint, seen_of(checkpoint), &[])
-            .map(|_| ())
+        self.pre_commit_with_seen(
+            checkpoint,
+            seen_of(checkpoint),
+            source_rows_of(checkpoint),
+            &[],
+        )
+        .map(|_| ())
     }
 
-    /// [`StateStore::pre_commit`] with the epoch's ids given apart from `checkpoint` (whose own
-    /// `seen` is ignored), in any order: the worker passes them straight from the epoch's cut
-    /// rather than copying and sorting them. `changelog` (the epoch's changelog records) is
-    /// kept with the pending outputs, for the transaction to carry after a restart. Returns the
-    /// bytes of the state changes written (without the pending outputs).
+    /// [`StateStore::pre_commit`] with the epoch's ids and source rows given apart from
+    /// `checkpoint` (whose own `seen` and `source_rows` are ignored), in any order: the worker
+    /// passes them straight from the epoch's cut rather than copying and sorting them.
+    /// `changelog` (the epoch's changelog records) is kept with the pending outputs, for the
+    /// transaction to carry after a restart. Returns the bytes of the state changes written
+    /// (without the pending outputs).
     pub fn pre_commit_with_seen<'a>(
         &self,
         checkpoint: &Checkpoint,
         seen: impl Iterator<Item = (PartitionId, &'a str, i64)>,
+        source_rows: impl Iterator<Item = (PartitionId, &'a str, &'a SourceRow)>,
         changelog: &[EncodedRecord],
     ) -> Result<usize, StateError> {
         let mut batch = WriteBatch::with_capacity_bytes(self.last_batch_bytes.load(Relaxed));
         let base = self.meta();
         let (expired_seen_before, closed_windows_before) =
             self.stage_changes(&mut batch, checkpoint, seen, base.as_ref())?;
+        self.stage_source_rows(&mut batch, source_rows)?;
         let state_bytes = batch.size_in_bytes();
         let meta = CheckpointMeta {
             job: self.job.clone(),
@@ -481,6 +503,7 @@ impl StateStore {
         let base = self.meta();
         let (expired_seen_before, closed_windows_before) =
             self.stage_changes(&mut batch, checkpoint, seen_of(checkpoint), base.as_ref())?;
+        self.stage_source_rows(&mut batch, source_rows_of(checkpoint))?;
         let (mut partitions, epoch) = match base {
             Some(m) => (m.partitions, m.epoch.max(checkpoint.epoch)),
             None => (BTreeMap::new(), checkpoint.epoch),
@@ -690,6 +713,28 @@ impl StateStore {
             }
         }
         Ok((expired_seen_before, closed_windows_before))
+    }
+
+    /// Adds to `batch` a change job's rows changed in an epoch, in key order (as ids are).
+    fn stage_source_rows<'a>(
+        &self,
+        batch: &mut WriteBatch,
+        rows: impl Iterator<Item = (PartitionId, &'a str, &'a SourceRow)>,
+    ) -> Result<(), StateError> {
+        let mut rows: Vec<_> = rows.collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        rows.sort_unstable_by(|a, b| {
+            keys::source_row_order(a.0, a.1).cmp(&keys::source_row_order(b.0, b.1))
+        });
+        let cf = self.cf(CF_SOURCE_ROWS)?;
+        let mut key = Vec::new();
+        for (p, row_key, row) in rows {
+            keys::source_row_into(&mut key, p, row_key);
+            batch.put_cf(cf, &key, self.encode(row, "source row")?);
+        }
+        Ok(())
     }
 
     /// Records that every sink has `epoch`'s outputs and drops them from the store. With

@@ -2,9 +2,9 @@
 //! every entry (restores, tests, `doctor`).
 
 use rocksdb::{Direction, IteratorMode};
-use tally_core::{PartitionId, StateReader, WindowAgg, WindowKey};
+use tally_core::{PartitionId, SourceRow, StateReader, WindowAgg, WindowKey};
 
-use crate::{CF_SEEN_ID, CF_WINDOWS, StateError, StateStore, keys};
+use crate::{CF_SEEN_ID, CF_SOURCE_ROWS, CF_WINDOWS, StateError, StateStore, keys};
 
 impl StateStore {
     /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, in id
@@ -50,6 +50,20 @@ impl StateStore {
             let (p, k) = keys::decode_window(&key, self.shape.key_parts)
                 .ok_or_else(|| self.corrupt_key("window key"))?;
             out.push((p, k, self.decode_window_value(&value)?));
+        }
+        Ok(out)
+    }
+
+    /// Every row of a change job as (partition, primary key, row), in key order (tests,
+    /// restores, the size of the state per row).
+    pub fn source_rows(&self) -> Result<Vec<(PartitionId, String, SourceRow)>, StateError> {
+        let cf = self.cf(CF_SOURCE_ROWS)?;
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(cf, IteratorMode::Start) {
+            let (key, value) = item.map_err(|e| self.rocks(e))?;
+            let (p, row_key) =
+                keys::decode_source_row(&key).ok_or_else(|| self.corrupt_key("source row key"))?;
+            out.push((p, row_key.to_owned(), self.decode(&value, "source row")?));
         }
         Ok(out)
     }
@@ -107,5 +121,19 @@ impl StateReader for StateStore {
                 Ok((!self.expiry.is_expired(partition, t)).then_some(t))
             }
         }
+    }
+
+    fn source_row(
+        &self,
+        partition: PartitionId,
+        key: &str,
+    ) -> Result<Option<SourceRow>, StateError> {
+        let mut k = Vec::with_capacity(4 + key.len());
+        keys::source_row_into(&mut k, partition, key);
+        self.db
+            .get_pinned_cf(self.cf(CF_SOURCE_ROWS)?, k)
+            .map_err(|e| self.rocks(e))?
+            .map(|bytes| self.decode(&bytes, "source row"))
+            .transpose()
     }
 }

@@ -1,14 +1,16 @@
 //! What earlier releases wrote, and how opening a store brings it forward: the on-disk format
 //! versions, the window keys of the releases before group keys, (window start, customer,
 //! currency), the window values of the releases before values of any shape, (orders,
-//! revenue), and the accounting of the releases before filters (no `filtered` count), read so
-//! that a state directory and changelog they left carry on after an upgrade.
+//! revenue), the accounting of the releases before filters (no `filtered` count) and before
+//! change jobs (no `stale` or `tombstones` count, no newest source position), read so that a
+//! state directory and changelog they left carry on after an upgrade.
 
 use std::collections::BTreeMap;
 
+use crate::changelog::{Liveness, RestorePoints};
 use crate::{
     CF_META, CF_PENDING, CF_SEEN_TIME_V1, CheckpointMeta, EpochStatus, KEY_CHECKPOINT, KEY_FORMAT,
-    StateError, StateStore,
+    KEY_RESTORE_POINTS, StateError, StateStore,
 };
 use compact_str::CompactString;
 use rocksdb::{IteratorMode, WriteBatch, WriteOptions};
@@ -87,7 +89,54 @@ impl From<AccountingV1> for Accounting {
             late: a.late,
             dead_lettered: a.dead_lettered,
             revenue_units: a.revenue_units,
-            filtered: 0,
+            ..Accounting::default()
+        }
+    }
+}
+
+/// [`Accounting`] as the releases before change jobs encode it (store format 5, changelog
+/// format 4): no `stale` or `tombstones` count, which are 0 for every job they ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct AccountingV2 {
+    pub consumed: u64,
+    pub aggregated: u64,
+    pub duplicates: u64,
+    pub late: u64,
+    pub dead_lettered: u64,
+    pub revenue_units: i128,
+    pub filtered: u64,
+}
+
+impl From<AccountingV2> for Accounting {
+    fn from(a: AccountingV2) -> Accounting {
+        Accounting {
+            filtered: a.filtered,
+            ..AccountingV1 {
+                consumed: a.consumed,
+                aggregated: a.aggregated,
+                duplicates: a.duplicates,
+                late: a.late,
+                dead_lettered: a.dead_lettered,
+                revenue_units: a.revenue_units,
+            }
+            .into()
+        }
+    }
+}
+
+/// What format 5 wrote of an accounting (tests write records of its format).
+#[cfg(test)]
+impl From<Accounting> for AccountingV2 {
+    fn from(a: Accounting) -> AccountingV2 {
+        assert_eq!((a.stale, a.tombstones), (0, 0), "format 5 had no changes");
+        AccountingV2 {
+            consumed: a.consumed,
+            aggregated: a.aggregated,
+            duplicates: a.duplicates,
+            late: a.late,
+            dead_lettered: a.dead_lettered,
+            revenue_units: a.revenue_units,
+            filtered: a.filtered,
         }
     }
 }
@@ -108,41 +157,65 @@ impl From<Accounting> for AccountingV1 {
     }
 }
 
-/// A [`PartitionCheckpoint`] with [`AccountingV1`].
+/// A [`PartitionCheckpoint`] of an earlier format, without a newest source position: `A` its
+/// accounting, [`AccountingV1`] (store formats 1 to 4, changelog formats 1 to 3) or
+/// [`AccountingV2`] (store format 5, changelog format 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct PartitionCheckpointV1 {
+pub struct PartitionCheckpointV1<A = AccountingV1> {
     pub epoch_start_offset: Offset,
     pub next_offset: Offset,
     pub watermark: Watermark,
-    pub epoch: AccountingV1,
-    pub totals: AccountingV1,
+    pub epoch: A,
+    pub totals: A,
 }
 
-impl From<PartitionCheckpointV1> for PartitionCheckpoint {
-    fn from(c: PartitionCheckpointV1) -> PartitionCheckpoint {
+/// A partition's progress as store format 5 and changelog format 4 encode it.
+pub type PartitionCheckpointV2 = PartitionCheckpointV1<AccountingV2>;
+
+impl<A: Into<Accounting>> From<PartitionCheckpointV1<A>> for PartitionCheckpoint {
+    fn from(c: PartitionCheckpointV1<A>) -> PartitionCheckpoint {
         PartitionCheckpoint {
             epoch_start_offset: c.epoch_start_offset,
             next_offset: c.next_offset,
             watermark: c.watermark,
             epoch: c.epoch.into(),
             totals: c.totals.into(),
+            newest_change: None,
         }
     }
 }
 
-/// A [`CheckpointMeta`] as store formats 1 to 4 keep it.
+/// A [`CheckpointMeta`] as store formats 1 to 5 keep it (`P`: the format's progress).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointMetaV1 {
+pub struct CheckpointMetaV1<P = PartitionCheckpointV1> {
     pub job: String,
     pub epoch: Epoch,
     pub status: EpochStatus,
-    pub partitions: BTreeMap<PartitionId, PartitionCheckpointV1>,
+    pub partitions: BTreeMap<PartitionId, P>,
     pub expired_seen_before: BTreeMap<PartitionId, i64>,
     pub closed_windows_before: BTreeMap<PartitionId, i64>,
 }
 
-impl From<CheckpointMetaV1> for CheckpointMeta {
-    fn from(m: CheckpointMetaV1) -> CheckpointMeta {
+/// The liveness of a changelog epoch as store formats up to 5 saved it in their restore
+/// points: no rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LivenessV1 {
+    pub max_window_start: Option<i64>,
+    pub max_seen_time: Option<i64>,
+}
+
+impl From<LivenessV1> for Liveness {
+    fn from(l: LivenessV1) -> Liveness {
+        Liveness {
+            max_window_start: l.max_window_start,
+            max_seen_time: l.max_seen_time,
+            holds_rows: false,
+        }
+    }
+}
+
+impl<P: Into<PartitionCheckpoint>> From<CheckpointMetaV1<P>> for CheckpointMeta {
+    fn from(m: CheckpointMetaV1<P>) -> CheckpointMeta {
         CheckpointMeta {
             job: m.job,
             epoch: m.epoch,
@@ -184,11 +257,15 @@ impl<R: Into<OutputRow>, P: Into<PartitionCheckpoint>> From<CheckpointV1<R, P>> 
             dead_letters: c.dead_letters,
             close_windows_before: c.close_windows_before,
             expire_seen_before: c.expire_seen_before,
+            source_rows: Vec::new(),
         }
     }
 }
 
 /// Version of the on-disk layout. Bump on any change to keys or encodings.
+/// 6: a change job's rows (their own column family), and the accounting counts stale changes
+/// and tombstones and keeps the newest source position; version 5 had neither, and an open
+/// rewrites the checkpoint, the pending outputs and the restore points that hold it.
 /// 5: the accounting counts filtered records; version 4 had no such count, and an open rewrites
 /// the checkpoint and pending outputs that hold it (everything else is the same).
 /// 4: a pending epoch's rows carry values of any shape (tagged words); version 3 encoded them as
@@ -197,7 +274,8 @@ impl<R: Into<OutputRow>, P: Into<PartitionCheckpoint>> From<CheckpointV1<R, P>> 
 /// (customer, currency), which an open rewrites (window keys and everything else are the same).
 /// 2: dedup ids expire in compaction; version 1 also kept them in a time index, which an open
 /// drops (the id entries are the same).
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
+pub(crate) const FORMAT_FILTERED: u32 = 5;
 pub(crate) const FORMAT_ANY_VALUES: u32 = 4;
 pub(crate) const FORMAT_ORDER_VALUES: u32 = 3;
 pub(crate) const FORMAT_ORDER_KEYS: u32 = 2;
@@ -228,11 +306,14 @@ impl StateStore {
                     if found == FORMAT_WITH_TIME_INDEX {
                         self.drop_time_index()?;
                     }
-                    self.rewrite_pending_outputs::<OutputRowV1<WindowKeyV1>>()
+                    self.rewrite_pending_outputs::<OutputRowV1<WindowKeyV1>, PartitionCheckpointV1>(
+                    )
                 } else if found == FORMAT_ORDER_VALUES {
-                    self.rewrite_pending_outputs::<OutputRowV1<WindowKey>>()
+                    self.rewrite_pending_outputs::<OutputRowV1<WindowKey>, PartitionCheckpointV1>()
                 } else if found == FORMAT_ANY_VALUES {
-                    self.rewrite_pending_outputs::<OutputRow>()
+                    self.rewrite_pending_outputs::<OutputRow, PartitionCheckpointV1>()
+                } else if found == FORMAT_FILTERED {
+                    self.rewrite_pending_outputs::<OutputRow, PartitionCheckpointV2>()
                 } else {
                     Err(StateError::UnknownFormat {
                         path: self.path.clone(),
@@ -254,18 +335,21 @@ impl StateStore {
         Ok(())
     }
 
-    /// Formats 2 to 4 to 5: the checkpoint and the pending outputs of pre-committed epochs (and
-    /// of the last committed one) are rewritten with group keys, tagged values and the filtered
-    /// count, in one synced batch with the new version. `R`: the row of the format found.
-    fn rewrite_pending_outputs<R>(&mut self) -> Result<(), StateError>
+    /// Formats 2 to 5 to 6: the checkpoint, the pending outputs of pre-committed epochs (and
+    /// of the last committed one) and the restore points are rewritten with group keys, tagged
+    /// values and the accounting of this format, in one synced batch with the new version.
+    /// `R` and `P`: the row and the partition progress of the format found.
+    fn rewrite_pending_outputs<R, P>(&mut self) -> Result<(), StateError>
     where
         R: Into<OutputRow> + serde::de::DeserializeOwned,
+        P: Into<PartitionCheckpoint> + serde::de::DeserializeOwned,
     {
         let cf = self.cf(CF_PENDING)?;
         let mut batch = WriteBatch::default();
         for item in self.db.iterator_cf(cf, IteratorMode::Start) {
             let (key, bytes) = item.map_err(|e| self.rocks(e))?;
-            let old: CheckpointV1<R> = self.decode(&bytes, "pending outputs (formats 2 to 4)")?;
+            let old: CheckpointV1<R, P> =
+                self.decode(&bytes, "pending outputs (formats 2 to 5)")?;
             let outputs = Checkpoint::from(old);
             batch.put_cf(cf, key, self.encode(&outputs, "pending outputs")?);
         }
@@ -275,13 +359,26 @@ impl StateStore {
             .get_cf(meta_cf, KEY_CHECKPOINT)
             .map_err(|e| self.rocks(e))?
         {
-            let old: CheckpointMetaV1 =
-                self.decode(&bytes, "checkpoint metadata (formats 1 to 4)")?;
+            let old: CheckpointMetaV1<P> =
+                self.decode(&bytes, "checkpoint metadata (formats 1 to 5)")?;
             let meta = CheckpointMeta::from(old);
             batch.put_cf(
                 meta_cf,
                 KEY_CHECKPOINT,
                 self.encode(&meta, "checkpoint metadata")?,
+            );
+        }
+        if let Some(bytes) = self
+            .db
+            .get_cf(meta_cf, KEY_RESTORE_POINTS)
+            .map_err(|e| self.rocks(e))?
+        {
+            let old: RestorePoints<LivenessV1> =
+                self.decode(&bytes, "restore points (formats 1 to 5)")?;
+            batch.put_cf(
+                meta_cf,
+                KEY_RESTORE_POINTS,
+                self.encode(&old.brought_forward(), "restore points")?,
             );
         }
         batch.put_cf(meta_cf, KEY_FORMAT, FORMAT_VERSION.to_be_bytes());

@@ -5,9 +5,10 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use tally_core::amount::Amount;
+use tally_core::declare::Position;
 use tally_core::{
-    Checkpoint, Epoch, MemStore, OutputRow, PartitionCheckpoint, RowShape, StateReader, WindowAgg,
-    WindowKey, Word, WordKind,
+    Checkpoint, Contribution, Epoch, MemStore, OutputRow, PartitionCheckpoint, RowShape, SourceRow,
+    StateReader, WindowAgg, WindowKey, Word, WordKind,
 };
 use tally_state::{EpochStatus, StateError, StateStore};
 
@@ -39,6 +40,32 @@ enum Op {
         p: i32,
         cutoff: i64,
     },
+    /// A change job's row: its position and, unless deleted, its contribution.
+    Source {
+        p: i32,
+        row: u8,
+        lsn: u64,
+        contribution: Option<(i64, u8, u64)>,
+    },
+}
+
+fn source_key(row: u8) -> String {
+    // Keys of several parts join them with NUL.
+    format!("{row}\0k")
+}
+
+fn source_row(lsn: u64, contribution: Option<(i64, u8, u64)>) -> SourceRow {
+    SourceRow {
+        position: Position {
+            commit_lsn: lsn / 3,
+            lsn,
+        },
+        contribution: contribution.map(|(t, customer, orders)| Contribution {
+            event_time_ms: t,
+            key: key(0, customer).key,
+            value: WindowAgg::of_orders(orders, Amount(-(orders as i64))),
+        }),
+    }
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -55,6 +82,18 @@ fn op() -> impl Strategy<Value = Op> {
             cutoff: cutoff * 1000
         }),
         (0i32..2, 0i64..50).prop_map(|(p, cutoff)| Op::Expire { p, cutoff }),
+        (
+            0i32..2,
+            0u8..12,
+            0u64..1_000_000,
+            proptest::option::of((-5i64..5_000, 0u8..5, 0u64..9))
+        )
+            .prop_map(|(p, row, lsn, contribution)| Op::Source {
+                p,
+                row,
+                lsn,
+                contribution
+            }),
     ]
 }
 
@@ -65,6 +104,7 @@ fn checkpoint(epoch: u64, ops: &[Op]) -> Checkpoint {
     };
     let mut rows = BTreeMap::new();
     let mut seen = BTreeMap::new();
+    let mut source_rows = BTreeMap::new();
     for op in ops {
         match op {
             Op::Row {
@@ -91,14 +131,37 @@ fn checkpoint(epoch: u64, ops: &[Op]) -> Checkpoint {
             }
             Op::Close { p, cutoff } => cp.close_windows_before.push((*p, *cutoff)),
             Op::Expire { p, cutoff } => cp.expire_seen_before.push((*p, *cutoff)),
+            // One entry per row per epoch, as the operator emits it: the last change's.
+            Op::Source {
+                p,
+                row,
+                lsn,
+                contribution,
+            } => {
+                source_rows.insert((*p, source_key(*row)), source_row(*lsn, *contribution));
+            }
         }
     }
+    cp.source_rows = source_rows
+        .into_iter()
+        .map(|((p, key), row)| (p, key, row))
+        .collect();
     cp.rows = rows.into_values().collect();
     cp.seen = seen.into_iter().map(|((p, id), t)| (p, id, t)).collect();
     cp.partitions.insert(
         0,
         PartitionCheckpoint {
             next_offset: epoch as i64 * 10,
+            newest_change: epoch.is_multiple_of(2).then_some(Position {
+                commit_lsn: epoch,
+                lsn: epoch * 7,
+            }),
+            totals: tally_core::Accounting {
+                consumed: epoch * 3,
+                stale: epoch,
+                tombstones: epoch * 2,
+                ..tally_core::Accounting::default()
+            },
             ..PartitionCheckpoint::default()
         },
     );
@@ -161,6 +224,15 @@ proptest! {
                     let k = key(start, c);
                     prop_assert_eq!(store.window(p, &k).unwrap(), model.window(p, &k).unwrap());
                 }
+            }
+        }
+        let mut rows: Vec<_> = model.source_rows.iter().map(|((p, k), r)| (*p, k.clone(), r.clone())).collect();
+        rows.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        prop_assert_eq!(store.source_rows().unwrap(), rows);
+        for p in 0..2 {
+            for row in 0..12 {
+                let k = source_key(row);
+                prop_assert_eq!(store.source_row(p, &k).unwrap(), model.source_row(p, &k).unwrap());
             }
         }
         let meta = store.meta().unwrap();
@@ -357,6 +429,7 @@ fn an_unknown_format_version_is_refused_not_misread() {
             "meta",
             "windows",
             "seen_by_id",
+            "source_rows",
             "pending",
             "pending_changelog",
         ];
@@ -395,6 +468,7 @@ fn a_format_1_store_loses_its_time_index_and_keeps_its_ids() {
             "windows",
             "seen_by_id",
             "seen_by_time",
+            "source_rows",
             "pending",
             "pending_changelog",
         ];
@@ -428,7 +502,7 @@ fn a_format_1_store_loses_its_time_index_and_keeps_its_ids() {
         .unwrap()
         .unwrap();
     assert_eq!(version, tally_state::FORMAT_VERSION.to_be_bytes());
-    assert_eq!(tally_state::FORMAT_VERSION, 5);
+    assert_eq!(tally_state::FORMAT_VERSION, 6);
 }
 
 #[test]
@@ -545,6 +619,7 @@ fn without_ids(cp: &Checkpoint) -> Checkpoint {
     assert!(!cp.seen.is_empty(), "the test checkpoint should carry ids");
     Checkpoint {
         seen: Vec::new(),
+        source_rows: Vec::new(),
         ..cp.clone()
     }
 }

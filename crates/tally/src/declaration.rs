@@ -27,6 +27,9 @@ pub fn built_in_fields(job: &Job) -> Result<FieldMapping, String> {
                  (strings, currency with format = \"currency_code\"), aggregates orders = count and revenue = \
                  sum of a decimal of scale 4, a string event id, no filter";
     let refuse = |why: &str| Err(format!("{why}; {shape}"));
+    if job.changes.is_some() {
+        return refuse("the declaration reads change events");
+    }
     if job.windows.slide_ms != job.windows.size_ms {
         return refuse("the window hops");
     }
@@ -86,6 +89,9 @@ pub fn describe(job: &Job) -> String {
         let extra = match f.kind {
             FieldKind::Decimal => format!("(18, {})", f.scale),
             FieldKind::Timestamp if f.unit == TimeUnit::Seconds => " (numbers in seconds)".into(),
+            FieldKind::Timestamp if f.unit == TimeUnit::Micros => {
+                " (numbers in microseconds)".into()
+            }
             _ => String::new(),
         };
         let _ = writeln!(
@@ -96,12 +102,30 @@ pub fn describe(job: &Job) -> String {
             f.path.join(".")
         );
     }
-    let _ = writeln!(
-        out,
-        "  event  id {}, time {}",
-        field_names(job.event_id),
-        field_names(job.event_time)
-    );
+    match &job.changes {
+        Some(changes) => {
+            let key: Vec<String> = changes
+                .primary_key
+                .iter()
+                .map(|&k| field_names(k))
+                .collect();
+            let _ = writeln!(
+                out,
+                "  source {} changes of rows keyed by ({}), time {}: an update retracts what the row's earlier image added, a delete retracts it",
+                job.format.as_str(),
+                key.join(", "),
+                field_names(job.event_time)
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "  event  id {}, time {}",
+                field_names(job.event_id),
+                field_names(job.event_time)
+            );
+        }
+    }
     for c in &job.filter {
         let name = field_names(c.field);
         let scale = job.fields[c.field].scale;

@@ -84,6 +84,8 @@ impl CheckpointCommitted<'_> {
             late = acc.late,
             dead_lettered = acc.dead_lettered,
             filtered = acc.filtered,
+            stale = acc.stale,
+            tombstones = acc.tombstones,
             rows = cp.rows.len(),
             millis = self.latency.as_millis() as u64,
             pause_us = self.pause.total.as_micros() as u64,
@@ -103,6 +105,8 @@ impl CheckpointCommitted<'_> {
         counter!("tally_records_duplicate_total").increment(acc.duplicates);
         counter!("tally_records_late_total").increment(acc.late);
         counter!("tally_records_filtered_total").increment(acc.filtered);
+        counter!("tally_records_stale_total").increment(acc.stale);
+        counter!("tally_records_tombstone_total").increment(acc.tombstones);
         for reason in PoisonReason::ALL {
             let n = cp
                 .dead_letters

@@ -208,6 +208,18 @@ struct LoadgenArgs {
     /// Where to write the ground-truth manifest.
     #[arg(long, short, default_value = "manifest.json")]
     manifest: PathBuf,
+    /// A change job: rows inserted into the source table before the --events changes (a table
+    /// for the connector's first snapshot, with --events 0).
+    #[arg(long, default_value_t = 0)]
+    initial_rows: u64,
+    /// A change job: new snapshots asked for through Debezium's signal table, spread over the
+    /// changes.
+    #[arg(long, default_value_t = 0)]
+    snapshots: u32,
+    /// A change job: REPLICA IDENTITY FULL (updates and deletes carry the old row), rather
+    /// than the default (the key only).
+    #[arg(long)]
+    full_identity: bool,
 }
 
 #[derive(clap::Args)]
@@ -231,11 +243,21 @@ struct ReconcileArgs {
     /// windows that no new input touched).
     #[arg(long, default_value_t = 12)]
     full_every: u64,
+    /// A change job: run the declaration's aggregation as SQL on the source table (this
+    /// postgres:// URL, or source.postgres) and compare it with the view, instead of reading
+    /// the topic again.
+    #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "URL")]
+    source: Option<String>,
+    /// With --source: windows still open at the job's cut must match too (exit 1 otherwise),
+    /// for a source that stopped changing and a job that caught up.
+    #[arg(long)]
+    strict: bool,
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rdkafka=warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,rdkafka=warn,tokio_postgres=warn")
+    });
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -282,6 +304,9 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Verify { config, manifest } => {
             let cfg = load_config(&config)?;
             let ok = match cfg.declared.clone() {
+                Some(job) if job.changes.is_some() => {
+                    runtime()?.block_on(prove::verify_changes(&cfg, &job, &manifest))?
+                }
                 Some(job) => runtime()?.block_on(prove::verify_declared(&cfg, &job, &manifest))?,
                 None => runtime()?.block_on(prove::verify(&cfg, &manifest))?,
             };
@@ -367,6 +392,20 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         step_ms: args.step_ms,
         max_record_bytes: cfg.job.max_record_bytes,
     };
+    if cfg.declared.as_ref().is_some_and(|j| j.changes.is_some()) {
+        let spec = tally::source::workload::WorkloadSpec {
+            seed: args.seed,
+            initial_rows: args.initial_rows,
+            changes: events,
+            rate: args.rate.map(|r| r as f64),
+            keys: args.customers,
+            step_ms: args.step_ms,
+            snapshots: args.snapshots,
+            full_identity: args.full_identity,
+        };
+        runtime()?.block_on(tally::source::workload::run(&cfg, &spec, &args.manifest))?;
+        return Ok(());
+    }
     let opts = tally::loadgen::LoadOptions {
         events,
         rate: args.rate,
@@ -398,6 +437,23 @@ fn reconcile(args: ReconcileArgs) -> Result<()> {
         customer: args.customer,
     };
     let rt = runtime()?;
+    if let Some(url) = &args.source {
+        let url = (!url.is_empty()).then_some(url.as_str());
+        return match args.every {
+            None => {
+                let r = rt.block_on(tally::source::reconcile::reconcile_source(
+                    &cfg, url, &filter, true,
+                ))?;
+                exit_unless(!r.fails(args.strict))
+            }
+            Some(every) => {
+                let every = parse_duration(&every, "--every")?;
+                rt.block_on(tally::source::reconcile::reconcile_source_every(
+                    &cfg, url, &filter, every,
+                ))
+            }
+        };
+    }
     match args.every {
         None => {
             let r = rt.block_on(prove::reconcile(&cfg, &filter, true))?;
@@ -426,8 +482,13 @@ fn probe(cfg: &Config, interval: &str, duration: Option<&str>) -> Result<()> {
         prove::probe(cfg, interval, duration, &stop).await
     })?;
     println!(
-        "probe-summary reads={} errors={} duplicated={} vanished={} decreased={}",
-        report.reads, report.errors, report.duplicated, report.vanished, report.decreased
+        "probe-summary reads={} errors={} duplicated={} vanished={} decreased={} empty={}",
+        report.reads,
+        report.errors,
+        report.duplicated,
+        report.vanished,
+        report.decreased,
+        report.empty
     );
     for example in &report.examples {
         println!("  {example}");

@@ -31,7 +31,12 @@ impl PreCommitted {
         let started = Instant::now();
         let checkpoint = cut.to_checkpoint_without_ids();
         let changelog = tally_state::changelog::encode_epoch(cut)?;
-        let state = store.pre_commit_with_seen(&checkpoint, cut.seen_ids(), &changelog)?;
+        let state = store.pre_commit_with_seen(
+            &checkpoint,
+            cut.seen_ids(),
+            cut.source_rows(),
+            &changelog,
+        )?;
         let bytes = EpochBytes {
             state,
             changelog: changelog.iter().map(|(_, b)| b.len()).sum(),

@@ -521,6 +521,10 @@ async fn a_data_insert_names_the_shapes_columns_in_one_block() {
         revenue_units: 0,
         dead_letters: 0,
         filtered_count: 0,
+        duplicate_count: 0,
+        stale_count: 0,
+        tombstone_count: 0,
+        source_lsn: 0,
     };
     let (url, server) = capture_one_request();
     let sink = sink_at(url, mixed_shape());

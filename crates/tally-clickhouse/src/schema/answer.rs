@@ -46,8 +46,9 @@ impl TableNames {
                      AND (toInt32(source_partition + 0), version + 0) IN \
                          (SELECT arrayJoin({pairs}) FROM {commits} WHERE max_window_start >= toDateTime({f})) \
                    GROUP BY source_partition, window_start, {keys}) \
-             GROUP BY window_start, {keys}",
+             GROUP BY window_start, {keys}{having}",
             keys = self.shape.key_list(),
+            having = self.shape.having(),
             merged = self.shape.merged(),
             newest = self.shape.newest_per_partition(),
             data = self.data,

@@ -36,11 +36,22 @@ const COMMIT_COLUMNS: &[(&str, &str)] = &[
     ("dead_letters", "UInt64"),
     ("committed_at", "DateTime"),
     ("filtered_count", "UInt64"),
+    ("duplicate_count", "UInt64"),
+    ("stale_count", "UInt64"),
+    ("tombstone_count", "UInt64"),
+    ("source_lsn", "UInt64"),
 ];
 /// Commit-log columns added since its first release, with their defaults: a commit log of an
 /// earlier release gets them by `ALTER` (`ensure`), and its rows, and the rows an earlier
-/// release still writes, read the default.
-const ADDED_COMMIT_COLUMNS: &[(&str, &str)] = &[("filtered_count", "0")];
+/// release still writes, read the default. `source_lsn`: a change job's newest source
+/// position read up to the batch (the largest of its partitions'), 0 for events.
+const ADDED_COMMIT_COLUMNS: &[(&str, &str)] = &[
+    ("filtered_count", "0"),
+    ("duplicate_count", "0"),
+    ("stale_count", "0"),
+    ("tombstone_count", "0"),
+    ("source_lsn", "0"),
+];
 
 /// The commit log's columns for its CREATE, each added column with its default.
 fn commit_columns_sql() -> String {

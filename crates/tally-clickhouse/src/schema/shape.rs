@@ -11,6 +11,9 @@ pub struct Shape {
     /// Group-by keys: (column, ClickHouse type), in declaration order.
     keys: Vec<(String, String)>,
     aggregates: Vec<AggregateColumns>,
+    /// A job of changes: a group's rows can all be retracted, leaving a count of 0 that the
+    /// answer leaves out, as the source table has no such group.
+    retracts: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,6 +96,7 @@ impl Shape {
                     scale: Some(4),
                 },
             ],
+            retracts: false,
         }
     }
 
@@ -130,7 +134,11 @@ impl Shape {
                 }
             })
             .collect();
-        Shape { keys, aggregates }
+        Shape {
+            keys,
+            aggregates,
+            retracts: job.changes.is_some(),
+        }
     }
 
     /// Whether this is revenue_agg's shape: the one the worker's rows, reads and checks of
@@ -195,6 +203,19 @@ impl Shape {
                 .iter()
                 .map(|(c, _)| format!("argMax({c}, version) AS p_{c}")),
         )
+    }
+
+    /// What keeps a merged group in the answer: for a job of changes, rows counted (its first
+    /// count column above 0); every group otherwise. Empty, or ` HAVING ...`.
+    pub(crate) fn having(&self) -> String {
+        match self
+            .aggregates
+            .iter()
+            .find(|a| a.function == Function::Count)
+        {
+            Some(count) if self.retracts => format!(" HAVING {} > 0", count.column),
+            _ => String::new(),
+        }
     }
 
     /// Per kept column, the merge of the source partitions' values, aliased `<column>`.

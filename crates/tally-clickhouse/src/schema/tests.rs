@@ -123,7 +123,7 @@ fn the_commit_log_counts_filtered_records_and_an_earlier_one_gets_the_column() {
     assert!(
         names
             .create_commits()
-            .contains("committed_at DateTime, filtered_count UInt64 DEFAULT 0)"),
+            .contains("committed_at DateTime, filtered_count UInt64 DEFAULT 0, duplicate_count UInt64 DEFAULT 0, stale_count UInt64 DEFAULT 0, tombstone_count UInt64 DEFAULT 0, source_lsn UInt64 DEFAULT 0)"),
         "{}",
         names.create_commits()
     );
@@ -134,7 +134,7 @@ fn the_commit_log_counts_filtered_records_and_an_earlier_one_gets_the_column() {
         "{migrate:?}"
     );
     assert!(
-        migrate[2].ends_with("committed_at, filtered_count FROM tally.r_commits"),
+        migrate[2].ends_with("committed_at, filtered_count, duplicate_count, stale_count, tombstone_count, source_lsn FROM tally.r_commits"),
         "{migrate:?}"
     );
     // 18.16 does not parse ADD COLUMN IF NOT EXISTS: ensure looks at the columns first.
@@ -153,6 +153,8 @@ fn the_commit_log_counts_filtered_records_and_an_earlier_one_gets_the_column() {
     );
     assert!(catalog.iter().any(|(n, s)| n == "upgrade.0"
         && s == "ALTER TABLE tally.r_commits ADD COLUMN filtered_count UInt64 DEFAULT 0"));
+    assert!(catalog.iter().any(|(n, s)| n == "upgrade.4"
+        && s == "ALTER TABLE tally.r_commits ADD COLUMN source_lsn UInt64 DEFAULT 0"));
 }
 
 fn commit_log(columns: &[(&str, &str)], sorting_key: &str) -> (TableInfo, Vec<ColumnInfo>) {
@@ -174,20 +176,37 @@ fn commit_log(columns: &[(&str, &str)], sorting_key: &str) -> (TableInfo, Vec<Co
 
 #[test]
 fn only_a_commit_log_of_an_earlier_release_is_altered() {
+    let added = [
+        "filtered_count",
+        "duplicate_count",
+        "stale_count",
+        "tombstone_count",
+        "source_lsn",
+    ];
     let earlier: Vec<(&str, &str)> = COMMIT_COLUMNS
         .iter()
-        .filter(|(n, _)| *n != "filtered_count")
+        .filter(|(n, _)| !added.contains(n))
         .copied()
         .collect();
     let full = "tally.r_commits";
     assert_eq!(
         commit_columns_to_add(full, &commit_log(&earlier, COMMIT_SORTING_KEY)),
-        ["filtered_count"]
+        added
     );
-    // One sorted by epoch too: it is rebuilt with its key after the column is added.
+    // One sorted by epoch too: it is rebuilt with its key after the columns are added.
     assert_eq!(
         commit_columns_to_add(full, &commit_log(&earlier, LEGACY_COMMIT_SORTING_KEY)),
-        ["filtered_count"]
+        added
+    );
+    // One of the release before change jobs lacks the last four only.
+    let with_filtered: Vec<(&str, &str)> = COMMIT_COLUMNS
+        .iter()
+        .filter(|(n, _)| !added[1..].contains(n))
+        .copied()
+        .collect();
+    assert_eq!(
+        commit_columns_to_add(full, &commit_log(&with_filtered, COMMIT_SORTING_KEY)),
+        added[1..]
     );
     let current = commit_log(COMMIT_COLUMNS, COMMIT_SORTING_KEY);
     assert!(commit_columns_to_add(full, &current).is_empty());

@@ -153,6 +153,42 @@ impl Aggregate {
     }
 }
 
+impl Aggregate {
+    /// Adds a contribution's words (what one row adds) to `into`, or takes them back out
+    /// (`retract`), for count, sum and avg, within the column's range; a min or max cannot be
+    /// retracted (the declaration refuses them for changes).
+    pub fn shift(
+        &self,
+        into: &mut [Word],
+        contribution: &[Word],
+        retract: bool,
+    ) -> Result<(), Overflow> {
+        let overflow = || Overflow {
+            column: self.column.clone(),
+        };
+        if into.len() != contribution.len()
+            || matches!(self.function, Function::Min | Function::Max)
+        {
+            return Err(overflow());
+        }
+        let limit = self.sum_limit();
+        for (a, b) in into.iter_mut().zip(contribution) {
+            *a = match (*a, *b, retract) {
+                (Word::Count(x), Word::Count(y), false) => x.checked_add(y).map(Word::Count),
+                (Word::Count(x), Word::Count(y), true) => x.checked_sub(y).map(Word::Count),
+                (x, Word::Exact(y), true) => {
+                    add_within(x, Word::Exact(y.checked_neg().ok_or_else(overflow)?), limit)
+                }
+                (x, Word::Float(y), true) => add_within(x, Word::Float(-y), limit),
+                (x, y, false) => add_within(x, y, limit),
+                _ => None,
+            }
+            .ok_or_else(overflow)?;
+        }
+        Ok(())
+    }
+}
+
 /// `a + b` for two exact words within `±limit`, or two floats; `None` otherwise.
 fn add_within(a: Word, b: Word, limit: i64) -> Option<Word> {
     match (a, b) {

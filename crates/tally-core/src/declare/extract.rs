@@ -29,6 +29,8 @@ pub enum StringFormat {
 pub enum TimeUnit {
     Millis,
     Seconds,
+    /// Debezium's `MicroTimestamp` (a PostgreSQL `timestamp` without time zone).
+    Micros,
 }
 
 /// One declared field, resolved: where it is and how its value is checked.
@@ -135,6 +137,9 @@ impl FieldReader {
                     Raw::Number(text) => match self.unit {
                         TimeUnit::Millis => event_time_of_number(text, "milliseconds", 1)?,
                         TimeUnit::Seconds => event_time_of_number(text, "seconds", 1000)?,
+                        TimeUnit::Micros => {
+                            event_time_of_number(text, "microseconds", 1)?.div_euclid(1000)
+                        }
                     },
                     other => return Err(wrong(kind_of(&other), "a string or integer")),
                 };

@@ -5,6 +5,7 @@
 //! values it adds, or into the reason it is dead-lettered.
 
 mod aggregate;
+mod change;
 mod extract;
 mod filter;
 mod value;
@@ -20,6 +21,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use aggregate::{Aggregate, Function, Overflow};
+pub use change::{Change, Op, Position, lsn_text, parse_lsn};
 pub use extract::{FieldReader, PathTree, StringFormat, TimeUnit};
 pub use filter::{Condition, ConditionDecl, Test};
 pub use value::{
@@ -29,15 +31,31 @@ pub use value::{
 
 use crate::decode::{Poison, document, not_a_json_object};
 use crate::window::WindowSpec;
-use crate::window_agg::{RowShape, WindowAgg, WordKind};
+use crate::window_agg::{RowShape, WindowAgg, Word, WordKind};
 
-/// Record formats a job can read. JSON today; Avro and Protobuf would add a variant and a reader
-/// producing the same raw field values.
+/// Record formats a job can read: JSON events, or Debezium change events in JSON (a row of a
+/// source table, its changes retracting what its earlier image added).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
 pub enum Format {
     #[default]
+    #[serde(rename = "json")]
     Json,
+    #[serde(rename = "debezium-json")]
+    DebeziumJson,
+}
+
+impl Format {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Format::Json => "json",
+            Format::DebeziumJson => "debezium-json",
+        }
+    }
+
+    /// Whether records are changes of a table's rows rather than events.
+    pub fn is_changes(self) -> bool {
+        self == Format::DebeziumJson
+    }
 }
 
 /// `[[aggregation.field]]`: one typed field of the record.
@@ -77,7 +95,12 @@ pub struct Declaration {
     pub format: Format,
     #[serde(default, rename = "field")]
     pub fields: Vec<FieldDecl>,
-    pub event_id: String,
+    /// The field naming an event (events; a change job's rows are named by `primary_key`).
+    #[serde(default)]
+    pub event_id: Option<String>,
+    /// A change job's primary key: the fields naming its rows.
+    #[serde(default)]
+    pub primary_key: Vec<String>,
     pub event_time: String,
     #[serde(default)]
     pub group_by: Vec<String>,
@@ -140,6 +163,16 @@ pub struct Job {
     pub filter: Vec<Condition>,
     pub aggregates: Vec<Aggregate>,
     pub windows: WindowSpec,
+    /// Set for a job of change events: its primary key and the envelope around its rows.
+    pub changes: Option<ChangeSchema>,
+}
+
+/// How a change job's records name and carry their rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChangeSchema {
+    /// Indexes of the primary key's fields, in order.
+    pub primary_key: Vec<usize>,
+    envelope: change::Envelope,
 }
 
 /// What one record adds: its id and time, its group key, and each aggregate's input value
@@ -196,7 +229,8 @@ impl Declaration {
         let mut c = Checker {
             mistakes: Vec::new(),
         };
-        let windows = check_windows(&mut c, rules);
+        // A change job names its rows by primary key: it keeps no event ids to expire.
+        let windows = check_windows(&mut c, rules, !self.format.is_changes());
         let fields = self.check_fields(&mut c);
         let names: Vec<&str> = self.fields.iter().map(|f| f.name.as_str()).collect();
         let mut used = BTreeSet::new();
@@ -224,15 +258,63 @@ impl Declaration {
         };
         let kind_of = |i: usize| fields.get(i).map(|f: &FieldReader| f.kind);
 
-        let event_id = find(&mut c, "aggregation.event_id".into(), &self.event_id);
-        if let Some(kind) = event_id.and_then(kind_of)
+        let changes = self.format.is_changes();
+        // An event names itself by its id; a change names its row by the primary key, and
+        // the key's first field stands for the id (the operator keeps no ids of changes).
+        let mut primary_key = Vec::new();
+        for (i, name) in self.primary_key.iter().enumerate() {
+            let key = format!("aggregation.primary_key[{i}]");
+            let Some(index) = find(&mut c, key.clone(), name) else {
+                continue;
+            };
+            if let Some(kind) = kind_of(index)
+                && !matches!(
+                    kind,
+                    FieldKind::String | FieldKind::Integer | FieldKind::Decimal
+                )
+            {
+                c.refuse(
+                    key.clone(),
+                    format!(
+                        "field {name:?} is a {}; a primary key is strings, integers or decimals",
+                        kind.as_str()
+                    ),
+                );
+            }
+            if primary_key.contains(&index) {
+                c.refuse(key, format!("field {name:?} is in the key twice"));
+            }
+            primary_key.push(index);
+        }
+        let event_id = match (changes, &self.event_id) {
+            (false, Some(name)) => find(&mut c, "aggregation.event_id".into(), name),
+            (false, None) => {
+                c.refuse("aggregation.event_id", "missing: name the field that identifies an event (a repeated id is a duplicate)");
+                None
+            }
+            (true, Some(_)) => {
+                c.refuse("aggregation.event_id", format!("a job of {} changes names its rows by aggregation.primary_key, not by an event id", self.format.as_str()));
+                None
+            }
+            (true, None) => primary_key.first().copied(),
+        };
+        if changes && self.primary_key.is_empty() {
+            c.refuse("aggregation.primary_key", format!("missing: a job of {} changes names the fields of the table's primary key, which identify a row across its changes", self.format.as_str()));
+        }
+        if !changes && !self.primary_key.is_empty() {
+            c.refuse(
+                "aggregation.primary_key",
+                "only a job of change events (format = \"debezium-json\") has a primary key; events are named by aggregation.event_id",
+            );
+        }
+        if let (false, Some(kind)) = (changes, event_id.and_then(kind_of))
             && !matches!(kind, FieldKind::String | FieldKind::Integer)
         {
             c.refuse(
                 "aggregation.event_id",
                 format!(
                     "field {:?} is a {}; an event id is a string or an integer",
-                    self.event_id,
+                    self.event_id.as_deref().unwrap_or_default(),
                     kind.as_str()
                 ),
             );
@@ -298,6 +380,16 @@ impl Declaration {
         for (i, decl) in self.aggregates.iter().enumerate() {
             let key = format!("aggregation.aggregate[{i}]");
             columns.push((decl.column.clone(), format!("{key}.column")));
+            if changes && matches!(decl.function, Function::Min | Function::Max) {
+                c.refuse(
+                    format!("{key}.function"),
+                    format!(
+                        "{} is not exact under retraction: when a row is updated or deleted, a window keeping one word per aggregate cannot tell its next {} without every value of the window; a job of changes takes count, sum and avg",
+                        decl.function.as_str(),
+                        if decl.function == Function::Min { "smallest" } else { "largest" }
+                    ),
+                );
+            }
             let field = match (&decl.field, decl.function) {
                 (None, Function::Count) => None,
                 (Some(_), Function::Count) => {
@@ -327,6 +419,15 @@ impl Declaration {
                         Function::Sum | Function::Avg => input.kind.is_numeric(),
                         _ => input.kind.is_numeric() || input.kind == FieldKind::Timestamp,
                     };
+                    if changes && fits && input.kind == FieldKind::Float {
+                        c.refuse(
+                            format!("{key}.field"),
+                            format!(
+                                "{} of a float cannot be retracted exactly (x + y - y is not always x in floating point), and a job of changes retracts every update and delete; declare {name:?} as a decimal (type = \"decimal\" with its scale) or an integer",
+                                f.as_str()
+                            ),
+                        );
+                    }
                     if !fits {
                         let needs = if matches!(f, Function::Sum | Function::Avg) {
                             "an integer, decimal or float field"
@@ -356,6 +457,18 @@ impl Declaration {
             });
         }
 
+        if changes
+            && !self.aggregates.is_empty()
+            && !self
+                .aggregates
+                .iter()
+                .any(|a| a.function == Function::Count)
+        {
+            c.refuse(
+                "aggregation.aggregate",
+                "a job of changes counts its rows (declare a count aggregate): the view leaves out a group once its last row is deleted or moves away, when the count reaches 0",
+            );
+        }
         let mut seen = BTreeSet::new();
         for (column, key) in &columns {
             if !is_identifier(column) {
@@ -381,7 +494,12 @@ impl Declaration {
         match (c.mistakes.is_empty(), event_id, event_time, windows) {
             (true, Some(event_id), Some(event_time), Some(windows)) => {
                 let paths = PathTree::new(fields.iter().map(|f| f.path.as_slice()));
+                let changes = changes.then(|| ChangeSchema {
+                    envelope: change::Envelope::new(&fields, &primary_key),
+                    primary_key,
+                });
                 Ok(Job {
+                    changes,
                     format: self.format,
                     fields,
                     paths,
@@ -451,10 +569,11 @@ impl Declaration {
             let unit = match (f.kind, f.unit.as_deref()) {
                 (_, None) | (FieldKind::Timestamp, Some("ms")) => TimeUnit::Millis,
                 (FieldKind::Timestamp, Some("s")) => TimeUnit::Seconds,
+                (FieldKind::Timestamp, Some("us")) => TimeUnit::Micros,
                 (FieldKind::Timestamp, Some(other)) => {
                     c.refuse(
                         format!("{key}.unit"),
-                        format!("unit {other:?} is neither \"ms\" nor \"s\""),
+                        format!("unit {other:?} is not \"ms\", \"s\" or \"us\""),
                     );
                     TimeUnit::Millis
                 }
@@ -504,7 +623,7 @@ impl Declaration {
     }
 }
 
-fn check_windows(c: &mut Checker, rules: WindowRules) -> Option<WindowSpec> {
+fn check_windows(c: &mut Checker, rules: WindowRules, dedup: bool) -> Option<WindowSpec> {
     let size = rules.size_ms;
     let slide = rules.slide_ms.unwrap_or(size);
     let before = c.mistakes.len();
@@ -530,7 +649,7 @@ fn check_windows(c: &mut Checker, rules: WindowRules) -> Option<WindowSpec> {
         );
     }
     let needed = size.saturating_add(rules.allowed_lateness_ms);
-    if rules.dedup_horizon_ms < needed {
+    if dedup && rules.dedup_horizon_ms < needed {
         c.refuse(
             "window.dedup_horizon",
             format!(
@@ -638,6 +757,13 @@ impl Job {
             &mut large_raws
         };
         self.paths.read(text, raws).map_err(not_a_json_object)?;
+        self.evaluate_fields(raws)
+    }
+
+    /// Checks and filters one record's raw field values (`raws[i]`: field `i`'s), as
+    /// [`Job::evaluate`] reads them from an event and [`Job::evaluate_change`] from a row image.
+    fn evaluate_fields(&self, raws: &[Option<&RawValue>]) -> Result<Evaluation, Poison> {
+        let n = self.fields.len();
         // The filter first: records it leaves out may have another shape altogether.
         for condition in &self.filter {
             let field = &self.fields[condition.field];
@@ -719,8 +845,42 @@ impl Job {
         Ok(())
     }
 
+    /// What one event adds to each of its windows: its inputs added to an empty value.
+    pub fn contribution(&self, inputs: &[Option<Value>]) -> Result<WindowAgg, Overflow> {
+        let mut value = self.empty_value();
+        self.add(&mut value, inputs)?;
+        Ok(value)
+    }
+
+    /// Adds a row's `contribution` to a window's value, or takes it back out (`retract`):
+    /// count, sum and avg shift exactly (change jobs have no min or max). On an overflow the
+    /// value is left as it was.
+    pub fn shift(
+        &self,
+        value: &mut WindowAgg,
+        contribution: &WindowAgg,
+        retract: bool,
+    ) -> Result<(), Overflow> {
+        let mut next = value.clone();
+        self.by_aggregate(&mut next, contribution, |a, mine, theirs| {
+            a.shift(mine, theirs, retract)
+        })?;
+        *value = next;
+        Ok(())
+    }
+
     /// Merges into `into` another source partition's value of the same window, as the view does.
     pub fn merge(&self, into: &mut WindowAgg, other: &WindowAgg) -> Result<(), Overflow> {
+        self.by_aggregate(into, other, |a, mine, theirs| a.merge(mine, theirs))
+    }
+
+    /// Calls `f` with each aggregate and its words of `into` and of `other`.
+    fn by_aggregate(
+        &self,
+        into: &mut WindowAgg,
+        other: &WindowAgg,
+        mut f: impl FnMut(&Aggregate, &mut [Word], &[Word]) -> Result<(), Overflow>,
+    ) -> Result<(), Overflow> {
         let (mut words, mut theirs) = (into.words_mut(), other.words());
         for a in &self.aggregates {
             let n = a.word_kinds().len();
@@ -730,7 +890,7 @@ impl Job {
                 });
             }
             let (mine, rest) = words.split_at_mut(n);
-            a.merge(mine, &theirs[..n])?;
+            f(a, mine, &theirs[..n])?;
             (words, theirs) = (rest, &theirs[n..]);
         }
         Ok(())

@@ -616,3 +616,100 @@ proptest! {
         prop_assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0));
     }
 }
+
+/// An orders table captured by Debezium: revenue and orders per customer, by the time each
+/// order was created; cancelled orders left out.
+pub(crate) const ORDERS_CHANGES: &str = r#"
+format = "debezium-json"
+primary_key = ["order_id"]
+event_time = "created_at"
+group_by = ["customer_id"]
+
+[[field]]
+name = "order_id"
+type = "integer"
+[[field]]
+name = "customer_id"
+type = "string"
+[[field]]
+name = "amount"
+type = "decimal"
+scale = 2
+[[field]]
+name = "status"
+type = "string"
+[[field]]
+name = "created_at"
+type = "timestamp"
+
+[[filter]]
+field = "status"
+not_in = ["cancelled"]
+
+[[aggregate]]
+column = "orders"
+function = "count"
+[[aggregate]]
+column = "revenue"
+function = "sum"
+field = "amount"
+[[aggregate]]
+column = "avg_amount"
+function = "avg"
+field = "amount"
+"#;
+
+#[test]
+fn a_change_job_names_its_rows_by_primary_key_and_refuses_what_cannot_retract() {
+    let j = job(ORDERS_CHANGES, TUMBLING);
+    let changes = j.changes.as_ref().expect("a change job");
+    assert_eq!(changes.primary_key, vec![0]);
+    let with = |extra: &str| format!("{ORDERS_CHANGES}{extra}");
+    let found = mistakes(
+        &with("[[aggregate]]\ncolumn = \"biggest\"\nfunction = \"max\"\nfield = \"amount\"\n"),
+        TUMBLING,
+    );
+    assert!(
+        found
+            .iter()
+            .any(|(k, m)| k == "aggregation.aggregate[3].function"
+                && m.contains("not exact under retraction")),
+        "{found:?}"
+    );
+    let floats = ORDERS_CHANGES.replace(
+        "name = \"amount\"\ntype = \"decimal\"\nscale = 2",
+        "name = \"amount\"\ntype = \"float\"",
+    );
+    let found = mistakes(&floats, TUMBLING);
+    assert!(
+        found
+            .iter()
+            .any(|(k, m)| k == "aggregation.aggregate[1].field"
+                && m.contains("cannot be retracted exactly")),
+        "{found:?}"
+    );
+    let with_id = ORDERS_CHANGES.replace("primary_key = [\"order_id\"]", "event_id = \"order_id\"");
+    let found = mistakes(&with_id, TUMBLING);
+    assert!(
+        found.iter().any(|(k, _)| k == "aggregation.event_id")
+            && found.iter().any(|(k, _)| k == "aggregation.primary_key"),
+        "{found:?}"
+    );
+    let no_count = ORDERS_CHANGES.replace(
+        "[[aggregate]]\ncolumn = \"orders\"\nfunction = \"count\"\n",
+        "",
+    );
+    let found = mistakes(&no_count, TUMBLING);
+    assert!(
+        found
+            .iter()
+            .any(|(k, m)| k == "aggregation.aggregate" && m.contains("count")),
+        "{found:?}"
+    );
+    let events_with_key = format!("primary_key = [\"event_id\"]\n{REVENUE_AGG}");
+    let found = mistakes(&events_with_key, TUMBLING);
+    assert!(
+        found.iter().any(|(k, _)| k == "aggregation.primary_key"),
+        "{found:?}"
+    );
+}

@@ -16,10 +16,11 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::amount::Amount;
-use crate::declare::{DeclaredEvent, Evaluation, Job};
+use crate::declare::{Change, DeclaredEvent, Evaluation, Job, Op, Position};
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
 use crate::group_key::GroupKey;
 use crate::seen_filter::{self, SeenIdFilter};
+use crate::source_row::{Contribution, SourceRow};
 use crate::types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };
@@ -102,6 +103,10 @@ pub enum Outcome {
     DeadLettered(PoisonReason),
     /// Below the partition's next offset: already processed before the last checkpoint.
     AlreadyProcessed,
+    /// A change older than the one applied to its row.
+    Stale,
+    /// A record without a value.
+    Tombstone,
 }
 
 /// Durable, checkpointed state the operator reads but never writes directly.
@@ -118,6 +123,12 @@ pub trait StateReader {
         partition: PartitionId,
         event_id: &str,
     ) -> Result<Option<i64>, Self::Error>;
+    /// A change job's row of this partition by primary key, if it has one.
+    fn source_row(
+        &self,
+        partition: PartitionId,
+        key: &str,
+    ) -> Result<Option<SourceRow>, Self::Error>;
 }
 
 /// Progress of one partition as recorded in a checkpoint.
@@ -132,6 +143,9 @@ pub struct PartitionCheckpoint {
     pub epoch: Accounting,
     /// Accounting since the job started.
     pub totals: Accounting,
+    /// A change job's newest source position read in this partition (any change, applied or
+    /// not): how far into the source's log the partition's checkpoint reaches.
+    pub newest_change: Option<Position>,
 }
 
 /// Everything one barrier produces: state changes, offsets, accounting and outputs.
@@ -148,6 +162,9 @@ pub struct Checkpoint {
     pub close_windows_before: Vec<(PartitionId, i64)>,
     /// Dedup entries with event time before the cutoff are past the horizon.
     pub expire_seen_before: Vec<(PartitionId, i64)>,
+    /// A change job's rows changed in this epoch, by primary key (like `seen`, state only:
+    /// sinks never need them).
+    pub source_rows: Vec<(PartitionId, String, SourceRow)>,
 }
 
 impl Checkpoint {
@@ -167,6 +184,7 @@ struct PartitionState {
     watermark: Watermark,
     epoch: Accounting,
     totals: Accounting,
+    newest_change: Option<Position>,
 }
 
 pub struct WindowOperator {
@@ -177,6 +195,7 @@ pub struct WindowOperator {
     /// Per partition, so that a lookup by `&WindowKey` needs no owned key.
     dirty_windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
     dirty_seen: FastMap<PartitionId, FastMap<CompactString, i64>>,
+    dirty_rows: FastMap<PartitionId, FastMap<CompactString, SourceRow>>,
     dead_letters: Vec<DeadLetter>,
     dead_letter_bytes: usize,
     /// Estimated heap bytes of the epoch's changed windows and ids.
@@ -213,6 +232,7 @@ impl WindowOperator {
                         watermark: c.watermark,
                         epoch: Accounting::default(),
                         totals: c.totals,
+                        newest_change: c.newest_change,
                     },
                 )
             })
@@ -238,6 +258,7 @@ impl WindowOperator {
             partitions,
             dirty_windows: FastMap::default(),
             dirty_seen: FastMap::default(),
+            dirty_rows: FastMap::default(),
             dead_letters: Vec::new(),
             dead_letter_bytes: 0,
             state_bytes: 0,
@@ -266,6 +287,7 @@ impl WindowOperator {
             watermark: Watermark::default(),
             epoch: Accounting::default(),
             totals: Accounting::default(),
+            newest_change: None,
         });
         self.new_filter(partition);
     }
@@ -384,6 +406,16 @@ impl WindowOperator {
         state.epoch.consumed += 1;
         state.totals.consumed += 1;
 
+        if let Program::Declared {
+            job,
+            max_record_bytes,
+        } = &self.program
+            && job.changes.is_some()
+        {
+            let job = Arc::clone(job);
+            let max_record_bytes = *max_record_bytes;
+            return self.process_change(store, record, &job, max_record_bytes);
+        }
         let read = match &self.program {
             Program::BuiltIn(decoder) => decoder.decode(record.value).map(Input::Order),
             Program::Declared {
@@ -530,12 +562,7 @@ impl WindowOperator {
         watermark: i64,
     ) -> Result<Outcome, S::Error> {
         let cfg = self.config;
-        let group = GroupKey::new(
-            job.keys
-                .iter()
-                .zip(&event.key)
-                .map(|(&field, value)| value.key_text(job.fields[field].scale)),
-        );
+        let group = self.group_key(job, &event);
         let windows = self.dirty_windows.entry(record.partition).or_default();
         let mut added: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
         for start in cfg.window.starts_of(event.event_time_ms) {
@@ -588,6 +615,231 @@ impl WindowOperator {
         );
         self.count(record.partition, |a| a.aggregated += 1);
         Ok(Outcome::Aggregated)
+    }
+
+    /// Applies one change of a row: its old contribution out of its windows, its new one in,
+    /// all or none, once per position (an older or repeated change is counted, not applied).
+    fn process_change<S: StateReader>(
+        &mut self,
+        store: &S,
+        record: Record<'_>,
+        job: &Job,
+        max_record_bytes: usize,
+    ) -> Result<Outcome, S::Error> {
+        let cfg = self.config;
+        if record.value.is_none() {
+            self.count(record.partition, |a| a.tombstones += 1);
+            return Ok(Outcome::Tombstone);
+        }
+        let change = match job.evaluate_change(record.value, max_record_bytes) {
+            Ok(change) => change,
+            Err(poison) => return Ok(self.dead_letter(record, poison)),
+        };
+        let new = match &change.row {
+            Ok(Some(Evaluation::Event(event))) => match job.contribution(&event.inputs) {
+                Ok(value) => Ok(Some(Contribution {
+                    event_time_ms: event.event_time_ms,
+                    key: self.group_key(job, event),
+                    value,
+                })),
+                Err(overflow) => Err(Poison::new(
+                    PoisonReason::TooLarge,
+                    format!(
+                        "row {:?}: its value leaves the range of column {}",
+                        change.key.replace('\0', ","),
+                        overflow.column
+                    ),
+                )),
+            },
+            Ok(_) => Ok(None),
+            Err(poison) => Err(poison.clone()),
+        };
+        let Some(state) = self.partitions.get_mut(&record.partition) else {
+            return Ok(Outcome::AlreadyProcessed);
+        };
+        state.newest_change = state.newest_change.max(Some(change.position));
+        if let Ok(Some(c)) = &new {
+            state.watermark.observe(c.event_time_ms);
+        }
+        let watermark = state
+            .watermark
+            .current(cfg.out_of_orderness_ms)
+            .unwrap_or(i64::MIN);
+        let held = self.held_row(store, record.partition, &change.key)?;
+        if let Some(held) = &held {
+            if change.position == held.position {
+                self.count(record.partition, |a| a.duplicates += 1);
+                return Ok(Outcome::Duplicate);
+            }
+            if change.position < held.position {
+                self.count(record.partition, |a| a.stale += 1);
+                return Ok(Outcome::Stale);
+            }
+        }
+        let old = held.and_then(|h| h.contribution);
+        let new = match new {
+            Ok(new) => new,
+            Err(poison) => {
+                // The row stays as it was; its position is taken, so that a replay of this
+                // change is a duplicate rather than a second dead letter.
+                self.hold_row(record.partition, &change, old);
+                return Ok(self.dead_letter(record, poison));
+            }
+        };
+        if old == new {
+            let filtered = matches!(change.row, Ok(Some(Evaluation::Filtered)));
+            self.hold_row(record.partition, &change, old);
+            self.count(record.partition, |a| {
+                if filtered {
+                    a.filtered += 1
+                } else {
+                    a.aggregated += 1
+                }
+            });
+            return Ok(if filtered {
+                Outcome::Filtered
+            } else {
+                Outcome::Aggregated
+            });
+        }
+        let closed = |c: &Contribution| {
+            cfg.window.starts_of(c.event_time_ms).any(|start| {
+                start
+                    .saturating_add(cfg.window.size_ms)
+                    .saturating_add(cfg.allowed_lateness_ms)
+                    <= watermark
+            })
+        };
+        if old.as_ref().is_some_and(closed) || new.as_ref().is_some_and(closed) {
+            let window = |c: &Option<Contribution>| match c {
+                Some(c) => format!(
+                    "the window starting {} ({})",
+                    crate::time::format_ms(cfg.window.start_of(c.event_time_ms)),
+                    if closed(c) { "closed" } else { "open" }
+                ),
+                None => "none".to_owned(),
+            };
+            let message = format!(
+                "change {:?} of row {:?} at {} is late: its old window is {} and its new window is {}, at watermark {} (allowed lateness {} ms); not applied, the view keeps the row as it was",
+                op_name(change.op),
+                change.key.replace('\0', ","),
+                change.position,
+                window(&old),
+                window(&new),
+                crate::time::format_ms(watermark),
+                cfg.allowed_lateness_ms
+            );
+            // Its position is taken, so that a replay of it counts as a duplicate, not late again.
+            self.hold_row(record.partition, &change, old);
+            return Ok(self.dead_letter(record, Poison::new(PoisonReason::Late, message)));
+        }
+        let windows = self.dirty_windows.entry(record.partition).or_default();
+        let mut changed: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
+        let mut shift = |c: &Contribution, retract: bool| -> Result<Option<String>, S::Error> {
+            for start in cfg.window.starts_of(c.event_time_ms) {
+                let key = WindowKey {
+                    window_start_ms: start,
+                    key: c.key.clone(),
+                };
+                let at = match changed.iter().position(|(k, _, _)| *k == key) {
+                    Some(at) => at,
+                    None => {
+                        let (value, new) = match windows.get(&key) {
+                            Some(held) => (held.clone(), false),
+                            None => (
+                                store
+                                    .window(record.partition, &key)?
+                                    .unwrap_or_else(|| job.empty_value()),
+                                true,
+                            ),
+                        };
+                        changed.push((key, value, new));
+                        changed.len() - 1
+                    }
+                };
+                if let Err(overflow) = job.shift(&mut changed[at].1, &c.value, retract) {
+                    return Ok(Some(format!(
+                        "{} row {:?} {} the window starting {} would leave the range of column {}",
+                        if retract { "taking" } else { "adding" },
+                        change.key.replace('\0', ","),
+                        if retract { "out of" } else { "to" },
+                        crate::time::format_ms(start),
+                        overflow.column
+                    )));
+                }
+            }
+            Ok(None)
+        };
+        // Out of the old windows, then into the new: all or none.
+        let mut failed = None;
+        if let Some(old) = &old {
+            failed = shift(old, true)?;
+        }
+        if let (None, Some(new)) = (&failed, &new) {
+            failed = shift(new, false)?;
+        }
+        if let Some(message) = failed {
+            self.hold_row(record.partition, &change, old);
+            return Ok(self.dead_letter(record, Poison::new(PoisonReason::TooLarge, message)));
+        }
+        for (key, value, new) in changed {
+            if new {
+                self.state_bytes += window_bytes(&key, &value);
+            }
+            windows.insert(key, value);
+        }
+        self.hold_row(record.partition, &change, new);
+        self.count(record.partition, |a| a.aggregated += 1);
+        Ok(Outcome::Aggregated)
+    }
+
+    fn group_key(&self, job: &Job, event: &DeclaredEvent) -> GroupKey {
+        GroupKey::new(
+            job.keys
+                .iter()
+                .zip(&event.key)
+                .map(|(&field, value)| value.key_text(job.fields[field].scale)),
+        )
+    }
+
+    /// A change job's row as the newest cut, the cuts in flight or the store hold it.
+    fn held_row<S: StateReader>(
+        &self,
+        store: &S,
+        partition: PartitionId,
+        key: &str,
+    ) -> Result<Option<SourceRow>, S::Error> {
+        if let Some(row) = self
+            .dirty_rows
+            .get(&partition)
+            .and_then(|rows| rows.get(key))
+        {
+            return Ok(Some(row.clone()));
+        }
+        store.source_row(partition, key)
+    }
+
+    /// Records a change's position and the row's contribution after it.
+    fn hold_row(
+        &mut self,
+        partition: PartitionId,
+        change: &Change,
+        contribution: Option<Contribution>,
+    ) {
+        let row = SourceRow {
+            position: change.position,
+            contribution,
+        };
+        let bytes = change.key.len() + row.bytes();
+        if self
+            .dirty_rows
+            .entry(partition)
+            .or_default()
+            .insert(change.key.clone(), row)
+            .is_none()
+        {
+            self.state_bytes += bytes;
+        }
     }
 
     /// Records an aggregated event's id for dedup.
@@ -686,6 +938,7 @@ impl WindowOperator {
             window_size_ms: cfg.window.size_ms,
             windows: std::mem::take(&mut self.dirty_windows),
             seen: std::mem::take(&mut self.dirty_seen),
+            rows: std::mem::take(&mut self.dirty_rows),
             dead_letters: std::mem::take(&mut self.dead_letters),
             partitions: BTreeMap::new(),
             close_windows_before: Vec::new(),
@@ -707,6 +960,12 @@ impl WindowOperator {
                 FastMap::with_capacity_and_hasher(ids.len(), Default::default()),
             );
         }
+        for (&p, rows) in &cut.rows {
+            self.dirty_rows.insert(
+                p,
+                FastMap::with_capacity_and_hasher(rows.len(), Default::default()),
+            );
+        }
         for (&p, state) in &mut self.partitions {
             cut.partitions.insert(
                 p,
@@ -716,6 +975,7 @@ impl WindowOperator {
                     watermark: state.watermark,
                     epoch: state.epoch,
                     totals: state.totals,
+                    newest_change: state.newest_change,
                 },
             );
             if let Some(wm) = state.watermark.current(cfg.out_of_orderness_ms) {
@@ -746,6 +1006,7 @@ pub struct EpochCut {
     window_size_ms: i64,
     windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
     seen: FastMap<PartitionId, FastMap<CompactString, i64>>,
+    rows: FastMap<PartitionId, FastMap<CompactString, SourceRow>>,
     pub dead_letters: Vec<DeadLetter>,
     pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
     close_windows_before: Vec<(PartitionId, i64)>,
@@ -761,10 +1022,35 @@ impl EpochCut {
             .map(|(p, id, t)| (p, id.to_owned(), t))
             .collect();
         seen.sort();
+        let mut source_rows: Vec<(PartitionId, String, SourceRow)> = self
+            .source_rows()
+            .map(|(p, key, row)| (p, key.to_owned(), row.clone()))
+            .collect();
+        source_rows.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
         Checkpoint {
             seen,
+            source_rows,
             ..self.to_checkpoint_without_ids()
         }
+    }
+
+    /// The epoch's changed rows of a change job, in no particular order.
+    pub fn source_rows(&self) -> impl Iterator<Item = (PartitionId, &str, &SourceRow)> {
+        self.rows
+            .iter()
+            .flat_map(|(&p, rows)| rows.iter().map(move |(key, row)| (p, key.as_str(), row)))
+    }
+
+    /// One partition's changed rows, in no particular order.
+    pub fn source_rows_of(
+        &self,
+        partition: PartitionId,
+    ) -> impl Iterator<Item = (&str, &SourceRow)> {
+        self.rows
+            .get(&partition)
+            .into_iter()
+            .flatten()
+            .map(|(key, row)| (key.as_str(), row))
     }
 
     /// The epoch's new dedup ids with their event times, in no particular order.
@@ -795,6 +1081,7 @@ impl EpochCut {
             rows,
             seen: Vec::new(),
             dead_letters: self.dead_letters.clone(),
+            source_rows: Vec::new(),
             close_windows_before: self.close_windows_before.clone(),
             expire_seen_before: self.expire_seen_before.clone(),
         }
@@ -875,8 +1162,28 @@ impl<S: StateReader> StateReader for WithInFlight<'_, S> {
         }
         self.store.seen_event_time(partition, event_id)
     }
+
+    fn source_row(&self, partition: PartitionId, key: &str) -> Result<Option<SourceRow>, S::Error> {
+        for cut in self.cuts.iter().rev() {
+            if let Some(row) = cut.rows.get(&partition).and_then(|rows| rows.get(key)) {
+                return Ok(Some(row.clone()));
+            }
+        }
+        self.store.source_row(partition, key)
+    }
 }
 
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Create => "c",
+        Op::Update => "u",
+        Op::Delete => "d",
+        Op::Read => "r",
+    }
+}
+
+#[cfg(test)]
+mod change_tests;
 #[cfg(test)]
 mod declared_tests;
 #[cfg(test)]

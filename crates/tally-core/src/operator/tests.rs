@@ -51,6 +51,13 @@ impl StateReader for CountingStore {
         self.seen_lookups.set(self.seen_lookups.get() + 1);
         self.inner.seen_event_time(p, id)
     }
+    fn source_row(
+        &self,
+        p: PartitionId,
+        key: &str,
+    ) -> Result<Option<crate::SourceRow>, Self::Error> {
+        self.inner.source_row(p, key)
+    }
 }
 
 #[test]

@@ -7,16 +7,20 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use tally_core::{
-    Checkpoint, Epoch, EpochCut, Offset, OutputRow, PartitionCheckpoint, PartitionId, WindowAgg,
-    WindowKey,
+    Checkpoint, Epoch, EpochCut, Offset, OutputRow, PartitionCheckpoint, PartitionId, SourceRow,
+    WindowAgg, WindowKey,
 };
 
-/// Version of the record layout this build writes; a reader refuses any but this,
-/// [`CHANGELOG_FORMAT_V3`], [`CHANGELOG_FORMAT_V2`] and [`CHANGELOG_FORMAT_V1`].
+/// Version of the record layout this build writes; a reader refuses any but this and
+/// [`CHANGELOG_FORMAT_V4`] to [`CHANGELOG_FORMAT_V1`].
+/// 5: a change job's rows (by primary key), and a partition's accounting counts stale changes
+/// and tombstones and keeps its newest source position.
 /// 4: a partition's accounting counts filtered records.
 /// 3: a window's value is its tagged words (any shape), not (orders, revenue).
 /// 2: a window's group key is its parts (any number), not (customer, currency).
-pub const CHANGELOG_FORMAT: u8 = 4;
+pub const CHANGELOG_FORMAT: u8 = 5;
+/// Written by the releases before change jobs: read without rows.
+pub const CHANGELOG_FORMAT_V4: u8 = 4;
 /// Written by the releases before filters: read with a filtered count of 0.
 pub const CHANGELOG_FORMAT_V3: u8 = 3;
 /// Written by the releases before values of any shape: read as revenue_agg's (orders, revenue).
@@ -46,12 +50,16 @@ pub enum ChangelogError {
     },
 }
 
+/// A change job's rows in a record: by primary key.
+pub type Rows = Vec<(String, SourceRow)>;
+
 /// One partition's part of one epoch (or a chunk of it): what the store applies for the
-/// partition at that checkpoint. `K`, `V` and `P`: the window key, value and progress of the
-/// record's format, a [`WindowKey`], [`WindowAgg`] and [`PartitionCheckpoint`] once read
-/// (earlier formats' are brought forward by [`ChangelogRecord::decode`]).
+/// partition at that checkpoint. `K`, `V`, `P` and `R`: the window key, value, progress and
+/// rows of the record's format, a [`WindowKey`], [`WindowAgg`], [`PartitionCheckpoint`] and
+/// [`Rows`] once read (earlier formats' are brought forward by [`ChangelogRecord::decode`];
+/// formats before rows read `()`, which is no bytes).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ChangelogRecord<K = WindowKey, V = WindowAgg, P = PartitionCheckpoint> {
+pub struct ChangelogRecord<K = WindowKey, V = WindowAgg, P = PartitionCheckpoint, R = Rows> {
     format: u8,
     pub epoch: Epoch,
     pub partition: PartitionId,
@@ -65,10 +73,29 @@ pub struct ChangelogRecord<K = WindowKey, V = WindowAgg, P = PartitionCheckpoint
     pub windows: Vec<(K, V)>,
     /// Event ids aggregated in this epoch, with their event times.
     pub seen: Vec<(String, i64)>,
+    /// A change job's rows changed in this epoch.
+    pub rows: R,
 }
 
-impl<K: Into<WindowKey>, V: Into<WindowAgg>, P: Into<PartitionCheckpoint>>
-    ChangelogRecord<K, V, P>
+/// Rows as a format holds them: none before format 5.
+pub trait FormatRows {
+    fn into_rows(self) -> Rows;
+}
+
+impl FormatRows for Rows {
+    fn into_rows(self) -> Rows {
+        self
+    }
+}
+
+impl FormatRows for () {
+    fn into_rows(self) -> Rows {
+        Vec::new()
+    }
+}
+
+impl<K: Into<WindowKey>, V: Into<WindowAgg>, P: Into<PartitionCheckpoint>, R: FormatRows>
+    ChangelogRecord<K, V, P, R>
 {
     /// The record with its format's keys, values and progress brought forward (its `format`
     /// kept).
@@ -89,14 +116,21 @@ impl<K: Into<WindowKey>, V: Into<WindowAgg>, P: Into<PartitionCheckpoint>>
             close_windows_before: r.close_windows_before,
             expire_seen_before: r.expire_seen_before,
             seen: r.seen,
+            rows: r.rows.into_rows(),
         }
     }
 }
 
-/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K`, `V` and `P`: the
-/// format's window key, value and progress, the current ones but in tests).
+/// Encodes as [`ChangelogRecord`] decodes, borrowing from the cut (`K`, `V`, `P` and `R`: the
+/// format's window key, value, progress and rows, the current ones but in tests).
 #[derive(Serialize)]
-struct RecordRef<'a, K = WindowKey, V = WindowAgg, P = PartitionCheckpoint> {
+struct RecordRef<
+    'a,
+    K = WindowKey,
+    V = WindowAgg,
+    P = PartitionCheckpoint,
+    R = &'a [(&'a str, &'a SourceRow)],
+> {
     format: u8,
     epoch: Epoch,
     partition: PartitionId,
@@ -107,6 +141,7 @@ struct RecordRef<'a, K = WindowKey, V = WindowAgg, P = PartitionCheckpoint> {
     expire_seen_before: Option<i64>,
     windows: &'a [(&'a K, &'a V)],
     seen: &'a [(&'a str, i64)],
+    rows: R,
 }
 
 fn config() -> bincode::config::Configuration {
@@ -127,34 +162,44 @@ fn encode_in_chunks(
     for (&partition, progress) in &cut.partitions {
         let windows: Vec<_> = cut.windows_of(partition).collect();
         let seen: Vec<_> = cut.seen_of(partition).collect();
+        let rows: Vec<_> = cut.source_rows_of(partition).collect();
         let (close_windows_before, expire_seen_before) = cut.cutoffs_of(partition);
         let window_size =
             |(k, _): &(&WindowKey, &WindowAgg)| k.key.text_len() + 5 * k.key.parts().len() + 30;
         let id_size = |(id, _): &(&str, i64)| id.len() + 10;
-        let mut parts: Vec<(&[_], &[_])> = chunks(&windows, chunk_bytes, window_size)
+        let row_size = |(key, row): &(&str, &SourceRow)| key.len() + row.bytes();
+        // A chunk: windows, ids and rows, and its estimated bytes. Each kind's runs go into
+        // the last chunk while it has none of that kind and they fit.
+        let mut parts: Vec<(&[_], &[_], &[_], usize)> = chunks(&windows, chunk_bytes, window_size)
             .into_iter()
-            .map(|w| (w, &[][..]))
+            .map(|w| (w, &[][..], &[][..], w.iter().map(window_size).sum()))
             .collect();
         for ids in chunks(&seen, chunk_bytes, id_size) {
-            // The ids share the windows' last chunk when both fit in one.
+            let bytes = ids.iter().map(id_size).sum::<usize>();
             match parts.last_mut() {
-                Some((w, s))
-                    if s.is_empty()
-                        && w.iter().map(window_size).sum::<usize>()
-                            + ids.iter().map(id_size).sum::<usize>()
-                            <= chunk_bytes =>
-                {
-                    *s = ids
+                Some((_, s, _, used)) if s.is_empty() && *used + bytes <= chunk_bytes => {
+                    *s = ids;
+                    *used += bytes;
                 }
-                _ => parts.push((&[][..], ids)),
+                _ => parts.push((&[][..], ids, &[][..], bytes)),
+            }
+        }
+        for run in chunks(&rows, chunk_bytes, row_size) {
+            let bytes = run.iter().map(row_size).sum::<usize>();
+            match parts.last_mut() {
+                Some((_, _, r, used)) if r.is_empty() && *used + bytes <= chunk_bytes => {
+                    *r = run;
+                    *used += bytes;
+                }
+                _ => parts.push((&[][..], &[][..], run, bytes)),
             }
         }
         // An epoch without changes still gets its one record: it carries the progress.
         if parts.is_empty() {
-            parts.push((&[][..], &[][..]));
+            parts.push((&[][..], &[][..], &[][..], 0));
         }
         let total = parts.len() as u32;
-        for (chunk, (windows, seen)) in parts.into_iter().enumerate() {
+        for (chunk, (windows, seen, rows, _)) in parts.into_iter().enumerate() {
             let record = RecordRef {
                 format: CHANGELOG_FORMAT,
                 epoch: cut.epoch,
@@ -166,6 +211,7 @@ fn encode_in_chunks(
                 expire_seen_before,
                 windows,
                 seen,
+                rows,
             };
             let bytes = bincode::serde::encode_to_vec(&record, config())
                 .map_err(|e| ChangelogError::Encode(e.to_string()))?;
@@ -196,21 +242,28 @@ fn chunks<T>(items: &[T], limit: usize, size: impl Fn(&T) -> usize) -> Vec<&[T]>
 impl ChangelogRecord {
     pub fn decode(bytes: &[u8]) -> Result<ChangelogRecord, ChangelogError> {
         // The format is the first field: checked before the rest is trusted.
-        use crate::upgrade::{PartitionCheckpointV1, WindowAggV2, WindowKeyV1};
+        use crate::upgrade::{
+            PartitionCheckpointV1, PartitionCheckpointV2, WindowAggV2, WindowKeyV1,
+        };
         let decoded = match bytes.first() {
             Some(&CHANGELOG_FORMAT) => bincode::serde::decode_from_slice(bytes, config()),
+            Some(&CHANGELOG_FORMAT_V4) => bincode::serde::decode_from_slice::<
+                ChangelogRecord<WindowKey, WindowAgg, PartitionCheckpointV2, ()>,
+                _,
+            >(bytes, config())
+            .map(|(record, read)| (record.brought_forward(), read)),
             Some(&CHANGELOG_FORMAT_V3) => bincode::serde::decode_from_slice::<
-                ChangelogRecord<WindowKey, WindowAgg, PartitionCheckpointV1>,
+                ChangelogRecord<WindowKey, WindowAgg, PartitionCheckpointV1, ()>,
                 _,
             >(bytes, config())
             .map(|(record, read)| (record.brought_forward(), read)),
             Some(&CHANGELOG_FORMAT_V2) => bincode::serde::decode_from_slice::<
-                ChangelogRecord<WindowKey, WindowAggV2, PartitionCheckpointV1>,
+                ChangelogRecord<WindowKey, WindowAggV2, PartitionCheckpointV1, ()>,
                 _,
             >(bytes, config())
             .map(|(record, read)| (record.brought_forward(), read)),
             Some(&CHANGELOG_FORMAT_V1) => bincode::serde::decode_from_slice::<
-                ChangelogRecord<WindowKeyV1, WindowAggV2, PartitionCheckpointV1>,
+                ChangelogRecord<WindowKeyV1, WindowAggV2, PartitionCheckpointV1, ()>,
                 _,
             >(bytes, config())
             .map(|(record, read)| (record.brought_forward(), read)),
@@ -256,6 +309,11 @@ impl ChangelogRecord {
                 .map(|c| (p, c))
                 .into_iter()
                 .collect(),
+            source_rows: self
+                .rows
+                .iter()
+                .map(|(key, row)| (p, key.clone(), row.clone()))
+                .collect(),
         }
     }
 }
@@ -268,6 +326,9 @@ impl ChangelogRecord {
 pub struct Liveness {
     pub max_window_start: Option<i64>,
     pub max_seen_time: Option<i64>,
+    /// A change job's rows: a row stays in the state however old, until a later change of it
+    /// (which these records do not track), so records holding rows stay live.
+    pub holds_rows: bool,
 }
 
 impl Liveness {
@@ -278,6 +339,7 @@ impl Liveness {
                 .map(|(k, _)| k.window_start_ms)
                 .max(),
             max_seen_time: cut.seen_of(partition).map(|(_, t)| t).max(),
+            holds_rows: cut.source_rows_of(partition).next().is_some(),
         }
     }
 
@@ -285,6 +347,7 @@ impl Liveness {
         Liveness {
             max_window_start: record.windows.iter().map(|(k, _)| k.window_start_ms).max(),
             max_seen_time: record.seen.iter().map(|(_, t)| *t).max(),
+            holds_rows: !record.rows.is_empty(),
         }
     }
 
@@ -292,6 +355,7 @@ impl Liveness {
         Liveness {
             max_window_start: self.max_window_start.max(other.max_window_start),
             max_seen_time: self.max_seen_time.max(other.max_seen_time),
+            holds_rows: self.holds_rows || other.holds_rows,
         }
     }
 
@@ -303,7 +367,7 @@ impl Liveness {
             (Some(latest), Some(cutoff)) => latest < cutoff,
             (Some(_), None) => false,
         };
-        gone(self.max_window_start, close) && gone(self.max_seen_time, expire)
+        !self.holds_rows && gone(self.max_window_start, close) && gone(self.max_seen_time, expire)
     }
 }
 
@@ -314,18 +378,53 @@ impl Liveness {
 /// the changelog can be truncated below it. Offsets are lower bounds (an epoch's records start
 /// at or after the changelog's end after the previous commit), so a restore point may lag but
 /// never skips a live record.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RestorePoints {
-    partitions: BTreeMap<PartitionId, PartitionPoints>,
+/// `L`: the liveness of the store format that saved the points ([`Liveness`] once read).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestorePoints<L = Liveness> {
+    partitions: BTreeMap<PartitionId, PartitionPoints<L>>,
+}
+
+impl<L> Default for RestorePoints<L> {
+    fn default() -> Self {
+        RestorePoints {
+            partitions: BTreeMap::new(),
+        }
+    }
+}
+
+impl<L: Into<Liveness>> RestorePoints<L> {
+    /// The points of an earlier format, brought forward.
+    pub(crate) fn brought_forward(self) -> RestorePoints {
+        RestorePoints {
+            partitions: self
+                .partitions
+                .into_iter()
+                .map(|(p, points)| {
+                    let live = points
+                        .live
+                        .into_iter()
+                        .map(|(o, l)| (o, l.into()))
+                        .collect();
+                    (
+                        p,
+                        PartitionPoints {
+                            next_from: points.next_from,
+                            live,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-struct PartitionPoints {
+struct PartitionPoints<L = Liveness> {
     /// Where the next epoch's records start, at the latest: the changelog's end after the last
     /// commit (0 when unknown: the start of the log).
     next_from: Offset,
     /// Committed epochs that may still hold live state, oldest first: (from offset, liveness).
-    live: VecDeque<(Offset, Liveness)>,
+    live: VecDeque<(Offset, L)>,
 }
 
 impl PartitionPoints {

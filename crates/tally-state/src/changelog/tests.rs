@@ -93,7 +93,7 @@ fn run_owner_epochs(
         let records = encode_in_chunks(&cut, chunk_bytes).unwrap();
         let checkpoint = cut.to_checkpoint_without_ids();
         owner
-            .pre_commit_with_seen(&checkpoint, cut.seen_ids(), &records)
+            .pre_commit_with_seen(&checkpoint, cut.seen_ids(), cut.source_rows(), &records)
             .unwrap();
         // The sinks' batch comes back whole from the changelog records kept beside it.
         assert_eq!(
@@ -404,7 +404,8 @@ fn a_gap_a_missing_start_or_another_format_is_refused() {
 }
 
 /// Writes `record` as an earlier format would have: `key` and `value` give its windows' keys
-/// and values in that format (whose progress had no filtered count).
+/// and values in that format (whose progress had no filtered count before format 4, and no
+/// stale or tombstone count nor rows before format 5).
 fn in_earlier_format<K: Serialize, V: Serialize>(
     record: &ChangelogRecord,
     format: u8,
@@ -423,12 +424,32 @@ fn in_earlier_format<K: Serialize, V: Serialize>(
         .map(|(id, t)| (id.as_str(), *t))
         .collect();
     let p = &record.progress;
+    assert!(record.rows.is_empty() && p.newest_change.is_none());
+    if format == CHANGELOG_FORMAT_V4 {
+        let v2 = crate::upgrade::AccountingV2::from;
+        encode_earlier(record, format, &windows, &seen, v2(p.epoch), v2(p.totals))
+    } else {
+        let v1 = crate::upgrade::AccountingV1::from;
+        encode_earlier(record, format, &windows, &seen, v1(p.epoch), v1(p.totals))
+    }
+}
+
+/// A record of an earlier format with accountings `epoch` and `totals` of that format.
+fn encode_earlier<K: Serialize, V: Serialize, A: Serialize>(
+    record: &ChangelogRecord,
+    format: u8,
+    windows: &[(&K, &V)],
+    seen: &[(&str, i64)],
+    epoch: A,
+    totals: A,
+) -> Vec<u8> {
+    let p = &record.progress;
     let progress = crate::upgrade::PartitionCheckpointV1 {
         epoch_start_offset: p.epoch_start_offset,
         next_offset: p.next_offset,
         watermark: p.watermark,
-        epoch: p.epoch.into(),
-        totals: p.totals.into(),
+        epoch,
+        totals,
     };
     let old = RecordRef {
         format,
@@ -439,14 +460,15 @@ fn in_earlier_format<K: Serialize, V: Serialize>(
         progress: &progress,
         close_windows_before: record.close_windows_before,
         expire_seen_before: record.expire_seen_before,
-        windows: &windows,
-        seen: &seen,
+        windows,
+        seen,
+        rows: (),
     };
     bincode::serde::encode_to_vec(&old, config()).unwrap()
 }
 
-/// Formats 1 (written by the releases before group keys), 2 (before values of any shape) and
-/// 3 (before filters) read as the same record.
+/// Formats 1 (written by the releases before group keys), 2 (before values of any shape), 3
+/// (before filters) and 4 (before change jobs) read as the same record.
 #[test]
 fn records_of_the_releases_before_group_keys_values_and_filters_are_read() {
     let dir = tempfile::tempdir().unwrap();
@@ -476,10 +498,17 @@ fn records_of_the_releases_before_group_keys_values_and_filters_are_read() {
         WindowKey::clone,
         WindowAgg::clone,
     );
+    let v4 = in_earlier_format(
+        &record,
+        CHANGELOG_FORMAT_V4,
+        WindowKey::clone,
+        WindowAgg::clone,
+    );
     for (bytes, format) in [
         (v1, CHANGELOG_FORMAT_V1),
         (v2, CHANGELOG_FORMAT_V2),
         (v3, CHANGELOG_FORMAT_V3),
+        (v4, CHANGELOG_FORMAT_V4),
     ] {
         let read = ChangelogRecord::decode(&bytes).unwrap();
         assert_eq!(read.format, format);

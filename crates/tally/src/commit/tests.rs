@@ -355,6 +355,10 @@ fn batches_past_the_state_that_kafka_undid_are_found_and_any_other_lead_is_refus
         revenue_units: 0,
         dead_letters: 0,
         filtered_count: 0,
+        duplicate_count: 0,
+        stale_count: 0,
+        tombstone_count: 0,
+        source_lsn: 0,
     };
     rig.clickhouse.write(&lost, &|_| {}).expect("written");
     let committer = rig.committer(FaultPlan::default());

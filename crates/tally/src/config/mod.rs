@@ -121,6 +121,9 @@ pub struct Config {
     pub clickhouse: ClickHouseConfig,
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// A change job's source database and capture (`reconcile --source`, `doctor`, loadgen).
+    #[serde(default)]
+    pub source: SourceConfig,
     /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
     pub aggregation: Option<tally_core::declare::Declaration>,
     /// The declared job, when it is not revenue_agg's shape (which the built-in decoder runs,
@@ -377,6 +380,58 @@ impl Default for MetricsConfig {
     }
 }
 
+/// `[source]`: where a change job's rows live and how they are captured. Every key is
+/// optional; the tools that need one name it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// The PostgreSQL database, `postgres://user@host:port/database` (no password: see
+    /// `password`).
+    #[serde(default)]
+    pub postgres: Option<String>,
+    #[serde(default)]
+    pub password: Secret,
+    /// The captured table, `schema.table`; default: the source topic's last two parts
+    /// (Debezium names topics `<prefix>.<schema>.<table>`).
+    #[serde(default)]
+    pub table: Option<String>,
+    /// The connector's replication slot (`doctor`).
+    #[serde(default)]
+    pub slot: Option<String>,
+    /// Kafka Connect's REST address and the connector's name (`doctor`).
+    #[serde(default)]
+    pub connect_url: Option<String>,
+    #[serde(default)]
+    pub connector: Option<String>,
+    /// Debezium's signal table (`signal.data.collection`), through which `loadgen` asks for a
+    /// new snapshot.
+    #[serde(default)]
+    pub signal_table: Option<String>,
+}
+
+impl SourceConfig {
+    fn is_empty(&self) -> bool {
+        self.postgres.is_none()
+            && self.password.expose().is_empty()
+            && self.table.is_none()
+            && self.slot.is_none()
+            && self.connect_url.is_none()
+            && self.connector.is_none()
+            && self.signal_table.is_none()
+    }
+}
+
+/// `schema.table` (or `table`), each part of letters, digits and `_`: safe to put in SQL.
+pub fn is_table_name(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.len() <= 2
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && !p.starts_with(|c: char| c.is_ascii_digit())
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
 /// A setting outside its range, named with the range and why it is bounded.
 fn within(
     key: &'static str,
@@ -527,7 +582,55 @@ impl Config {
                     .into(),
             ));
         }
-        if w.dedup_horizon.0 < w.size.0 + w.allowed_lateness.0 {
+        // A job of changes names its rows by primary key and keeps no event ids.
+        let changes = self
+            .aggregation
+            .as_ref()
+            .is_some_and(|d| d.format.is_changes());
+        let dedup = !changes;
+        if !changes && !self.source.is_empty() {
+            return Err((
+                "source",
+                "only a job of change events (aggregation.format = \"debezium-json\") reads a source database".into(),
+            ));
+        }
+        if let Some(url) = &self.source.postgres {
+            let Some(rest) = url
+                .strip_prefix("postgres://")
+                .or_else(|| url.strip_prefix("postgresql://"))
+            else {
+                return Err((
+                    "source.postgres",
+                    format!("{url:?} is not a postgres://user@host:port/database URL"),
+                ));
+            };
+            let authority = rest.split('/').next().unwrap_or_default();
+            if authority
+                .split('@')
+                .next()
+                .is_some_and(|user| user.contains(':'))
+                && authority.contains('@')
+            {
+                return Err((
+                    "source.postgres",
+                    "holds a password: put it in source.password (or TALLY_SOURCE__PASSWORD) so that it never shows in logs".into(),
+                ));
+            }
+        }
+        for (key, value) in [
+            ("source.table", &self.source.table),
+            ("source.signal_table", &self.source.signal_table),
+        ] {
+            if let Some(name) = value
+                && !is_table_name(name)
+            {
+                return Err((
+                    key,
+                    format!("{name:?} is not schema.table of letters, digits and '_'"),
+                ));
+            }
+        }
+        if dedup && w.dedup_horizon.0 < w.size.0 + w.allowed_lateness.0 {
             return Err((
                 "window.dedup_horizon",
                 format!(

@@ -361,7 +361,7 @@ fn shown_key(value: &Value) -> String {
 }
 
 /// The `index`th value of a group-by key of type `kind`.
-fn key_value(kind: FieldKind, name: &str, scale: u32, index: u32) -> Value {
+pub(crate) fn key_value(kind: FieldKind, name: &str, scale: u32, index: u32) -> Value {
     match kind {
         FieldKind::String => Value::Str(format!("{name}-{index:04}").into()),
         FieldKind::Integer => Value::Int(i64::from(index)),
@@ -373,7 +373,7 @@ fn key_value(kind: FieldKind, name: &str, scale: u32, index: u32) -> Value {
 }
 
 /// A random value of type `kind`; times fall within a minute of `near_ms`.
-fn random_value(kind: FieldKind, scale: u32, near_ms: i64, rng: &mut impl Rng) -> Value {
+pub(crate) fn random_value(kind: FieldKind, scale: u32, near_ms: i64, rng: &mut impl Rng) -> Value {
     match kind {
         FieldKind::String => Value::Str(format!("v{}", rng.random_range(0..50)).into()),
         FieldKind::Integer => Value::Int(rng.random_range(-100..5_000)),
@@ -388,7 +388,12 @@ fn random_value(kind: FieldKind, scale: u32, near_ms: i64, rng: &mut impl Rng) -
 }
 
 /// A value meeting `test` (`pass`) or not (`None`: absent). `Present(true)` is met by `any`.
-fn filtered_value(test: &Test, pass: bool, any: Value, rng: &mut impl Rng) -> Option<Value> {
+pub(crate) fn filtered_value(
+    test: &Test,
+    pass: bool,
+    any: Value,
+    rng: &mut impl Rng,
+) -> Option<Value> {
     match (test, pass) {
         (Test::Equals(c), true) | (Test::NotEquals(c), false) => Some(c.clone()),
         (Test::Equals(c), false) | (Test::NotEquals(c), true) => {

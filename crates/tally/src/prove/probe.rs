@@ -15,9 +15,13 @@ use crate::config::Config;
 pub type Counted = BTreeMap<(i64, Vec<String>), u64>;
 
 /// What a reader polling the view saw: for an input that only adds records, a window once
-/// visible never disappears, no key appears twice, and no count goes down.
+/// visible never disappears, no key appears twice, and no count goes down. A job of changes
+/// retracts (an order deleted or moved takes its window's count down, and may empty it): its
+/// view must show no key twice and no group counting 0 rows.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ProbeReport {
+    /// The job retracts: windows may shrink and vanish.
+    pub retracts: bool,
     pub reads: u64,
     /// Reads that failed (a service restarting): not a violation, but counted.
     pub errors: u64,
@@ -28,13 +32,15 @@ pub struct ProbeReport {
     /// Windows, or first group-by values (customers) summed over windows, whose count went
     /// down between reads.
     pub decreased: u64,
+    /// Groups shown with a count of 0 (a job of changes leaves them out).
+    pub empty: u64,
     /// First few violations, for the report.
     pub examples: Vec<String>,
 }
 
 impl ProbeReport {
     pub fn violations(&self) -> u64 {
-        self.duplicated + self.vanished + self.decreased
+        self.duplicated + self.vanished + self.decreased + self.empty
     }
 
     /// Compares one read with the previous one.
@@ -45,6 +51,15 @@ impl ProbeReport {
                 report.examples.push(text);
             }
         };
+        if self.retracts {
+            for (key, counted) in current {
+                if *counted == 0 {
+                    self.empty += 1;
+                    note(self, format!("window {key:?} shows a count of 0"));
+                }
+            }
+            return;
+        }
         for (key, counted) in previous {
             match current.get(key) {
                 None => {
@@ -114,7 +129,13 @@ pub async fn probe(
 ) -> Result<ProbeReport> {
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let until = duration.map(|d| Instant::now() + d);
-    let mut report = ProbeReport::default();
+    let mut report = ProbeReport {
+        retracts: config
+            .declared
+            .as_ref()
+            .is_some_and(|j| j.changes.is_some()),
+        ..ProbeReport::default()
+    };
     let mut previous = BTreeMap::new();
     while !stop.load(std::sync::atomic::Ordering::SeqCst)
         && until.is_none_or(|u| Instant::now() < u)
@@ -162,5 +183,14 @@ mod tests {
         // Window (60s, x) went 3 -> 2, and customer x went 4 -> 2.
         assert_eq!(report.decreased, 2);
         assert_eq!(report.reads, 2);
+        // A job of changes: shrinking and vanishing windows are retractions; an empty group is not.
+        let mut changes = ProbeReport {
+            retracts: true,
+            ..ProbeReport::default()
+        };
+        changes.observe(&grown, &gone);
+        assert_eq!(changes.violations(), 0);
+        changes.observe(&gone, &view(&[(60_000, "x", 0)]));
+        assert_eq!((changes.empty, changes.violations()), (1, 1));
     }
 }

@@ -27,7 +27,7 @@ fn declared_row(row: &OutputRow) -> (RowKey, WindowAgg) {
 
 impl ReconcileFilter {
     /// `--customer` is the first group-by value of a declared job.
-    fn keeps_row(&self, (start, keys): &RowKey) -> bool {
+    pub(crate) fn keeps_row(&self, (start, keys): &RowKey) -> bool {
         self.from_ms.is_none_or(|f| *start >= f)
             && self.to_ms.is_none_or(|t| *start < t)
             && self
@@ -38,18 +38,26 @@ impl ReconcileFilter {
 }
 
 /// A window's values of each source partition merged as the view merges them, and shown as
-/// the view shows them.
+/// the view shows them; `None` for a group the view leaves out (a job of changes whose rows
+/// were all retracted: a count of 0).
 fn merged_shown(
     job: &Job,
     key: &RowKey,
     per_partition: &std::collections::BTreeMap<i32, WindowAgg>,
-) -> Result<Vec<crate::loadgen::Shown>> {
+) -> Result<Option<Vec<crate::loadgen::Shown>>> {
     let mut merged = job.empty_value();
     for value in per_partition.values() {
         job.merge(&mut merged, value)
             .map_err(|o| anyhow::anyhow!("window {key:?}: {o:?} merging partitions"))?;
     }
-    Ok(shown_of(job, &merged))
+    let emptied = job.changes.is_some()
+        && job
+            .aggregates
+            .iter()
+            .position(|a| a.function == tally_core::declare::Function::Count)
+            .and_then(|i| shown_of(job, &merged).get(i).copied())
+            == Some(crate::loadgen::Shown::Exact(0));
+    Ok((!emptied).then(|| shown_of(job, &merged)))
 }
 
 /// A declared job's rows for `reconcile --every`: each window's partitions merged by the
@@ -97,8 +105,10 @@ impl RoundRows for DeclaredRows {
         };
         let mut expected = Windows::new();
         for key in changed {
-            if let Some(per_partition) = replay.values.get(key) {
-                expected.insert(key.clone(), merged_shown(&self.job, key, per_partition)?);
+            if let Some(per_partition) = replay.values.get(key)
+                && let Some(shown) = merged_shown(&self.job, key, per_partition)?
+            {
+                expected.insert(key.clone(), shown);
             }
         }
         let found: Windows = self
@@ -138,8 +148,10 @@ pub async fn reconcile_declared(
     };
     let mut source = Windows::new();
     for (key, per_partition) in &replay.values {
-        if filter.keeps_row(key) {
-            source.insert(key.clone(), merged_shown(job, key, per_partition)?);
+        if filter.keeps_row(key)
+            && let Some(shown) = merged_shown(job, key, per_partition)?
+        {
+            source.insert(key.clone(), shown);
         }
     }
     let found: Windows = ViewTypes::of(config, job)?

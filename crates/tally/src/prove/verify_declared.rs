@@ -98,6 +98,15 @@ impl ViewTypes {
         })
     }
 
+    /// Key `i` of a window, given as text, as [`ViewTypes::read`] reads the view's.
+    pub(crate) fn canonical_key(&self, i: usize, text: &str) -> Result<String> {
+        let kind = self
+            .keys
+            .get(i)
+            .with_context(|| format!("the view has no key column {i}"))?;
+        canonical_key(text, *kind)
+    }
+
     /// Cells read back as the manifest holds them, by the view's column types.
     pub(crate) fn read(&self, cells: Cells) -> Result<Windows> {
         let mut out = Windows::new();

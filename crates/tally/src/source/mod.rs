@@ -1,0 +1,122 @@
+//! A change job's source database: its table aggregated by SQL and compared with the view
+//! (`reconcile --source`), its capture checked (`doctor`), and the workload that changes it
+//! (`loadgen` of a change job).
+
+pub mod capture;
+pub mod reconcile;
+pub mod sql;
+pub mod workload;
+
+use anyhow::{Context, Result, bail};
+use tokio_postgres::{Client, NoTls};
+
+use crate::config::{Config, is_table_name};
+use sql::Column;
+
+/// Where a change job's rows live: the database URL (without its password) and the table.
+#[derive(Debug, Clone)]
+pub struct Source {
+    url: String,
+    password: String,
+    pub table: String,
+}
+
+impl Source {
+    /// The job's source, the URL `url` overriding `source.postgres`.
+    pub fn of(config: &Config, url: Option<&str>) -> Result<Source> {
+        if config.declared.as_ref().is_none_or(|j| j.changes.is_none()) {
+            bail!(
+                "job {}: only a job of change events (aggregation.format = \"debezium-json\") has a source table",
+                config.job.name
+            );
+        }
+        let Some(url) = url.or(config.source.postgres.as_deref()) else {
+            bail!(
+                "source.postgres: not set; name the database (postgres://user@host:port/database) there or with --source"
+            )
+        };
+        Ok(Source {
+            url: url.to_owned(),
+            password: config.source.password.expose().to_owned(),
+            table: table_of(config)?,
+        })
+    }
+
+    /// Connects; the connection runs on the current runtime until the client is dropped.
+    pub async fn connect(&self) -> Result<Client> {
+        let mut pg: tokio_postgres::Config = self
+            .url
+            .parse()
+            .with_context(|| format!("source: {} is not a PostgreSQL URL", self.url))?;
+        if !self.password.is_empty() {
+            pg.password(&self.password);
+        }
+        pg.application_name("tally");
+        pg.connect_timeout(std::time::Duration::from_secs(10));
+        let (client, connection) = pg
+            .connect(NoTls)
+            .await
+            .with_context(|| format!("source: {}: cannot connect", self.url))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "source connection closed");
+            }
+        });
+        Ok(client)
+    }
+
+    /// The table's columns and their types, in order.
+    pub async fn columns(&self, client: &Client) -> Result<Vec<Column>> {
+        let (schema, table) = self
+            .table
+            .split_once('.')
+            .unwrap_or(("public", &self.table));
+        let rows = client
+            .query(
+                "SELECT column_name::text, data_type::text FROM information_schema.columns \
+                 WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
+                &[&schema, &table],
+            )
+            .await
+            .with_context(|| format!("source: reading the columns of {}", self.table))?;
+        if rows.is_empty() {
+            bail!("source: {}: no such table in {}", self.table, self.url);
+        }
+        Ok(rows
+            .iter()
+            .map(|r| Column {
+                name: r.get(0),
+                data_type: r.get(1),
+            })
+            .collect())
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+/// `source.table`, or the source topic's last two parts (Debezium's `<prefix>.<schema>.<table>`).
+pub fn table_of(config: &Config) -> Result<String> {
+    if let Some(table) = &config.source.table {
+        return Ok(table.clone());
+    }
+    let topic = &config.kafka.source_topic;
+    let parts: Vec<&str> = topic.split('.').collect();
+    let name = match parts.as_slice() {
+        [.., schema, table] => format!("{schema}.{table}"),
+        _ => String::new(),
+    };
+    if is_table_name(&name) {
+        Ok(name)
+    } else {
+        bail!(
+            "source.table: not set, and topic {topic:?} is not named <prefix>.<schema>.<table> as Debezium names it; set it"
+        )
+    }
+}
+
+/// An LSN as PostgreSQL prints it, from a `pg_lsn` read as text.
+pub fn lsn(text: &str) -> Result<u64> {
+    tally_core::declare::parse_lsn(text).with_context(|| format!("{text:?} is not an LSN"))
+}

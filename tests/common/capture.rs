@@ -1,0 +1,180 @@
+//! The chain from the source database for tests: a table of the local PostgreSQL captured by a
+//! Debezium connector of the local Kafka Connect, each test's own (table, signal table,
+//! replication slot, publication, connector and topic named after it), and removed when
+//! dropped: a replication slot left behind would hold PostgreSQL's WAL for good.
+
+use std::process::Command;
+use std::time::Duration;
+
+use super::{Job, unique, wait_until};
+
+pub const CONNECT: &str = "http://127.0.0.1:8083";
+pub const POSTGRES: &str = "postgres://tally@127.0.0.1:5432/tally";
+pub const POSTGRES_PASSWORD: &str = "tally-secret";
+
+pub struct Capture {
+    /// Names the connector, slot, publication and topic prefix.
+    pub name: String,
+    pub table: String,
+    pub signal_table: String,
+    /// The topic Debezium writes the table's changes to.
+    pub topic: String,
+}
+
+/// Runs `sql` with psql as tally: its output, or why it failed.
+fn try_psql(sql: &str) -> Result<String, String> {
+    let out = Command::new("psql")
+        .args([
+            "-X",
+            "-q",
+            "-t",
+            "-A",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-h",
+            "127.0.0.1",
+        ])
+        .args(["-U", "tally", "tally", "-c", sql])
+        .env("PGPASSWORD", POSTGRES_PASSWORD)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// Runs `sql` with psql as tally; panics naming the statement if it fails.
+pub fn psql(sql: &str) -> String {
+    try_psql(sql).unwrap_or_else(|e| panic!("psql {sql}: {e}"))
+}
+
+fn curl(args: &[&str]) -> (bool, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "30"])
+        .args(args)
+        .output()
+        .expect("curl");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+impl Capture {
+    pub fn new() -> Capture {
+        let name = unique("cdc");
+        Capture {
+            table: format!("public.{name}"),
+            signal_table: format!("public.{name}_signal"),
+            topic: format!("{name}.public.{name}"),
+            name,
+        }
+    }
+
+    /// The shipped orders job, reading this capture's topic and table.
+    pub fn job(&self) -> Job {
+        let job = Job::shipped("orders.toml", &self.topic);
+        job.set("source", "table", &self.table);
+        job.set("source", "signal_table", &self.signal_table);
+        job.set("source", "slot", &self.name);
+        job.set("source", "connector", &self.name);
+        job.set("source", "connect_url", CONNECT);
+        job.set("source", "postgres", POSTGRES);
+        job.set("source", "password", POSTGRES_PASSWORD);
+        job
+    }
+
+    /// Registers the connector (`scripts/connect/orders-connector.json` with this capture's
+    /// names and `overrides`) and waits until its task runs.
+    pub async fn register(&self, overrides: &[(&str, &str)]) {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/connect/orders-connector.json"
+        );
+        let mut connector: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("connector file"))
+                .expect("connector JSON");
+        connector["name"] = self.name.clone().into();
+        let config = connector["config"].as_object_mut().expect("config");
+        for (k, v) in [
+            ("topic.prefix", self.name.as_str()),
+            ("slot.name", self.name.as_str()),
+            ("publication.name", self.name.as_str()),
+            ("table.include.list", self.table.as_str()),
+            ("signal.data.collection", self.signal_table.as_str()),
+            // Back within two seconds of a PostgreSQL restart.
+            ("retriable.restart.connector.wait.ms", "2000"),
+        ]
+        .into_iter()
+        .chain(overrides.iter().copied())
+        {
+            config.insert(k.into(), v.into());
+        }
+        let body = connector.to_string();
+        let (ok, out) = curl(&[
+            "-f",
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "--data",
+            &body,
+            &format!("{CONNECT}/connectors"),
+        ]);
+        assert!(ok, "registering connector {}: {out}", self.name);
+        wait_until(Duration::from_secs(120), || self.running()).await;
+        assert!(
+            self.running(),
+            "connector {} did not start: {}",
+            self.name,
+            self.status()
+        );
+    }
+
+    pub fn status(&self) -> String {
+        curl(&[&format!("{CONNECT}/connectors/{}/status", self.name)]).1
+    }
+
+    /// The connector and its task run.
+    pub fn running(&self) -> bool {
+        let status: serde_json::Value = serde_json::from_str(&self.status()).unwrap_or_default();
+        status["connector"]["state"] == "RUNNING"
+            && status["tasks"]
+                .as_array()
+                .is_some_and(|t| !t.is_empty() && t.iter().all(|t| t["state"] == "RUNNING"))
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        let _ = curl(&[
+            "-X",
+            "DELETE",
+            &format!("{CONNECT}/connectors/{}", self.name),
+        ]);
+        // The slot is dropped once the connector's task has let go of it.
+        let slot = format!(
+            "FROM pg_replication_slots WHERE slot_name = '{}'",
+            self.name
+        );
+        for _ in 0..60 {
+            let _ = try_psql(&format!(
+                "SELECT pg_drop_replication_slot(slot_name) {slot} AND NOT active"
+            ));
+            if try_psql(&format!("SELECT count(*) {slot}")).is_ok_and(|n| n == "0") {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let _ = try_psql(&format!(
+            "DROP PUBLICATION IF EXISTS {}; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}",
+            self.name, self.table, self.signal_table
+        ));
+    }
+}
