@@ -524,4 +524,112 @@ mod tests {
             value: WindowAgg::of_orders(orders, value().revenue),
         });
     }
+
+    /// A store written by the release before change jobs (format 5: a filtered count, no
+    /// stale or tombstone count, no newest position, restore points without rows): its
+    /// checkpoint, pending epoch and restore points read back after the upgrade, once.
+    #[test]
+    fn a_format_5_store_upgrades_with_its_pending_epoch_and_restore_points() {
+        let dir = tempfile::tempdir().unwrap();
+        let accounting = AccountingV2 {
+            consumed: 20,
+            aggregated: 12,
+            duplicates: 2,
+            late: 1,
+            dead_lettered: 1,
+            revenue_units: 9,
+            filtered: 4,
+        };
+        let progress = PartitionCheckpointV2 {
+            epoch_start_offset: 10,
+            next_offset: 30,
+            watermark: Watermark::default(),
+            epoch: accounting,
+            totals: accounting,
+        };
+        let old = CheckpointV1::<OutputRow, PartitionCheckpointV2> {
+            epoch: Epoch(7),
+            partitions: [(3, progress)].into(),
+            rows: vec![OutputRow {
+                partition: 3,
+                key: WindowKey::of_orders(60_000, "c", "EUR"),
+                window_end_ms: 120_000,
+                value: WindowAgg::of_orders(2, value().revenue),
+            }],
+            seen: Vec::new(),
+            dead_letters: Vec::new(),
+            close_windows_before: vec![(3, 0)],
+            expire_seen_before: Vec::new(),
+        };
+        let old_meta = CheckpointMetaV1::<PartitionCheckpointV2> {
+            job: "job".into(),
+            epoch: Epoch(7),
+            status: EpochStatus::PreCommitted,
+            partitions: [(3, progress)].into(),
+            expired_seen_before: BTreeMap::new(),
+            closed_windows_before: BTreeMap::new(),
+        };
+        let liveness = Liveness {
+            max_window_start: Some(60_000),
+            max_seen_time: Some(5),
+            holds_rows: false,
+        };
+        let mut points = RestorePoints::default().with_epoch(
+            &[(
+                3,
+                crate::changelog::EpochLiveness {
+                    liveness,
+                    close_windows_before: None,
+                    expire_seen_before: None,
+                },
+            )]
+            .into(),
+        );
+        points.set_end(3, 12);
+        {
+            let store = StateStore::open(dir.path(), "job").unwrap();
+            let mut batch = WriteBatch::default();
+            batch.put_cf(
+                store.cf(CF_PENDING).unwrap(),
+                7u64.to_be_bytes(),
+                encode(&old),
+            );
+            batch.put_cf(
+                store.cf(CF_META).unwrap(),
+                KEY_CHECKPOINT,
+                encode(&old_meta),
+            );
+            batch.put_cf(
+                store.cf(CF_META).unwrap(),
+                KEY_RESTORE_POINTS,
+                encode(&points.to_v1()),
+            );
+            batch.put_cf(
+                store.cf(CF_META).unwrap(),
+                KEY_FORMAT,
+                FORMAT_FILTERED.to_be_bytes(),
+            );
+            store.write(batch).unwrap();
+        }
+        let expected = Checkpoint::from(old);
+        let totals = expected.partitions[&3].totals;
+        assert_eq!(
+            (totals.filtered, totals.stale, totals.tombstones),
+            (4, 0, 0)
+        );
+        assert!(totals.balances());
+        for _ in 0..2 {
+            let store = StateStore::open(dir.path(), "job").unwrap();
+            assert_eq!(store.pending(Epoch(7), 60_000).unwrap().0, expected);
+            assert_eq!(
+                store.meta().unwrap(),
+                CheckpointMeta::from(old_meta.clone())
+            );
+            assert_eq!(store.restore_points().unwrap(), points);
+        }
+    }
+
+    fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+        bincode::serde::encode_to_vec(value, bincode_config()).unwrap()
+    }
 }

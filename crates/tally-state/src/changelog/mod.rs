@@ -418,6 +418,41 @@ impl<L: Into<Liveness>> RestorePoints<L> {
     }
 }
 
+impl RestorePoints {
+    /// The points as store format 5 saved them (tests write stores of that format).
+    #[cfg(test)]
+    pub(crate) fn to_v1(&self) -> RestorePoints<crate::upgrade::LivenessV1> {
+        RestorePoints {
+            partitions: self
+                .partitions
+                .iter()
+                .map(|(p, points)| {
+                    let live = points
+                        .live
+                        .iter()
+                        .map(|(o, l)| {
+                            (
+                                *o,
+                                crate::upgrade::LivenessV1 {
+                                    max_window_start: l.max_window_start,
+                                    max_seen_time: l.max_seen_time,
+                                },
+                            )
+                        })
+                        .collect();
+                    (
+                        *p,
+                        PartitionPoints {
+                            next_from: points.next_from,
+                            live,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 struct PartitionPoints<L = Liveness> {
     /// Where the next epoch's records start, at the latest: the changelog's end after the last
