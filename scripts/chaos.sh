@@ -26,13 +26,20 @@
 #          changelog and tables BIN wrote: an upgrade in place under the chaos)
 #          --config FILE (the job file, default config/revenue_agg.toml; a hopping job's slide is
 #          shortened with its size, to TALLY_WINDOW__SLIDE or 2s)
+#
+# A job of change events (config/orders.toml) runs on the whole chain: loadgen changes a
+# PostgreSQL table of the run's own (inserts, updates, deletes, key changes, --snapshots new
+# snapshots), a Debezium connector of its own captures it, and the chaos adds SIGKILLs of Kafka
+# Connect (Debezium sends again what it had not flushed) and PostgreSQL restarts (--restarts
+# each). The check is verify's: every change in the topic once, applied once, and the view
+# equal to the table. Its connector, slot, publication and tables are dropped at the end.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
 workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9 upgrade_from=""
-config=config/revenue_agg.toml
+config=config/revenue_agg.toml snapshots=2
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -52,6 +59,7 @@ while (($#)); do
     --zombie-seconds) zombie_seconds=$2; shift 2 ;;
     --upgrade-from) upgrade_from=$2; shift 2 ;;
     --config) config=$2; shift 2 ;;
+    --snapshots) snapshots=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -86,6 +94,17 @@ export TALLY_KAFKA__SOURCE_TOPIC="$run"
 export TALLY_KAFKA__CONSUMER_GROUP="tally-$run"
 export TALLY_CLICKHOUSE__DATABASE="$run"
 export TALLY_METRICS__ADDRESS=""
+# A job of change events reads a PostgreSQL table of the run's own through a connector of its own.
+changes=0
+if grep -q '^format *= *"debezium-json"' "$config"; then
+  changes=1
+  export TALLY_KAFKA__SOURCE_TOPIC="$run.public.$run"
+  export TALLY_SOURCE__TABLE="public.$run" TALLY_SOURCE__SIGNAL_TABLE="public.${run}_signal"
+  export TALLY_SOURCE__SLOT="$run" TALLY_SOURCE__CONNECTOR="$run"
+  # Corrections reach back six windows; the table's clock runs 16 s of event time a second.
+  export TALLY_WINDOW__ALLOWED_LATENESS="${TALLY_WINDOW__ALLOWED_LATENESS:-60s}"
+  export TALLY_WINDOW__OUT_OF_ORDERNESS="${TALLY_WINDOW__OUT_OF_ORDERNESS:-5s}"
+fi
 # Short windows and frequent fold steps, so that folding runs many times under the chaos.
 export TALLY_WINDOW__SIZE="${TALLY_WINDOW__SIZE:-10s}"
 export TALLY_WINDOW__ALLOWED_LATENESS="${TALLY_WINDOW__ALLOWED_LATENESS:-10s}"
@@ -131,18 +150,72 @@ active_worker() {
   done
   if ((${#running[@]})); then echo "${running[RANDOM % ${#running[@]}]}"; else echo 0; fi
 }
+connect_url=http://127.0.0.1:8083
+pg() { PGPASSWORD=tally-secret psql -X -q -t -A -h 127.0.0.1 -U tally tally -c "$1"; }
+connector_state() { curl -sS "$connect_url/connectors/$run/status" 2>/dev/null | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["connector"]["state"], *[t["state"] for t in s["tasks"]])' 2>/dev/null || echo "?"; }
+# The run's connector: scripts/connect/orders-connector.json with the run's names.
+register_connector() {
+  python3 - "$run" "$partitions" <<'PY' | curl -fsS -X POST -H 'Content-Type: application/json' --data @- "$connect_url/connectors" >/dev/null
+import json, sys
+run, partitions = sys.argv[1], sys.argv[2]
+c = json.load(open("scripts/connect/orders-connector.json"))
+c["name"] = run
+c["config"].update({"topic.prefix": run, "slot.name": run, "publication.name": run,
+                    "table.include.list": f"public.{run}", "signal.data.collection": f"public.{run}_signal",
+                    "topic.creation.default.partitions": partitions,
+                    "retriable.restart.connector.wait.ms": "2000"})
+print(json.dumps(c))
+PY
+}
+connector_restarts=0
+# A connector task failed (Kafka restarted under it, say) is restarted, as an operator would.
+revive_connector() {
+  if [[ $(connector_state) == *FAILED* ]]; then
+    curl -fsS -X POST "$connect_url/connectors/$run/restart?includeTasks=true&onlyFailed=true" >/dev/null 2>&1 || true
+    connector_restarts=$((connector_restarts + 1))
+  fi
+}
+drop_capture() {
+  curl -sS -X DELETE "$connect_url/connectors/$run" >/dev/null 2>&1 || true
+  for _ in $(seq 60); do
+    pg "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = '$run' AND NOT active" >/dev/null 2>&1 || true
+    [ "$(pg "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '$run'" 2>/dev/null)" = 0 ] && break
+    sleep 0.5
+  done
+  pg "DROP PUBLICATION IF EXISTS $run; DROP TABLE IF EXISTS public.$run; DROP TABLE IF EXISTS public.${run}_signal" >/dev/null 2>&1 || true
+}
 cleanup() {
   for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null || true; kill -9 "$pid" 2>/dev/null || true; done
   [ -n "${probe_pid:-}" ] && kill "$probe_pid" 2>/dev/null || true
   [ -n "${loadgen_pid:-}" ] && kill "$loadgen_pid" 2>/dev/null || true
+  if ((changes)); then drop_capture; fi
 }
 trap cleanup EXIT
 
-# Produce in the background at the target rate, with duplicates, poison of every reason and late events.
 duration=$(( (events + rate - 1) / rate ))
-"$TALLY_BIN" loadgen --config "$config" --events "$events" --rate "$rate" --partitions "$partitions" --seed "$seed" \
-  --customers "$customers" --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
-loadgen_pid=$!
+if ((changes)); then
+  # The table's first rows, read by the connector's first snapshot; then the changes in the
+  # background, new snapshots asked for among them.
+  "$TALLY_BIN" loadgen --config "$config" --events 0 --initial-rows 500 --step-ms 1000 --seed "$seed" \
+    --customers "$customers" --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1
+  register_connector
+  # The changes start once the first snapshot has read those rows: a change made before its
+  # consistent point would show in the topic as part of the snapshot, not as itself.
+  snapshot_deadline=$(( $(date +%s) + 120 ))
+  until [ "$(scripts/services.sh kafka-cli org.apache.kafka.tools.GetOffsetShell --bootstrap-server 127.0.0.1:9092 \
+            --topic "$TALLY_KAFKA__SOURCE_TOPIC" 2>/dev/null | awk -F: '{s += $3} END {print s + 0}')" -ge 500 ]; do
+    [ "$(date +%s)" -lt "$snapshot_deadline" ] || { echo "chaos: the connector's first snapshot did not arrive" >&2; exit 1; }
+    sleep 1
+  done
+  "$TALLY_BIN" loadgen --config "$config" --events "$events" --rate "$rate" --step-ms 200 --seed "$seed" \
+    --customers "$customers" --snapshots "$snapshots" --manifest "$dir/manifest.json" >>"$dir/loadgen.log" 2>&1 &
+  loadgen_pid=$!
+else
+  # Produce in the background at the target rate, with duplicates, poison of every reason and late events.
+  "$TALLY_BIN" loadgen --config "$config" --events "$events" --rate "$rate" --partitions "$partitions" --seed "$seed" \
+    --customers "$customers" --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
+  loadgen_pid=$!
+fi
 sleep 2
 for ((w = 0; w < workers; w++)); do start_worker "$w"; done
 # A dashboard reading the view all along: it must never see a window twice, vanish or shrink.
@@ -150,16 +223,18 @@ for ((w = 0; w < workers; w++)); do start_worker "$w"; done
 probe_pid=$!
 
 # Spread kills and service restarts over the load's duration.
-total_events=$(( kills + 2 * restarts + zombies + leaves + fold_kills ))
+total_events=$(( kills + (2 + 2 * changes) * restarts + zombies + leaves + fold_kills ))
 actions=()
 for ((i = 0; i < kills; i++)); do actions+=(kill); done
 for ((i = 0; i < restarts; i++)); do actions+=(clickhouse kafka); done
+if ((changes)); then for ((i = 0; i < restarts; i++)); do actions+=(connect postgres); done; fi
 for ((i = 0; i < zombies; i++)); do actions+=(zombie); done
 for ((i = 0; i < leaves; i++)); do actions+=(leave); done
 for ((i = 0; i < fold_kills; i++)); do actions+=(foldkill); done
 for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${actions[i]}; actions[i]=${actions[j]}; actions[j]=$t; done
 gap_ms=$(( duration * 1000 / (total_events + 1) ))
 done_kills=0 done_ch=0 done_kafka=0 done_zombies=0 done_leaves=0 zombie_exits=0 done_fold_kills=0 read_side_back=""
+done_connect=0 done_pg=0
 for action in "${actions[@]}"; do
   # A random moment: on average one gap apart, anywhere from half a gap to one and a half.
   sleep_ms=$(( gap_ms / 2 + RANDOM % (gap_ms > 1 ? gap_ms : 1) ))
@@ -209,7 +284,14 @@ for action in "${actions[@]}"; do
       done ;;
     clickhouse) scripts/services.sh restart clickhouse >&2; done_ch=$((done_ch + 1)) ;;
     kafka) scripts/services.sh restart kafka >&2; done_kafka=$((done_kafka + 1)) ;;
+    connect)
+      # Killed while it streams: Debezium sends again what it had not flushed.
+      kill -9 "$(scripts/services.sh pid connect)" 2>/dev/null || true
+      scripts/services.sh up connect >&2
+      done_connect=$((done_connect + 1)) ;;
+    postgres) scripts/services.sh restart postgres >&2; done_pg=$((done_pg + 1)) ;;
   esac
+  if ((changes)); then revive_connector; fi
   # A worker that exits by itself is a failure of its own, unless it lost its lease (a woken
   # zombie): then it starts again, as its supervisor would, and stands by.
   for ((w = 0; w < workers; w++)); do
@@ -227,6 +309,7 @@ wait "$loadgen_pid"; loadgen_pid=""
 deadline=$(( $(date +%s) + catch_up ))
 until "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1; do
   if [ "$(date +%s)" -ge "$deadline" ]; then break; fi
+  if ((changes)); then revive_connector; fi
   # A woken zombie stops by itself once (see above); start it again.
   for ((w = 0; w < workers; w++)); do
     kill -0 "${pids[w]}" 2>/dev/null && continue
@@ -257,10 +340,18 @@ dups=$(sed -n 's/.* \([0-9]*\) duplicates,.*/\1/p' "$dir/loadgen.log")
 poison=$(sed -n 's/.* \([0-9]*\) poison;.*/\1/p' "$dir/loadgen.log")
 late=$(sed -n 's/.* \([0-9]*\) late,.*/\1/p' "$dir/loadgen.log")
 printf '\n%-40s %s (%s build)\n' "chaos run" "$run" "$profile"
-printf '%-40s %s\n' "events produced" "$produced"
 printf '%-40s %s\n' "job" "$config"
-printf '%-40s %s\n' "duplicates injected" "$dups"
-printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
+if ((changes)); then
+  printf '%-40s %s\n' "changes made (rows inserted first)" "$(field changes_made) ($(grep -m1 -o '[0-9]* inserts' "$dir/loadgen.log"))"
+  printf '%-40s %s\n' "new snapshots asked for" "$snapshots"
+  printf '%-40s %s\n' "kafka connect SIGKILLs" "$done_connect"
+  printf '%-40s %s\n' "postgresql restarts" "$done_pg"
+  printf '%-40s %s\n' "connector tasks restarted after failing" "$connector_restarts"
+else
+  printf '%-40s %s\n' "events produced" "$produced"
+  printf '%-40s %s\n' "duplicates injected" "$dups"
+  printf '%-40s %s\n' "poison injected (+ late)" "$poison (+ $late)"
+fi
 printf '%-40s %s\n' "workers (replicas of the job)" "$workers"
 if [ -n "$upgrade_from" ]; then
   printf '%-40s %s\n' "first starts by the earlier build" "$upgrade_from"
@@ -284,12 +375,22 @@ printf '%-40s %s%s\n' "takeovers caught up from the changelog" "$caught_up" "${t
 printf '%-40s %s\n' "whole restores from the changelog" "$whole"
 printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
 printf '%-40s %s\n' "kafka restarts" "$done_kafka"
-printf '%-40s %s / %s\n' "rows expected / found" "$(field rows_expected)" "$(field rows_found)"
-printf '%-40s %s / %s\n' "orders expected / found" "$(field orders_expected)" "$(field orders_found)"
-printf '%-40s %s\n' "orders double counted in sink (must be 0)" "$(field over_counted)"
-printf '%-40s %s\n' "orders lost (must be 0)" "$(field lost)"
-printf '%-40s %s / %s\n' "dead letters expected / found" "$(field dl_expected)" "$(field dl_found)"
-printf '%-40s %s\n' "dead letters repeated (must be 0)" "$(field dl_repeated)"
+if ((changes)); then
+  printf '%-40s %s / %s\n' "changes made / in the topic" "$(field changes_made)" "$(field changes_in_topic)"
+  printf '%-40s %s\n' "snapshot reads" "$(field snapshot_reads)"
+  printf '%-40s %s (%s duplicates, %s stale)\n' "changes sent again (counted, not applied)" "$(field repeated)" "$(field duplicates)" "$(field stale)"
+  printf '%-40s %s applied, %s filtered, %s tombstones\n' "the job" "$(field applied)" "$(field filtered)" "$(field tombstones)"
+  printf '%-40s %s\n' "dead letters (must be 0: nothing late)" "$(field dead_lettered)"
+  printf '%-40s %s\n' "windows compared with the table" "$(field windows)"
+  printf '%-40s %s\n' "windows differing from the table (must be 0)" "$(field windows_differ)"
+else
+  printf '%-40s %s / %s\n' "rows expected / found" "$(field rows_expected)" "$(field rows_found)"
+  printf '%-40s %s / %s\n' "orders expected / found" "$(field orders_expected)" "$(field orders_found)"
+  printf '%-40s %s\n' "orders double counted in sink (must be 0)" "$(field over_counted)"
+  printf '%-40s %s\n' "orders lost (must be 0)" "$(field lost)"
+  printf '%-40s %s / %s\n' "dead letters expected / found" "$(field dl_expected)" "$(field dl_found)"
+  printf '%-40s %s\n' "dead letters repeated (must be 0)" "$(field dl_repeated)"
+fi
 probe=$(grep '^probe-summary' "$dir/probe.txt" || true)
 pfield() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$probe"; }
 folds=$(cat "$dir"/worker-*.log | grep -c 'fold step frontier=' || true)
@@ -301,8 +402,12 @@ twice=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}
 printf '%-40s %s\n' "keys twice in the folded or live table (must be 0)" "$twice"
 printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view" "$(pfield reads)" "$(pfield errors)"
 printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"
-printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
-printf '%-40s %s\n' "reader saw a count go down (must be 0)" "$(pfield decreased)"
+if ((changes)); then
+  printf '%-40s %s\n' "reader saw an emptied group (must be 0)" "$(pfield empty)"
+else
+  printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
+  printf '%-40s %s\n' "reader saw a count go down (must be 0)" "$(pfield decreased)"
+fi
 printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
 if [ "$twice" != 0 ]; then
   echo "chaos: FAILED (a key is twice in a table readers read)"; exit 1

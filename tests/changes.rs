@@ -69,6 +69,7 @@ async fn a_changing_table_reaches_the_view_exactly_once_through_kills_and_restar
         &["--events", "0", "--initial-rows", "400"],
     ));
     capture.register(&[]).await;
+    capture.wait_for_records(400).await;
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;

@@ -137,6 +137,23 @@ impl Capture {
         );
     }
 
+    /// Waits until the topic holds `n` records: with nothing changing the table meanwhile, the
+    /// connector's first snapshot of a table of `n` rows. (A change made before the snapshot's
+    /// consistent point shows in the topic as part of the snapshot, not as itself.)
+    pub async fn wait_for_records(&self, n: i64) {
+        let settings = tally_kafka::KafkaSettings {
+            brokers: super::BROKERS.into(),
+            client: std::collections::BTreeMap::new(),
+        };
+        let held = || {
+            tally_kafka::topic_extent(&settings, &self.topic)
+                .map(|e| e.values().map(|(_, high)| high).sum::<i64>())
+                .unwrap_or(0)
+        };
+        wait_until(Duration::from_secs(120), || held() >= n).await;
+        assert!(held() >= n, "{} of {n} records in {}", held(), self.topic);
+    }
+
     pub fn status(&self) -> String {
         curl(&[&format!("{CONNECT}/connectors/{}/status", self.name)]).1
     }
