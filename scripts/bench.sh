@@ -27,10 +27,16 @@
 #       revocation to B consuming it
 #   scripts/bench.sh --read [--days 7] [--events 1400000] [--live-seconds 180]
 #       read cost of the view vs. an ideal table, before and after folding (see read_bench below)
+#   scripts/bench.sh --changes [--rows 1000000] [--updates 1000000] [--repeat R]
+#       a job of change events (config/orders.toml) against the append-only revenue_agg in the same
+#       run: a PostgreSQL table of --rows rows read by a Debezium connector's first snapshot, then
+#       --updates updates of it (amounts, customers, hours, cancellations), captured into one topic;
+#       revenue_agg's topic holds as many events; alternating catch-ups of each, then the state's
+#       size per live row and reconcile --source of the last change run
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
-events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3
+events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3 rows=1000000 updates=1000000
 customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0 together=0
 while (($#)); do
   case "$1" in
@@ -48,6 +54,9 @@ while (($#)); do
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
     --join) mode=join; shift ;;
+    --changes) mode=changes; shift ;;
+    --rows) rows=$2; shift 2 ;;
+    --updates) updates=$2; shift 2 ;;
     --days) days=$2; shift 2 ;;
     --live-seconds) live_seconds=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -272,6 +281,7 @@ for l in b:
 PY
 }
 if [ "$mode" = read ]; then read_bench; exit 0; fi
+[ "$mode" = changes ] && events=$(( rows + updates ))
 if [ "$mode" = failover ]; then failover_bench; exit 0; fi
 if [ "$mode" = join ]; then join_bench; exit 0; fi
 events=${events:-1000000}
@@ -299,9 +309,11 @@ mkdir -p "$dir"
 config=${TALLY_BENCH_CONFIG:-config/revenue_agg.toml}
 export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY_METRICS__ADDRESS=""
 
-# One pre-loaded topic for every run below.
-"$bin" loadgen --config "$config" --events "$events"  --partitions "$partitions" --customers "$customers" \
-  --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
+# One pre-loaded topic for every run below (--changes makes its own).
+if [ "$mode" != changes ]; then
+  "$bin" loadgen --config "$config" --events "$events"  --partitions "$partitions" --customers "$customers" \
+    --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
+fi
 
 manifest="$dir/manifest.json"
 
@@ -404,6 +416,88 @@ tally_run() {
     echo "verify skipped (--no-verify)" >"$dir/r$r/verify"
   fi
 }
+
+# --changes: the change topic made once through the whole chain, then alternating catch-ups of
+# the change job and of revenue_agg over as many events.
+changes_bench() {
+  local top=$dir table="public.$topic" pg_run
+  pg() { PGPASSWORD=tally-secret psql -X -q -t -A -h 127.0.0.1 -U tally tally -c "$1"; }
+  pg "CREATE TABLE $table (order_id bigint PRIMARY KEY, customer_id text NOT NULL, amount numeric(18, 2) NOT NULL,
+      status text NOT NULL, created_at timestamptz NOT NULL)"
+  # Orders every 100 ms up to now, over 10,000 customers.
+  pg "INSERT INTO $table SELECT g, 'customer-' || (g % 10000), (g % 50000) / 100.0, 'paid',
+      now() - (($rows - g) * interval '100 milliseconds') FROM generate_series(1, $rows) g"
+  python3 - "$topic" "$partitions" <<'PY' | curl -fsS -X POST -H 'Content-Type: application/json' --data @- http://127.0.0.1:8083/connectors >/dev/null
+import json, sys
+run, partitions = sys.argv[1], sys.argv[2]
+c = json.load(open("scripts/connect/orders-connector.json"))
+c["name"] = run
+c["config"].update({"topic.prefix": run, "slot.name": run, "publication.name": run,
+                    "table.include.list": f"public.{run}", "signal.data.collection": f"public.{run}_signal",
+                    "topic.creation.default.partitions": partitions, "snapshot.fetch.size": "20000"})
+print(json.dumps(c))
+PY
+  trap 'curl -sS -X DELETE "http://127.0.0.1:8083/connectors/$topic" >/dev/null 2>&1 || true' EXIT
+  local change_topic="$topic.public.$topic" held=0 t0
+  topic_records() {
+    scripts/services.sh kafka-cli org.apache.kafka.tools.GetOffsetShell --bootstrap-server 127.0.0.1:9092 \
+      --topic "$1" 2>/dev/null | awk -F: '{s += $3} END {print s + 0}'
+  }
+  t0=$(date +%s)
+  until [ "$held" -ge "$rows" ]; do sleep 2; held=$(topic_records "$change_topic"); done
+  echo "changes: the first snapshot read $rows rows in $(( $(date +%s) - t0 )) s" >&2
+  # The updates, a quarter of each kind: amounts, customers, hours (a row moves to another
+  # window), cancellations (the filter takes the row out).
+  local quarter=$(( updates / 4 ))
+  t0=$(date +%s)
+  pg "UPDATE $table SET amount = amount + 1.25 WHERE order_id <= $quarter"
+  pg "UPDATE $table SET customer_id = 'customer-' || ((order_id * 7) % 10000) WHERE order_id > $quarter AND order_id <= $(( 2 * quarter ))"
+  pg "UPDATE $table SET created_at = created_at + interval '1 hour' WHERE order_id > $(( 2 * quarter )) AND order_id <= $(( 3 * quarter ))"
+  pg "UPDATE $table SET status = 'cancelled' WHERE order_id > $(( 3 * quarter )) AND order_id <= $(( 4 * quarter ))"
+  until [ "$held" -ge "$events" ]; do sleep 2; held=$(topic_records "$change_topic"); done
+  echo "changes: Debezium captured $(( 4 * quarter )) updates in $(( $(date +%s) - t0 )) s" >&2
+  curl -sS -X DELETE "http://127.0.0.1:8083/connectors/$topic" >/dev/null 2>&1 || true
+  trap - EXIT
+  events=$(topic_records "$change_topic")
+  # revenue_agg's topic: as many events.
+  local events_topic="${topic}_events"
+  TALLY_KAFKA__SOURCE_TOPIC="$events_topic" "$bin" loadgen --config config/revenue_agg.toml --events "$events" \
+    --partitions "$partitions" --customers "$customers" --skew "$skew" --step-ms "$step_ms" \
+    --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$top/manifest.json" >&2
+  for r in $(seq 1 "$repeat"); do
+    for label in changes events; do
+      dir="$top/$label"
+      mkdir -p "$dir"
+      if [ "$label" = changes ]; then
+        config=config/orders.toml verify=0
+        export TALLY_KAFKA__SOURCE_TOPIC="$change_topic" TALLY_SOURCE__TABLE="$table" TALLY_WINDOW__ALLOWED_LATENESS=48h
+      else
+        config=config/revenue_agg.toml verify=1 manifest="$top/manifest.json"
+        export TALLY_KAFKA__SOURCE_TOPIC="$events_topic"
+        unset TALLY_SOURCE__TABLE TALLY_WINDOW__ALLOWED_LATENESS
+      fi
+      ceiling_run "$dir/ceiling_r$r"
+      tally_run "$r" "$label"
+      echo "$label run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
+    done
+  done
+  for label in changes events; do
+    echo "== $label: $([ "$label" = changes ] && echo "config/orders.toml on $change_topic" || echo "config/revenue_agg.toml on $events_topic") ($events records)"
+    python3 benches/summarize.py "$top/$label" "$events" "$repeat"
+  done
+  # The change job's state: rows held (one per live row of the table) and the bytes on disk.
+  local live state_bytes
+  live=$(pg "SELECT count(*) FROM $table")
+  state_bytes=$(du -sb "$top/changes/r$repeat/state" | cut -f1)
+  echo "changes: state $state_bytes bytes on disk for $live live rows: $(( state_bytes / live )) bytes per row (RocksDB, after a clean stop)"
+  config=config/orders.toml
+  export TALLY_KAFKA__SOURCE_TOPIC="$change_topic" TALLY_SOURCE__TABLE="$table" TALLY_WINDOW__ALLOWED_LATENESS=48h
+  run_env "$repeat" changes
+  "$bin" reconcile --config "$config" --source --strict | grep -E '^(windows|reconcile)' || true
+  pg "SELECT pg_drop_replication_slot('$topic')" >/dev/null 2>&1 || true
+  pg "DROP PUBLICATION IF EXISTS $topic; DROP TABLE $table" >/dev/null 2>&1 || true
+}
+if [ "$mode" = changes ]; then changes_bench; exit 0; fi
 
 if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do
