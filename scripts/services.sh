@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Local Kafka + ClickHouse + PostgreSQL + Kafka Connect (Debezium) for tally, without Docker (this
-# project's machines have no Docker engine).
+# Local Kafka + ClickHouse + PostgreSQL + Kafka Connect (Debezium) + a schema registry (Apicurio) for
+# tally, without Docker (this project's machines have no Docker engine).
 #
 #   scripts/services.sh up      [SERVICE...]          start (idempotent) and wait until answering
 #   scripts/services.sh down    [--wipe] [SERVICE...] stop what this script started; --wipe deletes data
@@ -11,9 +11,9 @@
 #   scripts/services.sh kafka-cli CLASS [ARGS...]     run a Kafka CLI class, e.g.
 #       scripts/services.sh kafka-cli org.apache.kafka.tools.TopicCommand --bootstrap-server 127.0.0.1:9092 --list
 #
-# SERVICE is kafka, clickhouse, postgres or connect; none means all of them. `up` starts connect only
-# once kafka answers (`up connect` brings kafka up too); the others start in parallel. `down` stops
-# connect before kafka.
+# SERVICE is kafka, clickhouse, postgres, registry or connect; none means all of them. `up` starts
+# connect only once kafka answers (`up connect` brings kafka up too); the others start in parallel.
+# `down` stops connect before kafka.
 #
 # Kafka: the real Apache Kafka 4.x broker, fetched as jars from Maven Central (scripts/kafka/pom.xml),
 #        KRaft combined mode on 127.0.0.1:9092 (controller 9093).
@@ -46,6 +46,18 @@
 #        connector (io.debezium.connector.postgresql.PostgresConnector) and its dependencies.
 #        scripts/connect/README.md shows how to register a connector. 'down --wipe connect' also
 #        deletes the three internal topics (if kafka answers), i.e. every connector and its offsets.
+# Schema registry: Apicurio Registry 3.3.3 (scripts/registry/pom.xml: its Quarkus distribution
+#        io.apicurio:apicurio-registry-app:tar.gz:all from Maven Central, unpacked once into
+#        <cache>/registry-app, run with `java -jar quarkus-run.jar`). Needs Java 21+: the first of
+#        $JAVA_HOME/bin/java, /usr/lib/jvm/temurin-25-jdk-amd64, the newest /usr/lib/jvm/* and the
+#        java on PATH that is 21 or newer (Debian bookworm's default java is 17, and its apt has no
+#        21). HTTP on http://127.0.0.1:8081, no auth: Confluent-compatible API under
+#        /apis/ccompat/v7 (what Confluent serializers use as schema.registry.url:
+#        http://127.0.0.1:8081/apis/ccompat/v7), Apicurio's own under /apis/registry/v3; health and
+#        metrics on the management port 127.0.0.1:9081 (not Quarkus' 9000: ClickHouse's). Storage: H2
+#        in files under <state>/registry/data, so schemas and their ids survive restarts;
+#        'down --wipe registry' deletes them. Settings: scripts/registry/registry.properties.in;
+#        what the API answers: scripts/registry/NOTES.md.
 #
 # TLS endpoints (beside the plaintext ones above, for tests of TLS and passwords):
 #   Kafka      SASL_SSL://127.0.0.1:9094, SASL mechanism PLAIN, user tally / password tally-secret
@@ -62,17 +74,21 @@
 #   All of these are test-only secrets. Delete <state>/tls and restart both services to regenerate;
 #   'down --wipe' keeps it (it is not service data).
 #
-# Ports (all on 127.0.0.1): kafka 9092 9093 9094, clickhouse 8123 9000 8443, postgres 5432, connect 8083.
+# Ports (all on 127.0.0.1): kafka 9092 9093 9094, clickhouse 8123 9000 8443, postgres 5432, connect 8083,
+# registry 8081 9081.
 # Root: apt-get installs and PostgreSQL (run as the postgres user) need root; a non-root caller needs
 # sudo for those (the server is then started and signalled through sudo).
 #
 # Environment:
 #   TALLY_SERVICES_DIR   state (data, logs, PID files); default <repo>/.state/services
-#   TALLY_CACHE_DIR      Kafka/Connect jars; default ~/.cache/tally (outside the clone so fresh clones start fast)
+#   TALLY_CACHE_DIR      Kafka/Connect jars, the registry app; default ~/.cache/tally (outside the clone so
+#                        fresh clones start fast)
 #   TALLY_SERVICES_TIMEOUT       seconds to wait for readiness (default 120)
 #   TALLY_SERVICES_STOP_TIMEOUT  seconds between TERM (postgres: INT, fast shutdown) and KILL (default 30)
 #   TALLY_KAFKA_HEAP_OPTS        default "-Xms512m -Xmx1g"
 #   TALLY_CONNECT_HEAP_OPTS      default "-Xms256m -Xmx768m"
+#   TALLY_REGISTRY_HEAP_OPTS     default "-Xms128m -Xmx512m"
+#   JAVA_HOME            tried first for the registry's Java 21+ (ignored, with a note, if older)
 #   TALLY_POSTGRES_ROOT          the pg root described above (its parents must be traversable by the
 #                                postgres user); default /var/lib/postgresql/tally-<hash of state dir>
 set -euo pipefail
@@ -84,6 +100,7 @@ READY_TIMEOUT="${TALLY_SERVICES_TIMEOUT:-120}"
 STOP_TIMEOUT="${TALLY_SERVICES_STOP_TIMEOUT:-30}"
 KAFKA_HEAP_OPTS="${TALLY_KAFKA_HEAP_OPTS:--Xms512m -Xmx1g}"
 CONNECT_HEAP_OPTS="${TALLY_CONNECT_HEAP_OPTS:--Xms256m -Xmx768m}"
+REGISTRY_HEAP_OPTS="${TALLY_REGISTRY_HEAP_OPTS:--Xms128m -Xmx512m}"
 
 TLS_DIR="$STATE_DIR/tls"
 # Test-only secrets, documented in the header above.
@@ -136,8 +153,23 @@ CONNECT_OUT="$CONNECT_LOGS/connect.out"
 CONNECT_URL="http://127.0.0.1:8083"
 CONNECT_TOPICS=(tally-connect-configs tally-connect-offsets tally-connect-status)
 
+REGISTRY_SRC="$REPO_ROOT/scripts/registry"
+REGISTRY_POM="$REGISTRY_SRC/pom.xml"
+REGISTRY_APP="$CACHE_DIR/registry-app"
+REGISTRY_DIR="$STATE_DIR/registry"
+REGISTRY_DATA="$REGISTRY_DIR/data"
+REGISTRY_LOGS="$REGISTRY_DIR/logs"
+REGISTRY_PROPS="$REGISTRY_DIR/registry.properties"
+REGISTRY_PIDFILE="$REGISTRY_DIR/registry.pid"
+REGISTRY_OUT="$REGISTRY_LOGS/registry.out"
+REGISTRY_URL="http://127.0.0.1:8081"
+# Apicurio Registry 3.x is Java 21 bytecode. The JDK this project's machines carry besides Debian's 17:
+REGISTRY_JAVA_MIN=21
+REGISTRY_JDK="/usr/lib/jvm/temurin-25-jdk-amd64"
+REGISTRY_JAVA=""
+
 # Start order for `up`/`status`; `down` walks it backwards (connect before kafka).
-ALL_SERVICES=(clickhouse kafka postgres connect)
+ALL_SERVICES=(clickhouse kafka postgres registry connect)
 # `up` launches these only once what they need answers.
 declare -A DEPENDS_ON=([connect]=kafka)
 # The services that serve the TLS material of tls_ensure.
@@ -232,6 +264,7 @@ pidfile_of() {
   case $1 in
     kafka) echo "$KAFKA_PIDFILE" ;; clickhouse) echo "$CH_PIDFILE" ;;
     postgres) echo "$PG_PIDFILE" ;; connect) echo "$CONNECT_PIDFILE" ;;
+    registry) echo "$REGISTRY_PIDFILE" ;;
   esac
 }
 # A path on the service's command line that is unique to this state dir (postgres: its config file,
@@ -240,12 +273,14 @@ marker_of() {
   case $1 in
     kafka) echo "$KAFKA_PROPS" ;; clickhouse) echo "$CH_CONF" ;;
     postgres) echo "$PG_CONF" ;; connect) echo "$CONNECT_PROPS" ;;
+    registry) echo "$REGISTRY_PROPS" ;;
   esac
 }
 ports_of() {
   case $1 in
     kafka) echo "9092 9093 9094" ;; clickhouse) echo "8123 9000 8443" ;;
     postgres) echo "5432" ;; connect) echo "8083" ;;
+    registry) echo "8081 9081" ;;
   esac
 }
 # Signals stop_svc sends in turn. PostgreSQL: SIGINT is a fast shutdown (a clean checkpoint; open
@@ -428,11 +463,14 @@ PROPS
 
 kafka_version() { sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$KAFKA_POM"; }
 
-# mvn_fetch LABEL DEST STAMP MVN-ARGS... -- copy the runtime dependencies of a dependency-list POM
-# into DEST with Maven, unless DEST/.stamp already says STAMP (warm runs skip Maven entirely).
+# mvn_fetch [--unpack] LABEL DEST STAMP MVN-ARGS... -- copy the runtime dependencies of a
+# dependency-list POM into DEST with Maven, unless DEST/.stamp already says STAMP (warm runs skip
+# Maven entirely). --unpack: unpack them (archives, e.g. the registry's tar.gz) instead of copying.
 # Copied into a temp dir (outside DEST's parent, which may be Connect's plugin.path) and swapped in,
 # so an interrupted download never looks complete and jars of an older version never linger.
 mvn_fetch() {
+  local goal=(dependency:copy-dependencies)
+  if [[ $1 == --unpack ]]; then goal=(dependency:unpack-dependencies); shift; fi
   local label="$1" dest="$2" want="$3" tmp
   shift 3
   if [[ -f $dest/.stamp && "$(cat "$dest/.stamp")" == "$want" ]]; then
@@ -442,14 +480,18 @@ mvn_fetch() {
   log "$label: fetching jars ($want) with Maven into $dest"
   mkdir -p "$CACHE_DIR" "$(dirname "$dest")"
   tmp="$CACHE_DIR/.fetch.$(basename "$dest").$$"
-  rm -rf "$tmp"
+  rm -rf "$tmp" "$tmp.markers"
+  # unpack-dependencies skips an archive whose marker file says it was unpacked before, and keeps
+  # those markers in <pom dir>/target by default: keep them with this attempt, and drop them after.
+  [[ ${goal[0]} == dependency:unpack-dependencies ]] && goal+=(-DmarkersDirectory="$tmp.markers")
   # Maven's output goes to a log (it prints colour codes even with -q); shown only on failure.
-  if ! mvn -q -B -Dstyle.color=never "$@" dependency:copy-dependencies \
+  if ! mvn -q -B -Dstyle.color=never "$@" "${goal[@]}" \
     -DoutputDirectory="$tmp" -DincludeScope=runtime >"$CACHE_DIR/mvn.log" 2>&1; then
     cat "$CACHE_DIR/mvn.log" >&2
-    rm -rf "$tmp"
+    rm -rf "$tmp" "$tmp.markers"
     die "$label: Maven could not fetch the jars for $dest"
   fi
+  rm -rf "$tmp.markers"
   echo "$want" >"$tmp/.stamp"
   rm -rf "$dest"
   mv "$tmp" "$dest"
@@ -721,6 +763,99 @@ connect_wipe() {
   done
   log "connect: its topics are still listed after 30 tries"
 }
+
+# --- Schema registry (Apicurio) -----------------------------------------------------------------
+
+# java_major JAVA -- the major version of a java binary (8 for 1.8.x), nothing if it doesn't run.
+java_major() {
+  local v
+  v="$("$1" -version 2>&1 | sed -n 's/.* version "\([0-9][0-9.]*\).*/\1/p' | head -n1)"
+  [[ $v == 1.* ]] && v="${v#1.}"
+  echo "${v%%.*}"
+}
+
+# registry_java -- set REGISTRY_JAVA to a java of version REGISTRY_JAVA_MIN+: $JAVA_HOME's, the
+# Temurin JDK of REGISTRY_JDK, the newest one under /usr/lib/jvm, the one on PATH, in that order.
+registry_java() {
+  local c v best="" best_v=0 tried=()
+  if [[ -n ${JAVA_HOME:-} ]]; then
+    v="$(java_major "$JAVA_HOME/bin/java" 2>/dev/null || true)"
+    if [[ -n $v && $v -ge $REGISTRY_JAVA_MIN ]]; then
+      REGISTRY_JAVA="$JAVA_HOME/bin/java"
+      return 0
+    fi
+    log "registry: JAVA_HOME=$JAVA_HOME is not a Java $REGISTRY_JAVA_MIN+ (${v:-no bin/java}); looking further"
+    tried+=("$JAVA_HOME/bin/java (${v:-none})")
+  fi
+  if [[ -x $REGISTRY_JDK/bin/java ]]; then
+    v="$(java_major "$REGISTRY_JDK/bin/java")"
+    if [[ -n $v && $v -ge $REGISTRY_JAVA_MIN ]]; then
+      REGISTRY_JAVA="$REGISTRY_JDK/bin/java"
+      return 0
+    fi
+    tried+=("$REGISTRY_JDK/bin/java (${v:-?})")
+  fi
+  for c in /usr/lib/jvm/*/bin/java; do
+    [[ -x $c ]] || continue
+    v="$(java_major "$c")"
+    tried+=("$c (${v:-?})")
+    if [[ -n $v && $v -ge $REGISTRY_JAVA_MIN && $v -gt $best_v ]]; then best="$c"; best_v=$v; fi
+  done
+  if [[ -z $best ]] && c="$(command -v java 2>/dev/null)"; then
+    v="$(java_major "$c")"
+    tried+=("$c (${v:-?})")
+    [[ -n $v && $v -ge $REGISTRY_JAVA_MIN ]] && best="$c"
+  fi
+  if [[ -z $best ]]; then
+    local list
+    printf -v list '%s, ' "${tried[@]}"
+    die "registry: Apicurio Registry needs Java $REGISTRY_JAVA_MIN or newer, found none (tried:" \
+      "${list%, }). Set JAVA_HOME to a Java $REGISTRY_JAVA_MIN+ JDK/JRE, e.g. a Temurin unpacked under" \
+      "/usr/lib/jvm ($REGISTRY_JDK on this project's machines); Debian bookworm's apt has no Java $REGISTRY_JAVA_MIN."
+  fi
+  REGISTRY_JAVA="$best"
+}
+
+registry_version() { sed -n 's:.*<registry.version>\(.*\)</registry.version>.*:\1:p' "$REGISTRY_POM"; }
+
+# The registry's own distribution (a Quarkus fast-jar tree), unpacked once per pom content.
+registry_fetch() {
+  local want
+  want="registry=$(registry_version) pom=$(sha256sum "$REGISTRY_POM" | cut -c1-16)"
+  mvn_fetch --unpack registry "$REGISTRY_APP" "$want" -f "$REGISTRY_POM"
+  [[ -f $REGISTRY_APP/quarkus-run.jar ]] ||
+    die "registry: no quarkus-run.jar in $REGISTRY_APP; delete that directory to fetch it again"
+}
+
+registry_prepare() {
+  ensure_cmds curl:curl
+  registry_java
+  registry_fetch
+  mkdir -p "$REGISTRY_DATA/tmp" "$REGISTRY_LOGS"
+  # Rendered on every start so template edits apply; the schemas stay in $REGISTRY_DATA.
+  sed -e "s#@REGISTRY_DATA@#$REGISTRY_DATA#g" "$REGISTRY_SRC/registry.properties.in" >"$REGISTRY_PROPS.tmp"
+  mv "$REGISTRY_PROPS.tmp" "$REGISTRY_PROPS"
+}
+
+# Our settings file goes in through quarkus.config.locations (and is the is_ours marker).
+registry_launch() {
+  log "registry: java $REGISTRY_JAVA (Java $(java_major "$REGISTRY_JAVA"))"
+  # shellcheck disable=SC2086 # heap opts are intentionally word-split
+  launch registry "$REGISTRY_DIR" "$REGISTRY_OUT" \
+    "$REGISTRY_JAVA" $REGISTRY_HEAP_OPTS -XX:+UseG1GC -Djava.awt.headless=true \
+    -Djava.io.tmpdir="$REGISTRY_DATA/tmp" -Dquarkus.config.locations="$REGISTRY_PROPS" \
+    -jar "$REGISTRY_APP/quarkus-run.jar"
+}
+
+# Ready = the Confluent-compatible API answers: GET /apis/ccompat/v7/subjects is 200 with a JSON array.
+registry_ready() {
+  local out
+  out="$(curl -sS --max-time 5 -w '\n%{http_code}' "$REGISTRY_URL/apis/ccompat/v7/subjects" 2>/dev/null)" ||
+    return 1
+  [[ ${out##*$'\n'} == 200 && ${out%$'\n'*} == \[*\] ]]
+}
+
+registry_logfiles() { echo "$REGISTRY_OUT"; }
 
 # --- commands -----------------------------------------------------------------------------------
 
