@@ -214,7 +214,74 @@ fn declared(c: &mut Criterion) {
             black_box(windows.len())
         })
     });
+    // Nested objects: config/api_latency.toml reads seven fields under four parents.
+    let api = job("api_latency.toml", tumbling);
+    let requests: Vec<Vec<u8>> = (0..N)
+        .map(|i| {
+            format!(
+                r#"{{"request_id":"r-{i}","service":{{"name":"svc-{}","env":"prod","region":"eu"}},"request":{{"route":"/api/{}","method":"GET"}},"response":{{"status":{},"bytes":512}},"timing":{{"started":{},"latency_ms":"{}.{:03}"}}}}"#,
+                i % 20,
+                i % 50,
+                200 + (i % 3) * 100,
+                1_790_000_000_000i64 + i as i64 * 10,
+                i % 900,
+                i % 1000
+            )
+            .into_bytes()
+        })
+        .collect();
+    group.bench_function("api_latency_nested_declared", |b| {
+        b.iter(|| {
+            requests
+                .iter()
+                .filter(|v| matches!(api.evaluate(Some(v), 1 << 20), Ok(Evaluation::Event(_))))
+                .count()
+        })
+    });
+    // A job of change events: Debezium's envelope (about 600 bytes, the row under `after`)
+    // read as config/orders.toml declares it.
+    let orders = job(
+        "orders.toml",
+        WindowRules {
+            size_ms: 3_600_000,
+            slide_ms: None,
+            allowed_lateness_ms: 6 * 3_600_000,
+            dedup_horizon_ms: 0,
+        },
+    );
+    let changes = changes();
+    group.bench_function("orders_change_evaluated", |b| {
+        b.iter(|| {
+            changes
+                .iter()
+                .filter(|v| orders.evaluate_change(Some(v), 1 << 20).is_ok())
+                .count()
+        })
+    });
     group.finish();
+}
+
+/// Debezium change events of config/orders.toml's table, as the connector writes them (updates
+/// with `before` null, as under REPLICA IDENTITY DEFAULT).
+fn changes() -> Vec<Vec<u8>> {
+    (0..N)
+        .map(|i| {
+            let lsn = 26_000_000 + i as u64 * 216;
+            format!(
+                r#"{{"before":null,"after":{{"order_id":{i},"customer_id":"customer-{}","amount":"{}.{:02}","status":"paid","created_at":"2026-12-05T{:02}:{:02}:{:02}.{:06}Z"}},"source":{{"version":"3.6.1.Final","connector":"postgresql","name":"shop","ts_ms":1796506539710,"snapshot":"false","db":"tally","sequence":"[\"{}\",\"{lsn}\"]","ts_us":1796506539710421,"ts_ns":1796506539710421000,"schema":"public","table":"orders","txId":{},"lsn":{lsn},"xmin":null,"origin":null,"origin_lsn":null}},"transaction":null,"op":"u","ts_ms":1796506539860,"ts_us":1796506539860154,"ts_ns":1796506539860154691}}"#,
+                i % 10_000,
+                i % 500,
+                i % 100,
+                (i / 3600) % 24,
+                (i / 60) % 60,
+                i % 60,
+                i % 1_000_000,
+                lsn - 56,
+                700 + i
+            )
+            .into_bytes()
+        })
+        .collect()
 }
 
 criterion_group! {

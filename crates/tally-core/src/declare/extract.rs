@@ -79,21 +79,7 @@ impl FieldReader {
                     Raw::Str(raw) => string_of(raw)?,
                     other => return Err(wrong(kind_of(&other), "a string")),
                 };
-                if self.format == StringFormat::CurrencyCode
-                    && (text.len() != 3 || !text.bytes().all(|b| b.is_ascii_uppercase()))
-                {
-                    return Err(poison(
-                        PoisonReason::InvalidCurrency,
-                        format!("currency {text:?} is not three upper-case letters"),
-                    ));
-                }
-                if text.is_empty() && !self.allow_empty {
-                    return Err(poison(
-                        PoisonReason::MissingField,
-                        format!("field {:?} is empty", label()),
-                    ));
-                }
-                Ok(Value::Str(CompactString::from(text.as_ref())))
+                self.checked_text(&text)
             }
             FieldKind::Integer => match raw {
                 Raw::Number(text) => text
@@ -147,6 +133,163 @@ impl FieldReader {
                 Ok(Value::Time(ms))
             }
         }
+    }
+}
+
+/// A field's value as a binary format (Avro, Protobuf) decoded it by its schema, before the
+/// declaration reads it: what JSON's raw values are to [`FieldReader::read`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Cell<'a> {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(&'a str),
+    /// An exact decimal: `units` of 10^-`scale`.
+    Decimal { units: i128, scale: u32 },
+    /// A time since the epoch in milliseconds (Avro timestamp-millis, a date) or microseconds
+    /// (Avro timestamp-micros, Protobuf's Timestamp).
+    Millis(i64),
+    Micros(i64),
+    /// A value no declared type reads (bytes without a logical type, a record, an array, a
+    /// map), named for the message.
+    Other(&'static str),
+}
+
+impl Cell<'_> {
+    fn kind(&self) -> &'static str {
+        match self {
+            Cell::Null => "null",
+            Cell::Bool(_) => "a boolean",
+            Cell::Int(_) => "an integer",
+            Cell::Float(_) => "a float",
+            Cell::Str(_) => "a string",
+            Cell::Decimal { .. } => "a decimal",
+            Cell::Millis(_) | Cell::Micros(_) => "a timestamp",
+            Cell::Other(what) => what,
+        }
+    }
+}
+
+impl FieldReader {
+    /// The field's value read from a decoded cell, with the checks [`FieldReader::read`] makes
+    /// of JSON: missing or null is `missing_field`, another type `wrong_type`, and so on.
+    pub fn read_cell(&self, cell: Option<&Cell<'_>>) -> Result<Value, Poison> {
+        let label = || self.label();
+        let missing = || {
+            poison(
+                PoisonReason::MissingField,
+                format!("field {:?} is missing or null", label()),
+            )
+        };
+        let cell = match cell {
+            None | Some(Cell::Null) => return Err(missing()),
+            Some(cell) => cell,
+        };
+        let wrong = |expected: &str| {
+            poison(
+                PoisonReason::WrongType,
+                format!(
+                    "field {:?} is {}, expected {expected}",
+                    label(),
+                    cell.kind()
+                ),
+            )
+        };
+        let amount = |e: String| {
+            poison(
+                PoisonReason::InvalidAmount,
+                format!("field {:?}: {e}", label()),
+            )
+        };
+        match self.kind {
+            FieldKind::String => {
+                let Cell::Str(text) = cell else {
+                    return Err(wrong("a string"));
+                };
+                self.checked_text(text)
+            }
+            FieldKind::Integer => match cell {
+                Cell::Int(i) => Ok(Value::Int(*i)),
+                _ => Err(wrong("an integer")),
+            },
+            FieldKind::Decimal => match cell {
+                Cell::Int(i) => rescale(i128::from(*i), 0, self.scale).map_err(amount),
+                Cell::Decimal { units, scale } => rescale(*units, *scale, self.scale).map_err(amount),
+                Cell::Str(text) => parse_decimal(text, self.scale)
+                    .map(Value::Decimal)
+                    .map_err(amount),
+                _ => Err(wrong("a decimal, an integer or a decimal string")),
+            },
+            FieldKind::Float => match cell {
+                Cell::Float(x) if x.is_finite() => Ok(Value::Float(*x)),
+                Cell::Int(i) => Ok(Value::Float(*i as f64)),
+                Cell::Float(_) => Err(wrong("a finite number")),
+                _ => Err(wrong("a number")),
+            },
+            FieldKind::Boolean => match cell {
+                Cell::Bool(b) => Ok(Value::Bool(*b)),
+                _ => Err(wrong("a boolean")),
+            },
+            FieldKind::Timestamp => {
+                let ms = match cell {
+                    Cell::Millis(ms) => *ms,
+                    Cell::Micros(us) => us.div_euclid(1000),
+                    Cell::Int(n) => match self.unit {
+                        TimeUnit::Millis => *n,
+                        TimeUnit::Seconds => n.saturating_mul(1000),
+                        TimeUnit::Micros => n.div_euclid(1000),
+                    },
+                    Cell::Str(text) => event_time_of_text(text)?,
+                    _ => return Err(wrong("a timestamp, an integer or RFC 3339 text")),
+                };
+                Ok(Value::Time(event_time_in_range(ms)?))
+            }
+        }
+    }
+
+    /// A string field's text with its checks: a currency's format, emptiness.
+    fn checked_text(&self, text: &str) -> Result<Value, Poison> {
+        if self.format == StringFormat::CurrencyCode
+            && (text.len() != 3 || !text.bytes().all(|b| b.is_ascii_uppercase()))
+        {
+            return Err(poison(
+                PoisonReason::InvalidCurrency,
+                format!("currency {text:?} is not three upper-case letters"),
+            ));
+        }
+        if text.is_empty() && !self.allow_empty {
+            return Err(poison(
+                PoisonReason::MissingField,
+                format!("field {:?} is empty", self.label()),
+            ));
+        }
+        Ok(Value::Str(CompactString::from(text)))
+    }
+}
+
+/// `units` of 10^-`from` as a decimal of scale `to`, exactly and within `Decimal(18, to)`.
+fn rescale(units: i128, from: u32, to: u32) -> Result<Value, String> {
+    let exact = if from <= to {
+        10i128
+            .checked_pow(to - from)
+            .and_then(|f| units.checked_mul(f))
+    } else {
+        let f = 10i128.checked_pow(from - to).unwrap_or(i128::MAX);
+        (units % f == 0).then(|| units / f)
+    };
+    match exact {
+        None if from > to => Err(format!(
+            "{} has more than {to} fractional digits",
+            super::value::format_decimal(units, from)
+        )),
+        Some(u) if u.unsigned_abs() <= super::value::MAX_DECIMAL18_UNITS.unsigned_abs() as u128 => {
+            Ok(Value::Decimal(u as i64))
+        }
+        _ => Err(format!(
+            "{} is out of the range of Decimal(18, {to})",
+            super::value::format_decimal(units, from)
+        )),
     }
 }
 
@@ -229,25 +372,89 @@ impl<'de> Visitor<'de> for Seed<'_, '_, 'de> {
                 map.next_value::<IgnoredAny>()?;
                 continue;
             };
+            // A later occurrence of a parent replaces what an earlier one held.
+            node.clear(self.fields);
+            let Some(index) = node.field else {
+                // Only a parent: its object is read in the same pass (a value of another type
+                // leaves its fields missing).
+                map.next_value_seed(Parent {
+                    tree: node,
+                    fields: &mut *self.fields,
+                })?;
+                continue;
+            };
             // The last occurrence of a key wins, as in JavaScript's JSON.parse.
             let raw = map.next_value::<&'de RawValue>()?;
-            if let Some(index) = node.field {
-                self.fields[index] = Some(raw);
-            }
-            if !node.children.is_empty() {
-                // A later occurrence of the parent replaces what an earlier one held.
-                node.clear(self.fields);
-                if raw.get().starts_with('{') {
-                    let mut de = serde_json::Deserializer::from_str(raw.get());
-                    Seed {
-                        tree: node,
-                        fields: &mut *self.fields,
-                    }
-                    .deserialize(&mut de)
-                    .map_err(de::Error::custom)?;
+            self.fields[index] = Some(raw);
+            if !node.children.is_empty() && raw.get().starts_with('{') {
+                let mut de = serde_json::Deserializer::from_str(raw.get());
+                Seed {
+                    tree: node,
+                    fields: &mut *self.fields,
                 }
+                .deserialize(&mut de)
+                .map_err(de::Error::custom)?;
             }
         }
+        Ok(())
+    }
+}
+
+/// A node that is only a parent: an object is read into its fields; any other value is
+/// skipped, leaving them missing.
+struct Parent<'t, 'f, 'a> {
+    tree: &'t PathTree,
+    fields: &'f mut [Option<&'a RawValue>],
+}
+
+impl<'de> DeserializeSeed<'de> for Parent<'_, '_, 'de> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Parent<'_, '_, 'de> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<(), A::Error> {
+        Seed {
+            tree: self.tree,
+            fields: self.fields,
+        }
+        .visit_map(map)
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
         Ok(())
     }
 }

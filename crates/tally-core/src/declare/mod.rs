@@ -22,7 +22,7 @@ use serde_json::value::RawValue;
 
 pub use aggregate::{Aggregate, Function, Overflow};
 pub use change::{Change, Op, Position, lsn_text, parse_lsn};
-pub use extract::{FieldReader, PathTree, StringFormat, TimeUnit};
+pub use extract::{Cell, FieldReader, PathTree, StringFormat, TimeUnit};
 pub use filter::{Condition, ConditionDecl, Test};
 pub use value::{
     FieldKind, FieldType, MAX_DECIMAL_SCALE, MAX_DECIMAL18_UNITS, Value, format_decimal,
@@ -183,6 +183,35 @@ pub struct DeclaredEvent {
     pub event_time_ms: i64,
     pub key: Vec<Value>,
     pub inputs: Vec<Option<Value>>,
+}
+
+/// One record's declared field values as a format read them, by field index: JSON's raw
+/// values, or the cells a binary format decoded.
+pub(crate) trait FieldValues {
+    /// Whether field `i` has a value (not missing, not null).
+    fn present(&self, i: usize) -> bool;
+    /// Field `i`'s value as `field` reads it.
+    fn read(&self, field: &FieldReader, i: usize) -> Result<Value, Poison>;
+}
+
+impl FieldValues for [Option<&RawValue>] {
+    fn present(&self, i: usize) -> bool {
+        self[i].is_some_and(|raw| raw.get() != "null")
+    }
+
+    fn read(&self, field: &FieldReader, i: usize) -> Result<Value, Poison> {
+        field.read(self[i])
+    }
+}
+
+impl FieldValues for [Option<Cell<'_>>] {
+    fn present(&self, i: usize) -> bool {
+        !matches!(self[i], None | Some(Cell::Null))
+    }
+
+    fn read(&self, field: &FieldReader, i: usize) -> Result<Value, Poison> {
+        field.read_cell(self[i].as_ref())
+    }
 }
 
 /// A valid record either counts or is filtered out.
@@ -760,16 +789,20 @@ impl Job {
         self.evaluate_fields(raws)
     }
 
-    /// Checks and filters one record's raw field values (`raws[i]`: field `i`'s), as
+    /// Checks and filters one record's field values (field `i`'s at `fields`' index `i`), as
     /// [`Job::evaluate`] reads them from an event and [`Job::evaluate_change`] from a row image.
-    fn evaluate_fields(&self, raws: &[Option<&RawValue>]) -> Result<Evaluation, Poison> {
+    pub(crate) fn evaluate_fields<F: FieldValues + ?Sized>(
+        &self,
+        raws: &F,
+    ) -> Result<Evaluation, Poison> {
         let n = self.fields.len();
         // The filter first: records it leaves out may have another shape altogether.
         for condition in &self.filter {
             let field = &self.fields[condition.field];
-            let value = match raws[condition.field] {
-                Some(raw) if raw.get() != "null" => Some(field.read(Some(raw))?),
-                _ => None,
+            let value = if raws.present(condition.field) {
+                Some(raws.read(field, condition.field)?)
+            } else {
+                None
             };
             if !condition.test.holds(value.as_ref()) {
                 return Ok(Evaluation::Filtered);
@@ -785,8 +818,8 @@ impl Job {
             large_values = vec![None; n];
             &mut large_values
         };
-        for ((field, raw), value) in self.fields.iter().zip(raws.iter()).zip(values.iter_mut()) {
-            *value = Some(field.read(*raw)?);
+        for (i, (field, value)) in self.fields.iter().zip(values.iter_mut()).enumerate() {
+            *value = Some(raws.read(field, i)?);
         }
         let take = |i: usize| values[i].clone();
         let event_id = match take(self.event_id) {

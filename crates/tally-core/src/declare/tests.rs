@@ -282,13 +282,18 @@ fn nested_paths_and_filters_read_what_they_name() {
         "{}",
         poison.message
     );
-    // A parent that is not an object leaves its fields missing.
-    let poison = evaluate(r#"{"id":7,"meta":5,"kind":"view","bot":false,"load_ms":1}"#)
+    // A parent that is not an object leaves its fields missing, whatever else it is.
+    for meta in ["5", "null", "\"ts\"", "[{\"ts\":120}]", "true"] {
+        let poison = evaluate(&format!(
+            r#"{{"id":7,"meta":{meta},"kind":"view","bot":false,"load_ms":1}}"#
+        ))
         .expect_err("no time");
-    assert_eq!(
-        (poison.reason, poison.message.contains("meta.ts")),
-        (PoisonReason::MissingField, true)
-    );
+        assert_eq!(
+            (poison.reason, poison.message.contains("meta.ts")),
+            (PoisonReason::MissingField, true),
+            "{meta}"
+        );
+    }
 }
 
 #[test]
