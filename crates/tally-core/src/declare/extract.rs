@@ -146,7 +146,10 @@ pub enum Cell<'a> {
     Float(f64),
     Str(&'a str),
     /// An exact decimal: `units` of 10^-`scale`.
-    Decimal { units: i128, scale: u32 },
+    Decimal {
+        units: i128,
+        scale: u32,
+    },
     /// A time since the epoch in milliseconds (Avro timestamp-millis, a date) or microseconds
     /// (Avro timestamp-micros, Protobuf's Timestamp).
     Millis(i64),
@@ -215,7 +218,9 @@ impl FieldReader {
             },
             FieldKind::Decimal => match cell {
                 Cell::Int(i) => rescale(i128::from(*i), 0, self.scale).map_err(amount),
-                Cell::Decimal { units, scale } => rescale(*units, *scale, self.scale).map_err(amount),
+                Cell::Decimal { units, scale } => {
+                    rescale(*units, *scale, self.scale).map_err(amount)
+                }
                 Cell::Str(text) => parse_decimal(text, self.scale)
                     .map(Value::Decimal)
                     .map_err(amount),
