@@ -33,6 +33,10 @@
 #       --updates updates of it (amounts, customers, hours, cancellations), captured into one topic;
 #       revenue_agg's topic holds as many events; alternating catch-ups of each, then the state's
 #       size per live row and reconcile --source of the last change run
+#   scripts/bench.sh --formats [--events N] [--repeat R]
+#       one declared job (config/payments.toml) on the same records in JSON, Avro and Protobuf
+#       (Confluent wire format, schemas in the local registry, changing twice mid-stream):
+#       alternating catch-ups of each topic, throughput and CPU per record
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
@@ -55,6 +59,7 @@ while (($#)); do
     --failover) mode=failover; shift ;;
     --join) mode=join; shift ;;
     --changes) mode=changes; shift ;;
+    --formats) mode=formats; shift ;;
     --rows) rows=$2; shift 2 ;;
     --updates) updates=$2; shift 2 ;;
     --days) days=$2; shift 2 ;;
@@ -309,8 +314,8 @@ mkdir -p "$dir"
 config=${TALLY_BENCH_CONFIG:-config/revenue_agg.toml}
 export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY_METRICS__ADDRESS=""
 
-# One pre-loaded topic for every run below (--changes makes its own).
-if [ "$mode" != changes ]; then
+# One pre-loaded topic for every run below (--changes and --formats make their own).
+if [ "$mode" != changes ] && [ "$mode" != formats ]; then
   "$bin" loadgen --config "$config" --events "$events"  --partitions "$partitions" --customers "$customers" \
     --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
 fi
@@ -498,6 +503,44 @@ PY
   pg "DROP PUBLICATION IF EXISTS $topic; DROP TABLE $table" >/dev/null 2>&1 || true
 }
 if [ "$mode" = changes ]; then changes_bench; exit 0; fi
+
+# --formats: config/payments.toml's records written once per format, each to a topic of its own
+# (the same seed: the same records), then alternating catch-ups of the three.
+formats_bench() {
+  local top=$dir fmt
+  for fmt in json avro protobuf; do
+    # The job file as shipped, in the format; JSON needs no registry.
+    python3 - "$fmt" >"$top/payments_$fmt.toml" <<'PY'
+import sys
+fmt, out, skip = sys.argv[1], [], False
+for line in open("config/payments.toml"):
+    if line.startswith("["):
+        skip = fmt == "json" and line.strip() == "[registry]"
+    if not skip:
+        out.append(line.replace('format = "avro"', f'format = "{fmt}"'))
+print("".join(out), end="")
+PY
+    TALLY_KAFKA__SOURCE_TOPIC="${topic}_$fmt" "$bin" loadgen --config "$top/payments_$fmt.toml" \
+      --events "$events" --partitions "$partitions" --customers "$customers" --skew "$skew" \
+      --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --filtered 0.05 \
+      --seed 1 --manifest "$top/$fmt.json" >&2
+  done
+  for r in $(seq 1 "$repeat"); do
+    for fmt in json avro protobuf; do
+      dir="$top/$fmt" config="$top/payments_$fmt.toml" manifest="$top/$fmt.json"
+      mkdir -p "$dir"
+      export TALLY_KAFKA__SOURCE_TOPIC="${topic}_$fmt"
+      ceiling_run "$dir/ceiling_r$r"
+      tally_run "$r" "$fmt"
+      echo "$fmt run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
+    done
+  done
+  for fmt in json avro protobuf; do
+    echo "== $fmt: config/payments.toml on ${topic}_$fmt ($events records)"
+    python3 benches/summarize.py "$top/$fmt" "$events" "$repeat"
+  done
+}
+if [ "$mode" = formats ]; then formats_bench; exit 0; fi
 
 if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do

@@ -111,27 +111,7 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     let config = job.config.to_str().unwrap().to_owned();
     let manifest_path = job.dir.path().join("manifest.json");
     let manifest = manifest_path.to_str().unwrap().to_owned();
-    let before = job.log().len();
-    let mut worker = job.spawn(&[]);
-    job.wait_until_consuming(before).await;
-    let mut loadgen = declared_loadgen(&job, &manifest);
-    let before = job.log().len();
-    job.wait_for_log(before, "checkpoint committed", Duration::from_secs(60))
-        .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    worker.0.kill().unwrap();
-    worker.0.wait().unwrap();
-    let out = loadgen.try_wait().unwrap();
-    assert!(out.is_none(), "killed in the middle of the stream");
-
-    let before = job.log().len();
-    let mut worker = job.spawn(&[]);
-    job.wait_until_consuming(before).await;
-    assert!(
-        job.log()[before..].contains("resuming partition from checkpoint"),
-        "resumed, not recomputed:\n{}",
-        job.log()
-    );
+    let (mut worker, loadgen) = declared_stream_through_a_kill_9(&job, &manifest).await;
     // `reconcile --every` checks each round's new input while the stream goes on.
     let rounds_path = job.dir.path().join("rounds.out");
     let reconciler = Worker(
@@ -149,26 +129,8 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let verify = ["verify", "--config", &config, "--manifest", &manifest];
-    let until = std::time::Instant::now() + Duration::from_secs(120);
-    while !tally(&verify).0 && std::time::Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    sigterm(&worker.0);
-    let status = wait_exit(&mut worker.0, Duration::from_secs(30));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "clean stop; log:\n{}",
-        job.log()
-    );
-    let (ok, text) = tally(&verify);
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("verify-summary"))
-        .unwrap_or_default();
+    let line = verify_exact_then_stop(&job, &mut worker.0, &manifest).await;
     println!("{file} after a kill -9: {line}");
-    assert!(ok, "{text}\nlog:\n{}", job.log());
-    assert!(text.contains("verify: OK: exact match"), "{text}");
 
     // The source recomputed through the declaration agrees with the view at the last commit.
     let (ok, text) = tally(&["reconcile", "--config", &config]);

@@ -239,7 +239,7 @@ async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
 
     // Two histories of an offset range: a batch over epoch 1's ranges that ends elsewhere.
     // (A copy of a batch, same ends, is the same batch: a zombie's late write, harmless.)
-    ch(&format!("INSERT INTO {db}.{t}_commits SELECT 'twice', job, 2000000, partitions, from_offsets, arrayMap(x -> x - 1, to_offsets), watermarks, max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at, filtered_count FROM {db}.{t}_commits WHERE epoch = 1")).await;
+    ch(&format!("INSERT INTO {db}.{t}_commits SELECT 'twice', job, 2000000, partitions, from_offsets, arrayMap(x -> x - 1, to_offsets), watermarks, max_window_start, row_count, event_count, revenue_sum, dead_letters, committed_at, filtered_count, duplicate_count, stale_count, tombstone_count, source_lsn FROM {db}.{t}_commits WHERE epoch = 1")).await;
     let (ok, report) = doctor(&job);
     assert!(!ok, "{report}");
     assert!(
@@ -522,7 +522,7 @@ async fn doctor_sees_the_changelog_the_read_side_and_rows_changed_behind_tally_s
 
     // A batch committed an hour ago that no publish shows: nothing publishes.
     ch(&format!(
-        "INSERT INTO {db}.{t}_commits SELECT 'unpublished', job, 999, partitions, to_offsets, arrayMap(o -> o + 1, to_offsets), watermarks, max_window_start, 0, 0, 0, 0, now() - 3600, 0 FROM {db}.{t}_commits ORDER BY epoch DESC LIMIT 1"
+        "INSERT INTO {db}.{t}_commits SELECT 'unpublished', job, 999, partitions, to_offsets, arrayMap(o -> o + 1, to_offsets), watermarks, max_window_start, 0, 0, 0, 0, now() - 3600, 0, 0, 0, 0, 0 FROM {db}.{t}_commits ORDER BY epoch DESC LIMIT 1"
     ))
     .await;
     let (ok, report) = doctor(&job);

@@ -797,6 +797,63 @@ pub fn declared_loadgen(job: &Job, manifest: &str) -> Child {
         .expect("loadgen")
 }
 
+/// Starts a worker of `job` and `declared_loadgen` into it, kills the worker with SIGKILL
+/// after its first commit in the middle of the stream, and starts it again: the new worker
+/// (resumed from its checkpoint, asserted) and the loadgen still running.
+pub async fn declared_stream_through_a_kill_9(job: &Job, manifest: &str) -> (Worker, Child) {
+    let before = job.log().len();
+    let mut worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    let mut loadgen = declared_loadgen(job, manifest);
+    let before = job.log().len();
+    job.wait_for_log(before, "checkpoint committed", Duration::from_secs(60))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    worker.0.kill().unwrap();
+    worker.0.wait().unwrap();
+    assert!(
+        loadgen.try_wait().unwrap().is_none(),
+        "killed in the middle of the stream"
+    );
+    let before = job.log().len();
+    let worker = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    assert!(
+        job.log()[before..].contains("resuming partition from checkpoint"),
+        "resumed, not recomputed:\n{}",
+        job.log()
+    );
+    (worker, loadgen)
+}
+
+/// Waits (up to 120 s) for `tally verify --manifest <manifest>` to pass, then stops `worker`
+/// with SIGTERM, asserts a clean stop and that verify passes on the stopped job: its
+/// `verify-summary` line.
+pub async fn verify_exact_then_stop(job: &Job, worker: &mut Child, manifest: &str) -> String {
+    let verify = ["--manifest", manifest];
+    let until = Instant::now() + Duration::from_secs(120);
+    while !tally_command(job, "verify", &verify).0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    sigterm(worker);
+    let status = wait_exit(worker, Duration::from_secs(30));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean stop; log:\n{}",
+        job.log()
+    );
+    let (ok, text) = tally_command(job, "verify", &verify);
+    assert!(
+        ok && text.contains("verify: OK: exact match"),
+        "{text}\nlog:\n{}",
+        job.log()
+    );
+    text.lines()
+        .find(|l| l.starts_with("verify-summary"))
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// Every record's fate in the job's checkpoint (aggregated, filtered, duplicate, late,
 /// dead-lettered) is the one the declared manifest gave it.
 pub fn assert_fates(job: &Job, m: &tally::loadgen::DeclaredManifest) {

@@ -33,6 +33,7 @@ pub use publish::{PublishOutcome, PublishStep, Published};
 pub use read_side::{ReadLease, ReadSideHolder};
 pub use rows::ColumnType;
 pub use schema::{Cut, Frontier, Shape, TableNames};
+pub use tls::https_connector;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {

@@ -22,21 +22,7 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// A client for `http://` and `https://` URLs. `https://` trusts the system's roots plus the
 /// certificates in `ca_file`, if given.
 pub(crate) fn client(ca_file: Option<&Path>) -> Result<clickhouse::Client> {
-    let roots = trusted_roots(ca_file)?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| SinkError::Refused(format!("TLS setup: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let mut http = HttpConnector::new();
-    http.set_keepalive(Some(TCP_KEEPALIVE));
-    http.enforce_http(false);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
+    let connector = https_connector(ca_file, "clickhouse.ca_file").map_err(SinkError::Refused)?;
     Ok(clickhouse::Client::with_http_client(
         HyperClient::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
@@ -44,7 +30,34 @@ pub(crate) fn client(ca_file: Option<&Path>) -> Result<clickhouse::Client> {
     ))
 }
 
-fn trusted_roots(ca_file: Option<&Path>) -> Result<RootCertStore> {
+/// A connector for `http://` and `https://` URLs, `https://` trusting the system's roots plus
+/// the certificates in `ca_file` (the setting `setting`, named in errors), if given: one TLS
+/// setup for every HTTP service tally talks to (ClickHouse, a schema registry).
+pub fn https_connector(
+    ca_file: Option<&Path>,
+    setting: &str,
+) -> std::result::Result<hyper_rustls::HttpsConnector<HttpConnector>, String> {
+    let roots = trusted_roots(ca_file, setting)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.set_keepalive(Some(TCP_KEEPALIVE));
+    http.enforce_http(false);
+    Ok(hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http))
+}
+
+fn trusted_roots(
+    ca_file: Option<&Path>,
+    setting: &str,
+) -> std::result::Result<RootCertStore, String> {
     let mut roots = RootCertStore::empty();
     // Unreadable system certificates only matter if the server needs them; a failed handshake
     // then says so.
@@ -55,25 +68,25 @@ fn trusted_roots(ca_file: Option<&Path>) -> Result<RootCertStore> {
     roots.add_parsable_certificates(native.certs);
     if let Some(path) = ca_file {
         let certs = CertificateDer::pem_file_iter(path)
-            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .and_then(|certs| certs.collect::<std::result::Result<Vec<_>, _>>())
             .map_err(|e| {
-                SinkError::Refused(format!(
-                    "clickhouse.ca_file {}: cannot read PEM certificates: {e}",
+                format!(
+                    "{setting} {}: cannot read PEM certificates: {e}",
                     path.display()
-                ))
+                )
             })?;
         if certs.is_empty() {
-            return Err(SinkError::Refused(format!(
-                "clickhouse.ca_file {}: holds no PEM certificate",
+            return Err(format!(
+                "{setting} {}: holds no PEM certificate",
                 path.display()
-            )));
+            ));
         }
         for cert in certs {
             roots.add(cert).map_err(|e| {
-                SinkError::Refused(format!(
-                    "clickhouse.ca_file {}: not a usable CA certificate: {e}",
+                format!(
+                    "{setting} {}: not a usable CA certificate: {e}",
                     path.display()
-                ))
+                )
             })?;
         }
     }
@@ -176,15 +189,13 @@ mod tests {
         std::fs::create_dir_all(&dir).ok();
         let path = dir.join("empty.pem");
         std::fs::write(&path, "not a certificate\n").ok();
-        let err = trusted_roots(Some(&path)).err().map(|e| e.to_string());
+        let err = trusted_roots(Some(&path), "clickhouse.ca_file").err();
         assert!(
             err.as_deref()
                 .is_some_and(|e| e.contains("clickhouse.ca_file") && e.contains("empty.pem")),
             "{err:?}"
         );
-        let missing = trusted_roots(Some(&dir.join("missing.pem")))
-            .err()
-            .map(|e| e.to_string());
+        let missing = trusted_roots(Some(&dir.join("missing.pem")), "clickhouse.ca_file").err();
         assert!(missing.is_some_and(|e| e.contains("missing.pem")));
         std::fs::remove_dir_all(&dir).ok();
     }

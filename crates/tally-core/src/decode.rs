@@ -26,10 +26,16 @@ pub enum PoisonReason {
     Late,
     /// Not a change event tally applies: no op or position, or an op such as truncate.
     InvalidChange,
+    /// Not in the Confluent wire format (its magic byte, its header).
+    WireFormat,
+    /// A writer schema id the schema registry does not know.
+    UnknownSchema,
+    /// An Avro or Protobuf payload its writer schema does not decode (truncated, corrupt).
+    Undecodable,
 }
 
 impl PoisonReason {
-    pub const ALL: [PoisonReason; 10] = [
+    pub const ALL: [PoisonReason; 13] = [
         PoisonReason::InvalidUtf8,
         PoisonReason::InvalidJson,
         PoisonReason::MissingField,
@@ -40,6 +46,9 @@ impl PoisonReason {
         PoisonReason::TooLarge,
         PoisonReason::Late,
         PoisonReason::InvalidChange,
+        PoisonReason::WireFormat,
+        PoisonReason::UnknownSchema,
+        PoisonReason::Undecodable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -54,6 +63,9 @@ impl PoisonReason {
             PoisonReason::TooLarge => "too_large",
             PoisonReason::Late => "late",
             PoisonReason::InvalidChange => "invalid_change",
+            PoisonReason::WireFormat => "wire_format",
+            PoisonReason::UnknownSchema => "unknown_schema",
+            PoisonReason::Undecodable => "undecodable",
         }
     }
 
@@ -76,7 +88,7 @@ pub struct Poison {
 }
 
 impl Poison {
-    pub(crate) fn new(reason: PoisonReason, message: impl Into<String>) -> Poison {
+    pub fn new(reason: PoisonReason, message: impl Into<String>) -> Poison {
         Poison {
             reason,
             message: message.into(),

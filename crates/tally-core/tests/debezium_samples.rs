@@ -96,10 +96,7 @@ fn operator() -> (WindowOperator, Arc<tally_core::declare::Job>) {
         allowed_lateness_ms: rules.allowed_lateness_ms,
         dedup_horizon_ms: 0,
     };
-    let program = Program::Declared {
-        job: Arc::clone(&job),
-        max_record_bytes: 1 << 20,
-    };
+    let program = Program::declared(Arc::clone(&job), 1 << 20);
     (
         WindowOperator::restore(config, program, Epoch(0), &BTreeMap::new()),
         job,

@@ -434,6 +434,34 @@ impl Source {
             .map_err(kafka(format!("assigning partitions of {}", self.topic)))
     }
 
+    /// Stops fetching `partitions` until [`Source::resume`] (records already fetched may still
+    /// arrive: the caller skips them).
+    pub fn pause(&self, partitions: &[PartitionId]) -> Result<()> {
+        self.consumer()
+            .pause(&self.list(partitions))
+            .map_err(kafka(format!(
+                "pausing partitions {partitions:?} of {}",
+                self.topic
+            )))
+    }
+
+    pub fn resume(&self, partitions: &[PartitionId]) -> Result<()> {
+        self.consumer()
+            .resume(&self.list(partitions))
+            .map_err(kafka(format!(
+                "resuming partitions {partitions:?} of {}",
+                self.topic
+            )))
+    }
+
+    fn list(&self, partitions: &[PartitionId]) -> TopicPartitionList {
+        let mut tpl = TopicPartitionList::new();
+        for &p in partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        tpl
+    }
+
     /// The next record, `None` when nothing arrived within `timeout`.
     pub fn poll(&self, timeout: Duration) -> Result<Option<SourceRecord<'_>>> {
         match self.consumer().poll(timeout) {

@@ -24,6 +24,7 @@ use crate::partitions::AddedPartitions;
 use crate::persist::Handoff;
 use crate::read_side::CommitPressure;
 use crate::retry::wait_for;
+use crate::schemas::SchemaWaits;
 
 /// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
 /// ends, bounding the memory an epoch holds (changed windows, dead letters).
@@ -190,6 +191,8 @@ pub struct Consumer {
     last_lag: Option<Instant>,
     readiness: Arc<Readiness>,
     pressure: Arc<CommitPressure>,
+    /// A job of Avro or Protobuf records: partitions waiting for a writer schema.
+    waits: Option<SchemaWaits>,
 }
 
 impl Consumer {
@@ -204,7 +207,9 @@ impl Consumer {
         readiness: Arc<Readiness>,
         pressure: Arc<CommitPressure>,
     ) -> Consumer {
+        let waits = config.schemas.clone().map(SchemaWaits::new);
         Consumer {
+            waits,
             config,
             shutdown,
             store,
@@ -388,16 +393,25 @@ impl Consumer {
                 }
                 continue;
             }
+            if let Some(waits) = &mut self.waits {
+                waits.release(&self.source, || operator.next_offsets())?;
+            }
             match self.source.poll(POLL) {
                 Ok(None) => quiet = true,
                 Ok(Some(record)) => {
                     quiet = false;
+                    let record = record.as_record();
+                    if let Some(waits) = &mut self.waits
+                        && waits.holds(&self.source, &record)?
+                    {
+                        continue;
+                    }
                     let state = WithInFlight {
                         cuts: in_flight.readable(),
                         store: &*self.store,
                     };
                     operator
-                        .process(&state, record.as_record())
+                        .process(&state, record)
                         .context("processing a record")?;
                 }
                 Err(e) if e.is_offset_out_of_range() => {
@@ -437,6 +451,9 @@ impl Consumer {
         }
         // Every record polled so far is processed: the others resume where they are.
         self.source.assign(&operator.next_offsets())?;
+        if let Some(waits) = &self.waits {
+            waits.pause_waiting(&self.source)?;
+        }
         PartitionsAdded {
             added: &new,
             partitions: self.partitions.len(),

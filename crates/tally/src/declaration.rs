@@ -27,8 +27,11 @@ pub fn built_in_fields(job: &Job) -> Result<FieldMapping, String> {
                  (strings, currency with format = \"currency_code\"), aggregates orders = count and revenue = \
                  sum of a decimal of scale 4, a string event id, no filter";
     let refuse = |why: &str| Err(format!("{why}; {shape}"));
-    if job.changes.is_some() {
-        return refuse("the declaration reads change events");
+    if job.format != tally_core::declare::Format::Json {
+        return refuse(&format!(
+            "the declaration reads {} records",
+            job.format.as_str()
+        ));
     }
     if job.windows.slide_ms != job.windows.size_ms {
         return refuse("the window hops");

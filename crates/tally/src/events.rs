@@ -610,6 +610,52 @@ impl ReadSideChanged<'_> {
     }
 }
 
+/// A writer schema the registry answered for, after `attempts` requests (more than one while
+/// it could not be reached).
+pub struct SchemaFetched {
+    pub id: u32,
+    pub attempts: u32,
+    /// Whether the registry knew the id and its schema compiled for the job.
+    pub known: bool,
+}
+
+impl SchemaFetched {
+    pub fn emit(&self) {
+        tracing::info!(
+            schema_id = self.id,
+            attempts = self.attempts,
+            known = self.known,
+            "fetched a writer schema from the schema registry"
+        );
+        counter!("tally_registry_schemas_fetched_total").increment(1);
+        counter!("tally_registry_requests_failed_total")
+            .increment(u64::from(self.attempts.saturating_sub(1)));
+    }
+}
+
+/// A partition waits for the writer schema of its next record: the registry has not answered
+/// for the id yet. Its records stay on the broker; other partitions go on.
+pub struct SchemaAwaited {
+    pub partition: tally_core::PartitionId,
+    pub offset: i64,
+    pub id: u32,
+    /// Partitions waiting now.
+    pub waiting: usize,
+}
+
+impl SchemaAwaited {
+    pub fn emit(&self) {
+        tracing::warn!(
+            partition = self.partition,
+            offset = self.offset,
+            schema_id = self.id,
+            "a partition waits for a writer schema the registry has not served yet; its records are consumed once it does, none is dead-lettered"
+        );
+        counter!("tally_partition_schema_waits_total").increment(1);
+        gauge!("tally_partitions_awaiting_schema").set(self.waiting as f64);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;

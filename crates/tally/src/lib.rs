@@ -27,6 +27,7 @@ pub mod prove;
 pub mod read_side;
 pub mod restore;
 pub mod retry;
+pub mod schemas;
 pub mod source;
 mod standby;
 pub mod tasks;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use tally::config::{Config, Millis};
@@ -579,6 +579,24 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         return Ok(());
     };
     print!("{}", tally::declaration::describe(&job));
+    if job.format.is_framed() {
+        let registry = tally::schemas::Registry::new(&cfg.registry)?;
+        let cache = tally::schemas::SchemaCache::new(registry, std::sync::Arc::new(job.clone()))?;
+        let subject = tally::schemas::subject(&cfg);
+        match cache.check_latest(&subject)? {
+            None => println!(
+                "subject {subject} of {} has no schema yet: the declaration is checked against each writer schema as records name it",
+                cache.registry().url()
+            ),
+            Some((id, problems)) if problems.is_empty() => println!(
+                "subject {subject}: its latest schema (id {id}) holds every declared field"
+            ),
+            Some((id, problems)) => bail!(
+                "subject {subject}: its latest schema (id {id}) does not hold the declaration (its records would be dead-lettered):\n  {}",
+                problems.join("\n  ")
+            ),
+        }
+    }
     match tally::declaration::built_in_fields(&job) {
         Ok(_) => println!("runs on the built-in revenue_agg decoder"),
         Err(_) => println!("runs as declared"),

@@ -314,8 +314,8 @@ fn kind_of(raw: &Raw<'_>) -> &'static str {
 /// The declared paths as a tree of object keys; a node may be a field, a parent, or both.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PathTree {
-    children: Vec<(String, PathTree)>,
-    field: Option<usize>,
+    pub(crate) children: Vec<(String, PathTree)>,
+    pub(crate) field: Option<usize>,
 }
 
 impl PathTree {

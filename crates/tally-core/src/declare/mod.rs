@@ -5,11 +5,16 @@
 //! values it adds, or into the reason it is dead-lettered.
 
 mod aggregate;
+mod avro;
 mod change;
 mod extract;
 mod filter;
+mod framed;
+mod protobuf;
 mod value;
 
+#[cfg(test)]
+mod framed_tests;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -21,9 +26,12 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 pub use aggregate::{Aggregate, Function, Overflow};
+pub use avro::{AvroDecoder, AvroSchema};
 pub use change::{Change, Op, Position, lsn_text, parse_lsn};
 pub use extract::{Cell, FieldReader, PathTree, StringFormat, TimeUnit};
 pub use filter::{Condition, ConditionDecl, Test};
+pub use framed::{Schemas, WriterSchema, message_indexes, schema_id};
+pub use protobuf::ProtobufDecoder;
 pub use value::{
     FieldKind, FieldType, MAX_DECIMAL_SCALE, MAX_DECIMAL18_UNITS, Value, format_decimal,
     parse_decimal,
@@ -33,13 +41,18 @@ use crate::decode::{Poison, document, not_a_json_object};
 use crate::window::WindowSpec;
 use crate::window_agg::{RowShape, WindowAgg, Word, WordKind};
 
-/// Record formats a job can read: JSON events, or Debezium change events in JSON (a row of a
+/// Record formats a job can read: JSON events, Avro or Protobuf events in the Confluent wire
+/// format (their schemas in a schema registry), or Debezium change events in JSON (a row of a
 /// source table, its changes retracting what its earlier image added).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 pub enum Format {
     #[default]
     #[serde(rename = "json")]
     Json,
+    #[serde(rename = "avro")]
+    Avro,
+    #[serde(rename = "protobuf")]
+    Protobuf,
     #[serde(rename = "debezium-json")]
     DebeziumJson,
 }
@@ -48,6 +61,8 @@ impl Format {
     pub fn as_str(self) -> &'static str {
         match self {
             Format::Json => "json",
+            Format::Avro => "avro",
+            Format::Protobuf => "protobuf",
             Format::DebeziumJson => "debezium-json",
         }
     }
@@ -55,6 +70,11 @@ impl Format {
     /// Whether records are changes of a table's rows rather than events.
     pub fn is_changes(self) -> bool {
         self == Format::DebeziumJson
+    }
+
+    /// Whether records are in the Confluent wire format, their writer schemas in a registry.
+    pub fn is_framed(self) -> bool {
+        matches!(self, Format::Avro | Format::Protobuf)
     }
 }
 

@@ -32,10 +32,7 @@ fn operator(allowed_lateness_ms: i64) -> (WindowOperator, Arc<Job>) {
         allowed_lateness_ms: rules.allowed_lateness_ms,
         dedup_horizon_ms: rules.dedup_horizon_ms,
     };
-    let program = Program::Declared {
-        job: Arc::clone(&job),
-        max_record_bytes: 4096,
-    };
+    let program = Program::declared(Arc::clone(&job), 4096);
     (
         WindowOperator::restore(config, program, Epoch(0), &BTreeMap::new()),
         job,

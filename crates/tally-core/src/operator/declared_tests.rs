@@ -31,10 +31,7 @@ fn config_of(job: &Job, rules: WindowRules) -> OperatorConfig {
 fn declared(text: &str, rules: WindowRules) -> WindowOperator {
     let job = job(text, rules);
     let config = config_of(&job, rules);
-    let program = Program::Declared {
-        job: Arc::new(job),
-        max_record_bytes: 4096,
-    };
+    let program = Program::declared(Arc::new(job), 4096);
     WindowOperator::restore(config, program, Epoch(0), &BTreeMap::new())
 }
 

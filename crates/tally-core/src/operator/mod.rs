@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::amount::Amount;
-use crate::declare::{Change, DeclaredEvent, Evaluation, Job, Op, Position};
+use crate::declare::{Change, DeclaredEvent, Evaluation, Job, Op, Position, Schemas};
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
 use crate::group_key::GroupKey;
 use crate::seen_filter::{self, SeenIdFilter};
@@ -74,11 +74,23 @@ pub struct Record<'a> {
 pub enum Program {
     /// revenue_agg's decoder, written for its shape (the fastest path: BENCHMARKS.md).
     BuiltIn(RecordDecoder),
-    /// Any declared job.
+    /// Any declared job; one reading Avro or Protobuf takes its writer schemas from `schemas`.
     Declared {
         job: Arc<Job>,
         max_record_bytes: usize,
+        schemas: Option<Arc<dyn Schemas>>,
     },
+}
+
+impl Program {
+    /// A declared job of JSON events or changes (no schema registry).
+    pub fn declared(job: Arc<Job>, max_record_bytes: usize) -> Program {
+        Program::Declared {
+            job,
+            max_record_bytes,
+            schemas: None,
+        }
+    }
 }
 
 impl From<RecordDecoder> for Program {
@@ -409,6 +421,7 @@ impl WindowOperator {
         if let Program::Declared {
             job,
             max_record_bytes,
+            ..
         } = &self.program
             && job.changes.is_some()
         {
@@ -421,7 +434,8 @@ impl WindowOperator {
             Program::Declared {
                 job,
                 max_record_bytes,
-            } => match job.evaluate(record.value, *max_record_bytes) {
+                schemas,
+            } => match job.read(record.value, *max_record_bytes, schemas.as_deref()) {
                 Ok(Evaluation::Event(event)) => Ok(Input::Declared(Arc::clone(job), event)),
                 Ok(Evaluation::Filtered) => {
                     state.epoch.filtered += 1;

@@ -97,10 +97,7 @@ fn change_store(path: &std::path::Path) -> StateStore {
 }
 
 fn change_operator() -> WindowOperator {
-    let program = tally_core::Program::Declared {
-        job: std::sync::Arc::new(change_job()),
-        max_record_bytes: 1 << 20,
-    };
+    let program = tally_core::Program::declared(std::sync::Arc::new(change_job()), 1 << 20);
     WindowOperator::restore(rules(), program, Epoch(0), &BTreeMap::new())
 }
 

@@ -124,12 +124,18 @@ pub struct Config {
     /// A change job's source database and capture (`reconcile --source`, `doctor`, loadgen).
     #[serde(default)]
     pub source: SourceConfig,
+    /// The schema registry of a job reading Avro or Protobuf.
+    #[serde(default)]
+    pub registry: RegistryConfig,
     /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
     pub aggregation: Option<tally_core::declare::Declaration>,
     /// The declared job, when it is not revenue_agg's shape (which the built-in decoder runs,
     /// named by [`Config::fields`]).
     #[serde(skip)]
     pub declared: Option<std::sync::Arc<tally_core::declare::Job>>,
+    /// A job of Avro or Protobuf records: its writer schemas, from the registry, by id.
+    #[serde(skip)]
+    pub schemas: Option<std::sync::Arc<crate::schemas::SchemaCache>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -380,6 +386,29 @@ impl Default for MetricsConfig {
     }
 }
 
+/// `[registry]`: the schema registry of a job reading Avro or Protobuf, by its
+/// Confluent-compatible API.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// `http(s)://host:port` of Confluent's registry, or Apicurio's
+    /// `http(s)://host:port/apis/ccompat/v7`.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Basic authentication.
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub password: Secret,
+    /// PEM file of CA certificates trusted for an `https://` url, besides the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// The subject whose schemas the topic's values are written with (`check-config`, and
+    /// `loadgen`, which registers there); default `<topic>-value` (TopicNameStrategy).
+    #[serde(default)]
+    pub subject: Option<String>,
+}
+
 /// `[source]`: where a change job's rows live and how they are captured. Every key is
 /// optional; the tools that need one name it.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -476,6 +505,16 @@ impl Config {
                 Ok(fields) => config.fields = FieldsConfig::from(fields),
                 Err(_) => config.declared = Some(std::sync::Arc::new(job)),
             }
+        }
+        if let Some(job) = config.declared.clone().filter(|j| j.format.is_framed()) {
+            let cache = crate::schemas::Registry::new(&config.registry)
+                .and_then(|registry| crate::schemas::SchemaCache::new(registry, job))
+                .map_err(|e| ConfigError::Key {
+                    file: file.to_owned(),
+                    key: "registry".into(),
+                    message: format!("{e:#}"),
+                })?;
+            config.schemas = Some(std::sync::Arc::new(cache));
         }
         Ok(config)
     }
@@ -588,6 +627,22 @@ impl Config {
             .as_ref()
             .is_some_and(|d| d.format.is_changes());
         let dedup = !changes;
+        let framed = self
+            .aggregation
+            .as_ref()
+            .is_some_and(|d| d.format.is_framed());
+        if framed && self.registry.url.is_none() {
+            return Err((
+                "registry.url",
+                "missing: a job of Avro or Protobuf records reads its writer schemas from a schema registry (its Confluent-compatible API)".into(),
+            ));
+        }
+        if !framed && (self.registry.url.is_some() || self.registry.subject.is_some()) {
+            return Err((
+                "registry",
+                "only a job of Avro or Protobuf records (aggregation.format = \"avro\" or \"protobuf\") reads a schema registry".into(),
+            ));
+        }
         if !changes && !self.source.is_empty() {
             return Err((
                 "source",
@@ -919,6 +974,10 @@ impl Config {
             Some(job) => tally_core::Program::Declared {
                 job: std::sync::Arc::clone(job),
                 max_record_bytes,
+                schemas: self
+                    .schemas
+                    .clone()
+                    .map(|s| s as std::sync::Arc<dyn tally_core::declare::Schemas>),
             },
             None => tally_core::Program::BuiltIn(tally_core::RecordDecoder::new(
                 self.field_mapping(),

@@ -13,9 +13,12 @@ use anyhow::{Context, Result, bail};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
-use tally_core::declare::{FieldKind, Function, Job, Test, TimeUnit, Value, format_decimal};
+use tally_core::declare::{
+    FieldKind, Function, Job, StringFormat, Test, TimeUnit, Value, format_decimal,
+};
 use tally_core::{OperatorConfig, PoisonReason};
 
+use super::framed::FramedWriter;
 use super::{Fate, GeneratedRecord, Kind, LoadOptions, LoadSpec, Stream, open_source, produce_all};
 use crate::config::Config;
 
@@ -50,6 +53,10 @@ pub struct DeclaredGenerator {
     tests: Vec<Option<Test>>,
     next_id: u64,
     poison_turn: usize,
+    /// Avro or Protobuf: the registered schemas records are written with.
+    framed: Option<FramedWriter>,
+    /// Records generated so far (the stream's schema changes by it).
+    generated: u64,
 }
 
 impl DeclaredGenerator {
@@ -94,7 +101,15 @@ impl DeclaredGenerator {
             tests,
             next_id: 0,
             poison_turn: 0,
+            framed: None,
+            generated: 0,
         })
+    }
+
+    /// Writes records in the Confluent wire format with `writer`'s schemas, not JSON.
+    pub fn with_writer(mut self, writer: FramedWriter) -> Self {
+        self.framed = Some(writer);
+        self
     }
 
     pub fn next_record(&mut self) -> (GeneratedRecord, Option<Contribution>) {
@@ -103,6 +118,7 @@ impl DeclaredGenerator {
         let combination = u32::try_from(index).unwrap_or(u32::MAX);
         let key = format!("k-{combination}").into_bytes();
         let now = self.stream.now(partition);
+        self.generated += 1;
         if let Fate::Duplicate(key, value) = fate {
             return (record(partition, key, value, Kind::Duplicate), None);
         }
@@ -131,7 +147,7 @@ impl DeclaredGenerator {
                 (Kind::Valid, values, t)
             }
         };
-        let value = self.json(&values);
+        let value = self.encode(&values);
         if kind != Kind::Valid {
             return (record(partition, key, value, kind), None);
         }
@@ -184,14 +200,22 @@ impl DeclaredGenerator {
                     0 => combination,
                     k => combination % KEY_DIVISORS[(k - 1) % KEY_DIVISORS.len()],
                 };
-                let value = key_value(field.kind, &field.name, field.scale, index);
+                let value = if field.format == StringFormat::CurrencyCode {
+                    currency(index)
+                } else {
+                    key_value(field.kind, &field.name, field.scale, index)
+                };
                 match (&self.tests[i], miss == Some(i)) {
                     (None, _) => Some(value),
                     (Some(test), true) => filtered_value(test, false, value, &mut self.stream.rng),
                     (Some(test), false) => Some(passing_key(test, value, index)),
                 }
             } else {
-                let any = random_value(field.kind, field.scale, t, &mut self.stream.rng);
+                let any = if field.format == StringFormat::CurrencyCode {
+                    currency(self.stream.rng.random_range(0..40))
+                } else {
+                    random_value(field.kind, field.scale, t, &mut self.stream.rng)
+                };
                 match &self.tests[i] {
                     Some(test) => filtered_value(test, miss != Some(i), any, &mut self.stream.rng),
                     None => Some(any),
@@ -226,6 +250,14 @@ impl DeclaredGenerator {
         }
     }
 
+    /// The record in the job's format.
+    fn encode(&self, values: &[Option<Value>]) -> Vec<u8> {
+        match &self.framed {
+            Some(writer) => writer.encode(self.generated, values),
+            None => self.json(values),
+        }
+    }
+
     /// The record's JSON, each value at its field's path.
     fn json(&self, values: &[Option<Value>]) -> Vec<u8> {
         let mut root = Map::new();
@@ -244,6 +276,9 @@ impl DeclaredGenerator {
     /// A record broken in one way, in turn: not JSON, not UTF-8, a field missing, a field of the
     /// wrong type, an unreadable event time, too large (when Kafka takes such a record).
     fn poison(&mut self, combination: u32, now: i64) -> (PoisonReason, Vec<u8>) {
+        if self.framed.is_some() {
+            return self.framed_poison(combination, now);
+        }
         let mut reasons = vec![
             PoisonReason::InvalidJson,
             PoisonReason::InvalidUtf8,
@@ -308,6 +343,45 @@ impl DeclaredGenerator {
     }
 }
 
+impl DeclaredGenerator {
+    /// A framed record broken in one way, in turn (see [`super::framed::POISON`]), or too
+    /// large (when Kafka takes such a record).
+    fn framed_poison(&mut self, combination: u32, now: i64) -> (PoisonReason, Vec<u8>) {
+        let mut reasons = super::framed::POISON.to_vec();
+        if super::generates_too_large(self.spec.max_record_bytes) {
+            reasons.push(PoisonReason::TooLarge);
+        }
+        let turn = self.poison_turn;
+        self.poison_turn += 1;
+        let (mut values, _) = self.values(combination, now, None);
+        // A field no filter reads: missing, it cannot make the record filtered instead.
+        let free: Vec<usize> = (0..values.len())
+            .filter(|&i| self.tests[i].is_none())
+            .collect();
+        let missing = free.get(turn % free.len().max(1)).copied().unwrap_or(0);
+        let Some(writer) = &self.framed else {
+            return (PoisonReason::InvalidJson, b"{".to_vec());
+        };
+        // Each reason in turn; one the job's fields cannot give falls to a broken payload.
+        for step in 0..reasons.len() {
+            let reason = reasons[(turn + step) % reasons.len()];
+            if reason == PoisonReason::TooLarge {
+                let mut bytes = writer.encode(self.generated, &values);
+                let pad = usize::try_from(self.spec.max_record_bytes).unwrap_or(4096) + 1;
+                bytes.resize(bytes.len() + pad, 0);
+                return (reason, bytes);
+            }
+            if let Some(bytes) = writer.poison(reason, &mut values.clone(), missing) {
+                return (reason, bytes);
+            }
+        }
+        let bytes = writer
+            .poison(PoisonReason::Undecodable, &mut values, missing)
+            .unwrap_or_default();
+        (PoisonReason::Undecodable, bytes)
+    }
+}
+
 fn record(partition: i32, key: Vec<u8>, value: Vec<u8>, kind: Kind) -> GeneratedRecord {
     GeneratedRecord {
         partition,
@@ -357,6 +431,18 @@ fn shown_key(value: &Value) -> String {
         Value::Time(ms) => ms.div_euclid(1000).to_string(),
         Value::Float(x) => x.to_string(),
         Value::Bool(b) => u8::from(*b).to_string(),
+    }
+}
+
+/// The `index`th currency code: common ones first, then made-up codes of three letters.
+fn currency(index: u32) -> Value {
+    const COMMON: [&str; 8] = ["EUR", "USD", "GBP", "JPY", "CHF", "SEK", "AUD", "CAD"];
+    match COMMON.get(index as usize) {
+        Some(code) => Value::Str((*code).into()),
+        None => {
+            let letter = |n: u32| char::from(b'A' + u8::try_from(n % 26).unwrap_or(0));
+            Value::Str(format!("X{}{}", letter(index / 26), letter(index)).into())
+        }
     }
 }
 
@@ -685,6 +771,10 @@ pub async fn produce_declared(config: &Config, opts: LoadOptions) -> Result<Decl
     spec.partitions = partitions;
     let mut generator = DeclaredGenerator::new(spec.clone(), Arc::clone(&job), config.operator())
         .map_err(anyhow::Error::msg)?;
+    if job.format.is_framed() {
+        let writer = FramedWriter::register(config, &job, opts.events).await?;
+        generator = generator.with_writer(writer);
+    }
     let mut builder = ManifestBuilder::new(&job, Some(spec), topic.clone());
     let started = Instant::now();
     produce_all(

@@ -22,8 +22,10 @@ use tally_core::{OperatorConfig, PoisonReason};
 use crate::config::Config;
 
 mod declared;
+mod framed;
 pub use declared::{DeclaredGenerator, DeclaredManifest, Running, Shown, produce_declared};
 pub(crate) use declared::{filtered_value, key_value, random_value};
+pub use framed::FramedWriter;
 
 /// Knobs of the stream.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -207,13 +209,19 @@ pub struct Generator {
 /// default cluster accepts is too large for the job, so none is generated.
 pub const MAX_GENERATED_RECORD_BYTES: u64 = 999_000;
 
-/// Every reason an event can be poison for on its own (`late` depends on the stream;
-/// `invalid_change` is a change event's), and `too_large` only if such a record fits what
-/// Kafka takes.
+/// Every reason a JSON event can be poison for on its own (`late` depends on the stream;
+/// `invalid_change` is a change event's; the wire format's reasons are Avro's and Protobuf's),
+/// and `too_large` only if such a record fits what Kafka takes.
 fn poison_reasons(max_record_bytes: u64) -> impl Iterator<Item = PoisonReason> {
     PoisonReason::ALL.into_iter().filter(move |r| {
-        !matches!(r, PoisonReason::Late | PoisonReason::InvalidChange)
-            && (*r != PoisonReason::TooLarge || generates_too_large(max_record_bytes))
+        !matches!(
+            r,
+            PoisonReason::Late
+                | PoisonReason::InvalidChange
+                | PoisonReason::WireFormat
+                | PoisonReason::UnknownSchema
+                | PoisonReason::Undecodable
+        ) && (*r != PoisonReason::TooLarge || generates_too_large(max_record_bytes))
     })
 }
 
@@ -295,7 +303,11 @@ impl Generator {
         match reason {
             PoisonReason::InvalidUtf8 => b"{\"event_id\":\"\xff\xfe\"}".to_vec(),
             // Not generated for events (poison_reasons): broken JSON stands for it.
-            PoisonReason::InvalidJson | PoisonReason::InvalidChange => format!(r#"{{"event_id":"{id}","customer_id":"{customer}""#).into_bytes(),
+            PoisonReason::InvalidJson
+            | PoisonReason::InvalidChange
+            | PoisonReason::WireFormat
+            | PoisonReason::UnknownSchema
+            | PoisonReason::Undecodable => format!(r#"{{"event_id":"{id}","customer_id":"{customer}""#).into_bytes(),
             PoisonReason::MissingField => format!(r#"{{"event_id":"{id}","currency":"EUR","amount":"1","event_time":{t}}}"#).into_bytes(),
             PoisonReason::WrongType => format!(r#"{{"event_id":"{id}","customer_id":42,"currency":"EUR","amount":"1","event_time":{t}}}"#).into_bytes(),
             PoisonReason::InvalidAmount => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"12.34567","event_time":{t}}}"#).into_bytes(),

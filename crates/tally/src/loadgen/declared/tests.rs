@@ -150,7 +150,11 @@ fn declared_ground_truth_matches_the_operator() {
 /// The same for the shipped example declarations, as their job files write them.
 #[test]
 fn the_shipped_examples_ground_truth_matches_the_operator() {
-    for (file, reasons) in [("page_views.toml", 7), ("api_latency.toml", 7)] {
+    for (file, reasons) in [
+        ("page_views.toml", 7),
+        ("api_latency.toml", 7),
+        ("payments.toml", 8),
+    ] {
         let path = format!("{}/../../config/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
         let config = crate::config::Config::parse(file, &text, &[]).unwrap();
@@ -164,11 +168,17 @@ fn the_shipped_examples_ground_truth_matches_the_operator() {
 fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
     for seed in [1, 2, 3] {
         let mut generator = DeclaredGenerator::new(spec(seed), Arc::clone(job), rules).unwrap();
+        let mut program = Program::declared(Arc::clone(job), 2048);
+        if job.format.is_framed() {
+            let writer = FramedWriter::offline(job, 20_000, [11, 12, 13, 14, 15]).unwrap();
+            program = Program::Declared {
+                job: Arc::clone(job),
+                max_record_bytes: 2048,
+                schemas: Some(writer.schemas(job).unwrap()),
+            };
+            generator = generator.with_writer(writer);
+        }
         let mut builder = ManifestBuilder::new(job, None, String::new());
-        let program = Program::Declared {
-            job: Arc::clone(job),
-            max_record_bytes: 2048,
-        };
         let run = run_through_operator(
             rules,
             program,
@@ -228,6 +238,27 @@ fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
         );
         let found: BTreeSet<_> = manifest.dead_letters.iter().map(|d| d.2).collect();
         assert_eq!(found.len(), reasons, "every reason appears: {found:?}");
+    }
+}
+
+/// The same job's records in Avro and in Protobuf, written with three schemas in turn (a
+/// field added, then one removed) and the poison schemas, read by tally's decoders.
+#[test]
+fn framed_ground_truth_matches_the_operator() {
+    for format in ["avro", "protobuf"] {
+        let declaration: Declaration =
+            toml::from_str(&format!("format = \"{format}\"\n{JOB}")).unwrap();
+        let rules = rules();
+        let job = declaration
+            .resolve(WindowRules {
+                size_ms: rules.window.size_ms,
+                slide_ms: Some(rules.window.slide_ms),
+                allowed_lateness_ms: rules.allowed_lateness_ms,
+                dedup_horizon_ms: rules.dedup_horizon_ms,
+            })
+            .unwrap();
+        // The six faults of the wire format and the schemas, too_large and late.
+        assert_ground_truth(&Arc::new(job), rules, 8);
     }
 }
 
