@@ -217,7 +217,7 @@ fn check_config_prints_a_declared_job() {
     }
 }
 
-/// The README's load test as written, with the shipped job file (its 1 MiB `max_record_bytes`
+/// The load test of docs/guarantees.md ("`tally verify`") as written, with the shipped job file (its 1 MiB `max_record_bytes`
 /// included): loadgen must produce only records a default broker takes, and the job then
 /// verifies exactly. Only the names are the test's own, so that it shares nothing.
 #[tokio::test(flavor = "multi_thread")]

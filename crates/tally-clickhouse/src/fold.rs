@@ -209,6 +209,38 @@ impl ClickHouseSink {
         Ok((n > 0).then_some(oldest))
     }
 
+    /// Seconds since folding last had its chance: the newest fold step, or the newest claim of
+    /// the read side (a holder that has just claimed it has not had a fold interval yet);
+    /// `None` when neither happened.
+    pub async fn fold_idle_seconds(&self) -> Result<Option<u32>> {
+        let (now, stepped, steps): (u32, u32, u64) = self
+            .fetch(
+                &format!(
+                    "SELECT toUInt32(now()), toUInt32(max(folded_at)), count() FROM {}",
+                    self.names.folds
+                ),
+                "reading the fold log",
+            )
+            .await?;
+        let (claimed, claims): (u32, u64) = self
+            .fetch(
+                &format!(
+                    "SELECT toUInt32(max(at)), count() FROM {} WHERE event = 'claimed'",
+                    self.names.read_side_log()
+                ),
+                "reading the read side's log",
+            )
+            .await?;
+        let newest = [
+            (steps > 0).then_some(stepped),
+            (claims > 0).then_some(claimed),
+        ]
+        .into_iter()
+        .flatten()
+        .max();
+        Ok(newest.map(|t| now.saturating_sub(t)))
+    }
+
     /// Removes folded rows at or after `from`: they belong to a step that did not log its
     /// frontier, and no view reads them. The folded table is rebuilt without them in the
     /// lease's repair table (days without such rows linked as they are) and swapped in whole.

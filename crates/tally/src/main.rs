@@ -20,7 +20,7 @@ use tally::prove;
 ///
 /// Start with `tally check-config --config config/revenue_agg.toml`, then `tally run` with
 /// the same file. Every key can be overridden by an environment variable such as
-/// TALLY_KAFKA__BROKERS or TALLY_CLICKHOUSE__URL (see the README).
+/// TALLY_KAFKA__BROKERS or TALLY_CLICKHOUSE__URL (docs/configuration.md).
 #[derive(Parser)]
 #[command(name = "tally", version, about, long_about)]
 struct Cli {
@@ -60,6 +60,10 @@ enum Command {
         config: PathBuf,
         #[arg(long, short)]
         manifest: PathBuf,
+        /// Verify again every second until the job has caught up and the view is exact, for at
+        /// most this long (e.g. 60s); only the last attempt's report is printed.
+        #[arg(long)]
+        wait: Option<String>,
     },
     /// Recompute counts and sums from the source topic and compare them with the sink per window
     /// and key. Exit 1 when any sink/source ratio differs from 1.
@@ -301,7 +305,16 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Run { config } => run(&config),
         Command::CheckConfig { config } => check_config(&config),
         Command::Loadgen(args) => loadgen(args),
-        Command::Verify { config, manifest } => {
+        Command::Verify {
+            config,
+            manifest,
+            wait: Some(wait),
+        } => verify_until(&config, &manifest, parse_duration(&wait, "--wait")?),
+        Command::Verify {
+            config,
+            manifest,
+            wait: None,
+        } => {
             let cfg = load_config(&config)?;
             let ok = match cfg.declared.clone() {
                 Some(job) if job.changes.is_some() => {
@@ -341,6 +354,34 @@ fn real_main(cli: Cli) -> Result<()> {
 }
 
 /// Exit status 1 when a check failed (its report is printed already).
+/// `tally verify --wait`: verification in a process of its own, again each second until it
+/// passes or `wait` is up; the last attempt's report is printed and its status is the exit's.
+fn verify_until(
+    config: &std::path::Path,
+    manifest: &std::path::Path,
+    wait: std::time::Duration,
+) -> Result<()> {
+    let me = std::env::current_exe().context("finding the tally binary")?;
+    let until = std::time::Instant::now() + wait;
+    loop {
+        let attempt = std::process::Command::new(&me)
+            .arg("verify")
+            .arg("--config")
+            .arg(config)
+            .arg("--manifest")
+            .arg(manifest)
+            .output()
+            .context("running verify")?;
+        if attempt.status.success() || std::time::Instant::now() >= until {
+            use std::io::Write;
+            std::io::stdout().write_all(&attempt.stdout)?;
+            std::io::stderr().write_all(&attempt.stderr)?;
+            return exit_unless(attempt.status.success());
+        }
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
 fn exit_unless(ok: bool) -> Result<()> {
     if !ok {
         std::process::exit(1);

@@ -613,7 +613,7 @@ pub(crate) async fn execute(client: &Client, sql: &str, url: &str) -> Result<()>
 /// databases, a two-table RENAME on Ordinary ones) and drops the table it replaced, which the
 /// RENAME parks as `parked`; the last statement is that drop. Not `REPLACE PARTITION`: on 18.16
 /// the parts it replaces come back as active when the server restarts within
-/// `old_parts_lifetime` (README, "Found on 18.16"); a dropped table stays dropped. A crash before
+/// `old_parts_lifetime` (docs/design/read-side.md, "Found on 18.16"); a dropped table stays dropped. A crash before
 /// the drop leaves the replaced table parked, where the next swap drops it first.
 pub(crate) fn swap_tables_sql(
     target: &str,

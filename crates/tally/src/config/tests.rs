@@ -306,3 +306,85 @@ fn every_mistake_of_a_declaration_is_named_with_the_file() {
         "{refused}"
     );
 }
+
+/// The keys a `Deserialize` struct takes, as serde's derive names them (renames applied,
+/// skipped fields left out): asked of the derive itself by a deserializer that records the
+/// field list `deserialize_struct` is given.
+fn keys_of<'de, T: Deserialize<'de>>() -> Vec<&'static str> {
+    struct Keys<'a>(&'a mut &'static [&'static str]);
+    impl<'de> Deserializer<'de> for Keys<'_> {
+        type Error = de::value::Error;
+        fn deserialize_any<V: de::Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(de::Error::custom("keys recorded"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut keys: &'static [&'static str] = &[];
+    let _ = T::deserialize(Keys(&mut keys));
+    keys.to_vec()
+}
+
+/// docs/configuration.md names every key of the job file, and only those: a key added,
+/// renamed or removed in the code and not in the reference (or the reverse) fails here.
+#[test]
+fn the_reference_names_every_option_and_only_those() {
+    use tally_core::declare::{AggregateDecl, ConditionDecl, Declaration, FieldDecl};
+    let sections: Vec<(&str, Vec<&str>)> = vec![
+        ("job", keys_of::<JobConfig>()),
+        ("kafka", keys_of::<KafkaConfig>()),
+        ("fields", keys_of::<FieldsConfig>()),
+        ("window", keys_of::<WindowConfig>()),
+        ("clickhouse", keys_of::<ClickHouseConfig>()),
+        ("metrics", keys_of::<MetricsConfig>()),
+        ("source", keys_of::<SourceConfig>()),
+        ("registry", keys_of::<RegistryConfig>()),
+        ("aggregation", keys_of::<Declaration>()),
+        ("aggregation.field[]", keys_of::<FieldDecl>()),
+        ("aggregation.filter[]", keys_of::<ConditionDecl>()),
+        ("aggregation.aggregate[]", keys_of::<AggregateDecl>()),
+    ];
+    let top = keys_of::<Config>();
+    let known: Vec<&str> = sections.iter().map(|(s, _)| *s).collect();
+    assert!(
+        top.iter().all(|s| known.contains(s)),
+        "a section of the job file this test does not know: {top:?}"
+    );
+    let mut in_code: std::collections::BTreeSet<String> = sections
+        .iter()
+        .flat_map(|(section, keys)| keys.iter().map(move |k| format!("{section}.{k}")))
+        .collect();
+    // A table of its own: documented as `kafka.client.*`.
+    assert!(in_code.remove("kafka.client"));
+    in_code.insert("kafka.client.*".into());
+    let reference = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration.md"
+    ))
+    .unwrap();
+    let in_reference: std::collections::BTreeSet<String> = reference
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect();
+    let undocumented: Vec<&String> = in_code.difference(&in_reference).collect();
+    let unknown: Vec<&String> = in_reference.difference(&in_code).collect();
+    assert!(
+        undocumented.is_empty() && unknown.is_empty(),
+        "options in the code and not in docs/configuration.md: {undocumented:?}; in the reference and not in the code: {unknown:?}"
+    );
+    assert!(in_code.len() > 60, "{in_code:?}");
+}
