@@ -248,3 +248,26 @@ fn numbers_are_compared_as_numbers() {
         vec!["verify: FAILED".to_owned()]
     );
 }
+
+/// `tally check-config ... | head` as a reader would type it: the reader goes first, and tally
+/// ends like any Unix tool (SIGPIPE) instead of panicking in `println!`.
+#[test]
+fn a_report_piped_into_head_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["check-config", "--config", CONFIG])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // the reader has gone before tally prints
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {stderr}",
+        out.status
+    );
+}

@@ -292,10 +292,25 @@ static MALLOC_CONF: &[u8; 59] = b"background_thread:true,dirty_decay_ms:200,muzz
 
 fn main() {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run { .. }) {
+        die_quietly_on_closed_stdout();
+    }
     init_logging(cli.log_format);
     if let Err(e) = real_main(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// A report piped into `head` ends like any Unix tool's when the reader goes, instead of
+/// panicking in `println!` (Rust ignores SIGPIPE). Not for `run`: the worker's sockets already
+/// write with MSG_NOSIGNAL, and it keeps the default that a signal never stops it mid-epoch.
+#[allow(unsafe_code)]
+fn die_quietly_on_closed_stdout() {
+    // SAFETY: called first thing in main, before any thread exists; sets a signal's
+    // disposition to the system's default, no handler runs.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 
@@ -614,7 +629,10 @@ fn check_config(paths: &[PathBuf]) -> Result<()> {
 
 fn check_job_file(path: &std::path::Path) -> Result<()> {
     let (cfg, job) = Config::load_declared(path)?;
-    println!("{cfg:#?}");
+    let settings = cfg
+        .effective_toml()
+        .map_err(|e| anyhow::anyhow!("{}: cannot show the settings: {e}", path.display()))?;
+    println!("# {}, every default filled in\n{settings}", path.display());
     let Some(job) = job else {
         println!("{}: ok", path.display());
         return Ok(());

@@ -10,8 +10,8 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use serde::de::{self, Deserializer};
+use serde::{Deserialize, Serialize, Serializer};
 use tally_clickhouse::Secret;
 use tally_core::{FieldMapping, OperatorConfig, PartitionId, WindowSpec};
 
@@ -79,6 +79,35 @@ impl<'de> Deserialize<'de> for Millis {
     }
 }
 
+/// Written back in the largest unit that holds it exactly, as a user would write it.
+impl Serialize for Millis {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let units = [
+            (86_400_000, "d"),
+            (3_600_000, "h"),
+            (60_000, "m"),
+            (1_000, "s"),
+        ];
+        let text = units
+            .iter()
+            .find(|(scale, _)| self.0 != 0 && self.0 % scale == 0)
+            .map_or_else(
+                || format!("{}ms", self.0),
+                |(scale, unit)| format!("{}{unit}", self.0 / scale),
+            );
+        s.serialize_str(&text)
+    }
+}
+
+/// A password shows as whether it is set, never as itself.
+fn redacted<S: Serializer>(_: &Secret, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str("***")
+}
+
+fn is_unset(secret: &Secret) -> bool {
+    secret.expose().is_empty()
+}
+
 impl fmt::Display for Millis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}ms", self.0)
@@ -102,14 +131,14 @@ fn de_u64<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     }
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum StartFrom {
     Earliest,
     Latest,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub job: JobConfig,
@@ -128,6 +157,7 @@ pub struct Config {
     #[serde(default)]
     pub registry: RegistryConfig,
     /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
+    #[serde(skip_serializing)]
     pub aggregation: Option<tally_core::declare::Declaration>,
     /// The declared job, when it is not revenue_agg's shape (which the built-in decoder runs,
     /// named by [`Config::fields`]).
@@ -138,7 +168,7 @@ pub struct Config {
     pub schemas: Option<std::sync::Arc<crate::schemas::SchemaCache>>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobConfig {
     pub name: String,
@@ -215,7 +245,7 @@ fn default_standby_refresh() -> Millis {
     Millis(10_000)
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaConfig {
     pub brokers: String,
@@ -248,7 +278,7 @@ pub struct KafkaConfig {
     pub client: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FieldsConfig {
     pub event_id: String,
@@ -276,7 +306,7 @@ impl From<FieldMapping> for FieldsConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct WindowConfig {
     #[serde(default = "default_size")]
@@ -316,7 +346,7 @@ impl Default for WindowConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClickHouseConfig {
     pub url: String,
@@ -326,7 +356,7 @@ pub struct ClickHouseConfig {
     pub table: String,
     #[serde(default = "default_user")]
     pub user: String,
-    #[serde(default)]
+    #[serde(default, serialize_with = "redacted", skip_serializing_if = "is_unset")]
     pub password: Secret,
     /// PEM file of CA certificates trusted for an `https://` url, besides the system's roots.
     #[serde(default)]
@@ -366,7 +396,7 @@ fn default_request_timeout() -> Millis {
     Millis(30_000)
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsConfig {
     /// Prometheus endpoint; empty disables it.
@@ -388,7 +418,7 @@ impl Default for MetricsConfig {
 
 /// `[registry]`: the schema registry of a job reading Avro or Protobuf, by its
 /// Confluent-compatible API.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegistryConfig {
     /// `http(s)://host:port` of Confluent's registry, or Apicurio's
@@ -398,7 +428,7 @@ pub struct RegistryConfig {
     /// Basic authentication.
     #[serde(default)]
     pub user: Option<String>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "redacted", skip_serializing_if = "is_unset")]
     pub password: Secret,
     /// PEM file of CA certificates trusted for an `https://` url, besides the system's roots.
     #[serde(default)]
@@ -411,14 +441,14 @@ pub struct RegistryConfig {
 
 /// `[source]`: where a change job's rows live and how they are captured. Every key is
 /// optional; the tools that need one name it.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
     /// The PostgreSQL database, `postgres://user@host:port/database` (no password: see
     /// `password`).
     #[serde(default)]
     pub postgres: Option<String>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "redacted", skip_serializing_if = "is_unset")]
     pub password: Secret,
     /// The captured table, `schema.table`; default: the source topic's last two parts
     /// (Debezium names topics `<prefix>.<schema>.<table>`).
@@ -493,6 +523,25 @@ impl Config {
         let vars: Vec<(String, String)> = std::env::vars().collect();
         let (file, text) = read(path)?;
         Config::parse_declared(&file, &text, &vars)
+    }
+
+    /// The settings as the job runs them, every default filled in, as TOML (`check-config`).
+    /// Passwords show as `***`; `[aggregation]` is left to `describe`, and `[fields]` (the
+    /// built-in decoder's names) shows only for a job without one.
+    pub fn effective_toml(&self) -> Result<String, String> {
+        let mut value = toml::Value::try_from(self).map_err(|e| e.to_string())?;
+        if let toml::Value::Table(sections) = &mut value {
+            if self.aggregation.is_some() {
+                sections.remove("fields");
+            }
+            for (_, section) in sections.iter_mut() {
+                if let toml::Value::Table(keys) = section {
+                    keys.retain(|_, v| !matches!(v, toml::Value::Table(t) if t.is_empty()));
+                }
+            }
+            sections.retain(|_, v| !matches!(v, toml::Value::Table(t) if t.is_empty()));
+        }
+        toml::to_string(&value).map_err(|e| e.to_string())
     }
 
     /// Parses and checks a job file. A declaration of revenue_agg's shape runs on the built-in

@@ -388,3 +388,48 @@ fn the_reference_names_every_option_and_only_those() {
     );
     assert!(in_code.len() > 60, "{in_code:?}");
 }
+
+#[test]
+fn the_effective_settings_read_back_as_the_same_job_and_never_show_a_password() {
+    let text = format!(
+        "{BASE}retention = \"2h\"\n[window]\nsize = \"90s\"\n[kafka.client]\n\"security.protocol\" = \"ssl\"\n"
+    );
+    let c = parse(&text, &[]).unwrap();
+    let shown = c.effective_toml().unwrap();
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("password = \"***\""), "{shown}");
+    assert!(
+        shown.contains("size = \"90s\"") && shown.contains("retention = \"2h\""),
+        "{shown}"
+    );
+    assert!(shown.contains("dedup_horizon = \"1h\""), "{shown}");
+    assert!(
+        shown.find("[job]") < shown.find("[kafka]"),
+        "in the file's order: {shown}"
+    );
+
+    let again = parse(&shown, &[]).unwrap();
+    assert_eq!(again.effective_toml().unwrap(), shown);
+    assert_eq!(again.clickhouse.retention, Some(Millis(7_200_000)));
+    assert_eq!(
+        again
+            .kafka
+            .client
+            .get("security.protocol")
+            .map(String::as_str),
+        Some("ssl")
+    );
+}
+
+#[test]
+fn durations_show_in_the_largest_unit_that_holds_them() {
+    let shown = |ms| toml::Value::try_from(Millis(ms)).unwrap().to_string();
+    assert_eq!(shown(0), "\"0ms\"");
+    assert_eq!(shown(1_500), "\"1500ms\"");
+    assert_eq!(shown(120_000), "\"2m\"");
+    assert_eq!(shown(86_400_000), "\"1d\"");
+    for ms in [0, 1, 999, 1_000, 61_000, 3_600_000, 90_000_000] {
+        let text = toml::Value::try_from(Millis(ms)).unwrap();
+        assert_eq!(Millis::parse(text.as_str().unwrap()), Ok(Millis(ms)));
+    }
+}
