@@ -71,6 +71,17 @@ impl Secret {
     pub fn expose(&self) -> &str {
         &self.0
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Written as whether it is set (`***`), never as itself: settings shown back to a user.
+impl serde::Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(if self.0.is_empty() { "" } else { "***" })
+    }
 }
 
 impl std::fmt::Debug for Secret {

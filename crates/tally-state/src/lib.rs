@@ -9,6 +9,7 @@ pub mod changelog;
 mod expiry;
 mod keys;
 mod memory;
+mod old_formats;
 mod reads;
 pub mod replay;
 mod upgrade;

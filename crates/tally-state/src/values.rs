@@ -144,7 +144,7 @@ pub fn decode_value(bytes: &[u8], kinds: &[WordKind]) -> Option<WindowAgg> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::upgrade::WindowAggV2;
+    use crate::old_formats::WindowAggV2;
     use proptest::prelude::*;
     use tally_core::{Amount, ORDERS_WORDS};
 

@@ -641,7 +641,7 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
     if job.format.is_framed() {
         let registry = tally::schemas::Registry::new(&cfg.registry)?;
         let cache = tally::schemas::SchemaCache::new(registry, std::sync::Arc::new(job.clone()))?;
-        let subject = tally::schemas::subject(&cfg);
+        let subject = cfg.registry_subject();
         match cache.check_latest(&subject)? {
             None => println!(
                 "subject {subject} of {} has no schema yet: the declaration is checked against each writer schema as records name it",

@@ -5,6 +5,7 @@
 //! dead-lettered as `unknown_schema`).
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -14,14 +15,36 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use tally_clickhouse::Secret;
 use tally_core::declare::{Format, Job, Schemas, WriterSchema, schema_id};
 use tally_core::{PartitionId, Poison, PoisonReason, Record};
 use tally_kafka::Source;
 
-use crate::config::RegistryConfig;
-
 type Https = hyper_rustls::HttpsConnector<HttpConnector>;
+
+/// `[registry]`: the schema registry of a job reading Avro or Protobuf, by its
+/// Confluent-compatible API.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// `http(s)://host:port` of Confluent's registry, or Apicurio's
+    /// `http(s)://host:port/apis/ccompat/v7`.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Basic authentication.
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Secret::is_empty")]
+    pub password: Secret,
+    /// PEM file of CA certificates trusted for an `https://` url, besides the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// The subject whose schemas the topic's values are written with (`check-config`, and
+    /// `loadgen`, which registers there); default `<topic>-value` (TopicNameStrategy).
+    #[serde(default)]
+    pub subject: Option<String>,
+}
 
 /// Why a request to the registry got no answer (it is down, or unreachable), or what it
 /// answered instead of the schema.
@@ -433,16 +456,6 @@ impl Schemas for SchemaCache {
             Entry::Refused(poison) => Err(poison),
         }
     }
-}
-
-/// The subject a topic's values are registered under: `registry.subject`, or Confluent's
-/// TopicNameStrategy, `<topic>-value`.
-pub fn subject(config: &crate::config::Config) -> String {
-    config
-        .registry
-        .subject
-        .clone()
-        .unwrap_or_else(|| format!("{}-value", config.kafka.source_topic))
 }
 
 /// Partitions waiting for the writer schema of their next record, the registry not having

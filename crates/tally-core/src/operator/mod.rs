@@ -8,7 +8,7 @@
 //! sequence alone, so where barriers fall never changes the final results.
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use compact_str::CompactString;
@@ -16,11 +16,11 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::amount::Amount;
-use crate::declare::{Change, DeclaredEvent, Evaluation, Job, Op, Position, Schemas};
+use crate::declare::{DeclaredEvent, Evaluation, Job, Position, Schemas};
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
 use crate::group_key::GroupKey;
 use crate::seen_filter::{self, SeenIdFilter};
-use crate::source_row::{Contribution, SourceRow};
+use crate::source_row::SourceRow;
 use crate::types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };
@@ -57,6 +57,37 @@ pub struct OperatorConfig {
     pub out_of_orderness_ms: i64,
     pub allowed_lateness_ms: i64,
     pub dedup_horizon_ms: i64,
+}
+
+impl OperatorConfig {
+    /// A window is closed once its end plus the allowed lateness is at or below the watermark:
+    /// its records are late, and the next checkpoint takes it out of the state.
+    fn window_closed(&self, window_start_ms: i64, watermark: i64) -> bool {
+        window_start_ms
+            .saturating_add(self.window.size_ms)
+            .saturating_add(self.allowed_lateness_ms)
+            <= watermark
+    }
+}
+
+/// A window's value as this epoch's changes, then the state, hold it (empty if neither does),
+/// and whether this epoch has not changed it yet.
+fn window_value<S: StateReader>(
+    epoch_windows: &FastMap<WindowKey, WindowAgg>,
+    store: &S,
+    partition: PartitionId,
+    key: &WindowKey,
+    job: &Job,
+) -> Result<(WindowAgg, bool), S::Error> {
+    Ok(match epoch_windows.get(key) {
+        Some(held) => (held.clone(), false),
+        None => (
+            store
+                .window(partition, key)?
+                .unwrap_or_else(|| job.empty_value()),
+            true,
+        ),
+    })
 }
 
 /// One consumed Kafka record, borrowed from the consumer.
@@ -580,25 +611,15 @@ impl WindowOperator {
         let windows = self.dirty_windows.entry(record.partition).or_default();
         let mut added: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
         for start in cfg.window.starts_of(event.event_time_ms) {
-            // Closed windows left the state at a checkpoint (and may be folded): the same
-            // predicate as `cut`'s.
-            let end = start.saturating_add(cfg.window.size_ms);
-            if end.saturating_add(cfg.allowed_lateness_ms) <= watermark {
+            // Closed windows left the state at a checkpoint (and may be folded).
+            if cfg.window_closed(start, watermark) {
                 continue;
             }
             let key = WindowKey {
                 window_start_ms: start,
                 key: group.clone(),
             };
-            let (mut value, new) = match windows.get(&key) {
-                Some(held) => (held.clone(), false),
-                None => (
-                    store
-                        .window(record.partition, &key)?
-                        .unwrap_or_else(|| job.empty_value()),
-                    true,
-                ),
-            };
+            let (mut value, new) = window_value(windows, store, record.partition, &key, job)?;
             if let Err(overflow) = job.add(&mut value, &event.inputs) {
                 let message = format!(
                     "adding the record to the window starting {} would leave the range of column {}",
@@ -631,182 +652,6 @@ impl WindowOperator {
         Ok(Outcome::Aggregated)
     }
 
-    /// Applies one change of a row: its old contribution out of its windows, its new one in,
-    /// all or none, once per position (an older or repeated change is counted, not applied).
-    fn process_change<S: StateReader>(
-        &mut self,
-        store: &S,
-        record: Record<'_>,
-        job: &Job,
-        max_record_bytes: usize,
-    ) -> Result<Outcome, S::Error> {
-        let cfg = self.config;
-        if record.value.is_none() {
-            self.count(record.partition, |a| a.tombstones += 1);
-            return Ok(Outcome::Tombstone);
-        }
-        let change = match job.evaluate_change(record.value, max_record_bytes) {
-            Ok(change) => change,
-            Err(poison) => return Ok(self.dead_letter(record, poison)),
-        };
-        let new = match &change.row {
-            Ok(Some(Evaluation::Event(event))) => match job.contribution(&event.inputs) {
-                Ok(value) => Ok(Some(Contribution {
-                    event_time_ms: event.event_time_ms,
-                    key: self.group_key(job, event),
-                    value,
-                })),
-                Err(overflow) => Err(Poison::new(
-                    PoisonReason::TooLarge,
-                    format!(
-                        "row {:?}: its value leaves the range of column {}",
-                        change.key.replace('\0', ","),
-                        overflow.column
-                    ),
-                )),
-            },
-            Ok(_) => Ok(None),
-            Err(poison) => Err(poison.clone()),
-        };
-        let Some(state) = self.partitions.get_mut(&record.partition) else {
-            return Ok(Outcome::AlreadyProcessed);
-        };
-        state.newest_change = state.newest_change.max(Some(change.position));
-        if let Ok(Some(c)) = &new {
-            state.watermark.observe(c.event_time_ms);
-        }
-        let watermark = state
-            .watermark
-            .current(cfg.out_of_orderness_ms)
-            .unwrap_or(i64::MIN);
-        let held = self.held_row(store, record.partition, &change.key)?;
-        if let Some(held) = &held {
-            if change.position == held.position {
-                self.count(record.partition, |a| a.duplicates += 1);
-                return Ok(Outcome::Duplicate);
-            }
-            if change.position < held.position {
-                self.count(record.partition, |a| a.stale += 1);
-                return Ok(Outcome::Stale);
-            }
-        }
-        let old = held.and_then(|h| h.contribution);
-        let new = match new {
-            Ok(new) => new,
-            Err(poison) => {
-                // The row stays as it was; its position is taken, so that a replay of this
-                // change is a duplicate rather than a second dead letter.
-                self.hold_row(record.partition, &change, old);
-                return Ok(self.dead_letter(record, poison));
-            }
-        };
-        if old == new {
-            let filtered = matches!(change.row, Ok(Some(Evaluation::Filtered)));
-            self.hold_row(record.partition, &change, old);
-            self.count(record.partition, |a| {
-                if filtered {
-                    a.filtered += 1
-                } else {
-                    a.aggregated += 1
-                }
-            });
-            return Ok(if filtered {
-                Outcome::Filtered
-            } else {
-                Outcome::Aggregated
-            });
-        }
-        let closed = |c: &Contribution| {
-            cfg.window.starts_of(c.event_time_ms).any(|start| {
-                start
-                    .saturating_add(cfg.window.size_ms)
-                    .saturating_add(cfg.allowed_lateness_ms)
-                    <= watermark
-            })
-        };
-        if old.as_ref().is_some_and(closed) || new.as_ref().is_some_and(closed) {
-            let window = |c: &Option<Contribution>| match c {
-                Some(c) => format!(
-                    "the window starting {} ({})",
-                    crate::time::format_ms(cfg.window.start_of(c.event_time_ms)),
-                    if closed(c) { "closed" } else { "open" }
-                ),
-                None => "none".to_owned(),
-            };
-            let message = format!(
-                "change {:?} of row {:?} at {} is late: its old window is {} and its new window is {}, at watermark {} (allowed lateness {} ms); not applied, the view keeps the row as it was",
-                op_name(change.op),
-                change.key.replace('\0', ","),
-                change.position,
-                window(&old),
-                window(&new),
-                crate::time::format_ms(watermark),
-                cfg.allowed_lateness_ms
-            );
-            // Its position is taken, so that a replay of it counts as a duplicate, not late again.
-            self.hold_row(record.partition, &change, old);
-            return Ok(self.dead_letter(record, Poison::new(PoisonReason::Late, message)));
-        }
-        let windows = self.dirty_windows.entry(record.partition).or_default();
-        let mut changed: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
-        let mut shift = |c: &Contribution, retract: bool| -> Result<Option<String>, S::Error> {
-            for start in cfg.window.starts_of(c.event_time_ms) {
-                let key = WindowKey {
-                    window_start_ms: start,
-                    key: c.key.clone(),
-                };
-                let at = match changed.iter().position(|(k, _, _)| *k == key) {
-                    Some(at) => at,
-                    None => {
-                        let (value, new) = match windows.get(&key) {
-                            Some(held) => (held.clone(), false),
-                            None => (
-                                store
-                                    .window(record.partition, &key)?
-                                    .unwrap_or_else(|| job.empty_value()),
-                                true,
-                            ),
-                        };
-                        changed.push((key, value, new));
-                        changed.len() - 1
-                    }
-                };
-                if let Err(overflow) = job.shift(&mut changed[at].1, &c.value, retract) {
-                    return Ok(Some(format!(
-                        "{} row {:?} {} the window starting {} would leave the range of column {}",
-                        if retract { "taking" } else { "adding" },
-                        change.key.replace('\0', ","),
-                        if retract { "out of" } else { "to" },
-                        crate::time::format_ms(start),
-                        overflow.column
-                    )));
-                }
-            }
-            Ok(None)
-        };
-        // Out of the old windows, then into the new: all or none.
-        let mut failed = None;
-        if let Some(old) = &old {
-            failed = shift(old, true)?;
-        }
-        if let (None, Some(new)) = (&failed, &new) {
-            failed = shift(new, false)?;
-        }
-        if let Some(message) = failed {
-            self.hold_row(record.partition, &change, old);
-            return Ok(self.dead_letter(record, Poison::new(PoisonReason::TooLarge, message)));
-        }
-        for (key, value, new) in changed {
-            if new {
-                self.state_bytes += window_bytes(&key, &value);
-            }
-            windows.insert(key, value);
-        }
-        self.hold_row(record.partition, &change, new);
-        self.count(record.partition, |a| a.aggregated += 1);
-        Ok(Outcome::Aggregated)
-    }
-
     fn group_key(&self, job: &Job, event: &DeclaredEvent) -> GroupKey {
         GroupKey::new(
             job.keys
@@ -814,46 +659,6 @@ impl WindowOperator {
                 .zip(&event.key)
                 .map(|(&field, value)| value.key_text(job.fields[field].scale)),
         )
-    }
-
-    /// A change job's row as the newest cut, the cuts in flight or the store hold it.
-    fn held_row<S: StateReader>(
-        &self,
-        store: &S,
-        partition: PartitionId,
-        key: &str,
-    ) -> Result<Option<SourceRow>, S::Error> {
-        if let Some(row) = self
-            .dirty_rows
-            .get(&partition)
-            .and_then(|rows| rows.get(key))
-        {
-            return Ok(Some(row.clone()));
-        }
-        store.source_row(partition, key)
-    }
-
-    /// Records a change's position and the row's contribution after it.
-    fn hold_row(
-        &mut self,
-        partition: PartitionId,
-        change: &Change,
-        contribution: Option<Contribution>,
-    ) {
-        let row = SourceRow {
-            position: change.position,
-            contribution,
-        };
-        let bytes = change.key.len() + row.bytes();
-        if self
-            .dirty_rows
-            .entry(partition)
-            .or_default()
-            .insert(change.key.clone(), row)
-            .is_none()
-        {
-            self.state_bytes += bytes;
-        }
     }
 
     /// Records an aggregated event's id for dedup.
@@ -1012,189 +817,10 @@ impl WindowOperator {
     }
 }
 
-/// An epoch's changes as the operator held them at the barrier: what a [`Checkpoint`] is made
-/// of, before sorting.
-#[derive(Debug, Default)]
-pub struct EpochCut {
-    pub epoch: Epoch,
-    window_size_ms: i64,
-    windows: FastMap<PartitionId, FastMap<WindowKey, WindowAgg>>,
-    seen: FastMap<PartitionId, FastMap<CompactString, i64>>,
-    rows: FastMap<PartitionId, FastMap<CompactString, SourceRow>>,
-    pub dead_letters: Vec<DeadLetter>,
-    pub partitions: BTreeMap<PartitionId, PartitionCheckpoint>,
-    close_windows_before: Vec<(PartitionId, i64)>,
-    expire_seen_before: Vec<(PartitionId, i64)>,
-}
+mod change;
+mod cut;
 
-impl EpochCut {
-    /// The checkpoint of this cut, rows and seen ids sorted so that it encodes the same
-    /// whatever the hash order.
-    pub fn to_checkpoint(&self) -> Checkpoint {
-        let mut seen: Vec<(PartitionId, String, i64)> = self
-            .seen_ids()
-            .map(|(p, id, t)| (p, id.to_owned(), t))
-            .collect();
-        seen.sort();
-        let mut source_rows: Vec<(PartitionId, String, SourceRow)> = self
-            .source_rows()
-            .map(|(p, key, row)| (p, key.to_owned(), row.clone()))
-            .collect();
-        source_rows.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-        Checkpoint {
-            seen,
-            source_rows,
-            ..self.to_checkpoint_without_ids()
-        }
-    }
-
-    /// The epoch's changed rows of a change job, in no particular order.
-    pub fn source_rows(&self) -> impl Iterator<Item = (PartitionId, &str, &SourceRow)> {
-        self.rows
-            .iter()
-            .flat_map(|(&p, rows)| rows.iter().map(move |(key, row)| (p, key.as_str(), row)))
-    }
-
-    /// One partition's changed rows, in no particular order.
-    pub fn source_rows_of(
-        &self,
-        partition: PartitionId,
-    ) -> impl Iterator<Item = (&str, &SourceRow)> {
-        self.rows
-            .get(&partition)
-            .into_iter()
-            .flatten()
-            .map(|(key, row)| (key.as_str(), row))
-    }
-
-    /// The epoch's new dedup ids with their event times, in no particular order.
-    pub fn seen_ids(&self) -> impl Iterator<Item = (PartitionId, &str, i64)> {
-        self.seen
-            .iter()
-            .flat_map(|(&p, ids)| ids.iter().map(move |(id, &t)| (p, id.as_str(), t)))
-    }
-
-    /// [`EpochCut::to_checkpoint`] with `seen` left empty: what the sinks need, without a copy
-    /// of every id (the largest part of an epoch).
-    pub fn to_checkpoint_without_ids(&self) -> Checkpoint {
-        // Sized up front: collected from a flat map, the vector grew by doubling, copying the
-        // rows each time and holding up to twice their memory (heap profile of a catch-up).
-        let mut rows = Vec::with_capacity(self.windows.values().map(|w| w.len()).sum());
-        rows.extend(self.windows.iter().flat_map(|(&partition, windows)| {
-            windows.iter().map(move |(key, value)| OutputRow {
-                partition,
-                window_end_ms: key.window_start_ms + self.window_size_ms,
-                key: key.clone(),
-                value: value.clone(),
-            })
-        }));
-        OutputRow::sort_batch(&mut rows);
-        Checkpoint {
-            epoch: self.epoch,
-            partitions: self.partitions.clone(),
-            rows,
-            seen: Vec::new(),
-            dead_letters: self.dead_letters.clone(),
-            source_rows: Vec::new(),
-            close_windows_before: self.close_windows_before.clone(),
-            expire_seen_before: self.expire_seen_before.clone(),
-        }
-    }
-
-    /// One partition's changed windows (full values), in no particular order.
-    pub fn windows_of(
-        &self,
-        partition: PartitionId,
-    ) -> impl Iterator<Item = (&WindowKey, &WindowAgg)> {
-        self.windows.get(&partition).into_iter().flatten()
-    }
-
-    /// One partition's new dedup ids with their event times, in no particular order.
-    pub fn seen_of(&self, partition: PartitionId) -> impl Iterator<Item = (&str, i64)> {
-        self.seen
-            .get(&partition)
-            .into_iter()
-            .flatten()
-            .map(|(id, &t)| (id.as_str(), t))
-    }
-
-    /// One partition's (window close, dedup expiry) cutoffs at this barrier: `None` before
-    /// its watermark exists.
-    pub fn cutoffs_of(&self, partition: PartitionId) -> (Option<i64>, Option<i64>) {
-        let find = |list: &[(PartitionId, i64)]| {
-            list.iter()
-                .find(|(p, _)| *p == partition)
-                .map(|&(_, cutoff)| cutoff)
-        };
-        (
-            find(&self.close_windows_before),
-            find(&self.expire_seen_before),
-        )
-    }
-
-    /// Records consumed in this epoch.
-    pub fn consumed(&self) -> u64 {
-        self.partitions.values().map(|p| p.epoch.consumed).sum()
-    }
-}
-
-/// The durable state as it will be once the cuts in flight are written: the newest cut that
-/// changed a key wins, then the store. Windows a cut closed and dedup entries it expired can
-/// still be read here, and give the same decisions as their absence: a record for a closed
-/// window is late, and an expired entry is past the horizon either way.
-pub struct WithInFlight<'a, S> {
-    /// Oldest first.
-    pub cuts: &'a VecDeque<Arc<EpochCut>>,
-    pub store: &'a S,
-}
-
-impl<S: StateReader> StateReader for WithInFlight<'_, S> {
-    type Error = S::Error;
-
-    fn window(
-        &self,
-        partition: PartitionId,
-        key: &WindowKey,
-    ) -> Result<Option<WindowAgg>, S::Error> {
-        for cut in self.cuts.iter().rev() {
-            if let Some(agg) = cut.windows.get(&partition).and_then(|w| w.get(key)) {
-                return Ok(Some(agg.clone()));
-            }
-        }
-        self.store.window(partition, key)
-    }
-
-    fn seen_event_time(
-        &self,
-        partition: PartitionId,
-        event_id: &str,
-    ) -> Result<Option<i64>, S::Error> {
-        for cut in self.cuts.iter().rev() {
-            if let Some(t) = cut.seen.get(&partition).and_then(|ids| ids.get(event_id)) {
-                return Ok(Some(*t));
-            }
-        }
-        self.store.seen_event_time(partition, event_id)
-    }
-
-    fn source_row(&self, partition: PartitionId, key: &str) -> Result<Option<SourceRow>, S::Error> {
-        for cut in self.cuts.iter().rev() {
-            if let Some(row) = cut.rows.get(&partition).and_then(|rows| rows.get(key)) {
-                return Ok(Some(row.clone()));
-            }
-        }
-        self.store.source_row(partition, key)
-    }
-}
-
-fn op_name(op: Op) -> &'static str {
-    match op {
-        Op::Create => "c",
-        Op::Update => "u",
-        Op::Delete => "d",
-        Op::Read => "r",
-    }
-}
+pub use cut::{EpochCut, WithInFlight};
 
 #[cfg(test)]
 mod change_tests;

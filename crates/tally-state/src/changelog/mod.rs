@@ -242,7 +242,7 @@ fn chunks<T>(items: &[T], limit: usize, size: impl Fn(&T) -> usize) -> Vec<&[T]>
 impl ChangelogRecord {
     pub fn decode(bytes: &[u8]) -> Result<ChangelogRecord, ChangelogError> {
         // The format is the first field: checked before the rest is trusted.
-        use crate::upgrade::{
+        use crate::old_formats::{
             PartitionCheckpointV1, PartitionCheckpointV2, WindowAggV2, WindowKeyV1,
         };
         let decoded = match bytes.first() {
@@ -371,6 +371,24 @@ impl Liveness {
     }
 }
 
+/// The liveness of a changelog epoch as store formats up to 5 saved it in their restore
+/// points: no rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LivenessV1 {
+    pub max_window_start: Option<i64>,
+    pub max_seen_time: Option<i64>,
+}
+
+impl From<LivenessV1> for Liveness {
+    fn from(l: LivenessV1) -> Liveness {
+        Liveness {
+            max_window_start: l.max_window_start,
+            max_seen_time: l.max_seen_time,
+            holds_rows: false,
+        }
+    }
+}
+
 /// Per source partition, where a restore may start reading the changelog: the offset of the
 /// oldest committed epoch whose records still hold live state (the newest epoch's always do:
 /// they carry the partition's progress). Every record before it holds only closed windows and
@@ -421,7 +439,7 @@ impl<L: Into<Liveness>> RestorePoints<L> {
 impl RestorePoints {
     /// The points as store format 5 saved them (tests write stores of that format).
     #[cfg(test)]
-    pub(crate) fn to_v1(&self) -> RestorePoints<crate::upgrade::LivenessV1> {
+    pub(crate) fn to_v1(&self) -> RestorePoints<LivenessV1> {
         RestorePoints {
             partitions: self
                 .partitions
@@ -433,7 +451,7 @@ impl RestorePoints {
                         .map(|(o, l)| {
                             (
                                 *o,
-                                crate::upgrade::LivenessV1 {
+                                LivenessV1 {
                                     max_window_start: l.max_window_start,
                                     max_seen_time: l.max_seen_time,
                                 },

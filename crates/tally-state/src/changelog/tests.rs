@@ -569,10 +569,10 @@ fn in_earlier_format<K: Serialize, V: Serialize>(
     let p = &record.progress;
     assert!(record.rows.is_empty() && p.newest_change.is_none());
     if format == CHANGELOG_FORMAT_V4 {
-        let v2 = crate::upgrade::AccountingV2::from;
+        let v2 = crate::old_formats::AccountingV2::from;
         encode_earlier(record, format, &windows, &seen, v2(p.epoch), v2(p.totals))
     } else {
-        let v1 = crate::upgrade::AccountingV1::from;
+        let v1 = crate::old_formats::AccountingV1::from;
         encode_earlier(record, format, &windows, &seen, v1(p.epoch), v1(p.totals))
     }
 }
@@ -587,7 +587,7 @@ fn encode_earlier<K: Serialize, V: Serialize, A: Serialize>(
     totals: A,
 ) -> Vec<u8> {
     let p = &record.progress;
-    let progress = crate::upgrade::PartitionCheckpointV1 {
+    let progress = crate::old_formats::PartitionCheckpointV1 {
         epoch_start_offset: p.epoch_start_offset,
         next_offset: p.next_offset,
         watermark: p.watermark,
@@ -620,14 +620,14 @@ fn records_of_the_releases_before_group_keys_values_and_filters_are_read() {
     let log = run_owner(&owner, &[events], usize::MAX);
     let record = ChangelogRecord::decode(&log[0]).unwrap();
     assert!(record.windows.len() >= 3 && !record.seen.is_empty());
-    let value_v2 = |v: &WindowAgg| crate::upgrade::WindowAggV2 {
+    let value_v2 = |v: &WindowAgg| crate::old_formats::WindowAggV2 {
         orders: v.orders(),
         revenue: v.revenue(),
     };
     let v1 = in_earlier_format(
         &record,
         CHANGELOG_FORMAT_V1,
-        |k| crate::upgrade::WindowKeyV1 {
+        |k| crate::old_formats::WindowKeyV1 {
             window_start_ms: k.window_start_ms,
             customer_id: k.customer_id().into(),
             currency: k.currency().into(),

@@ -377,7 +377,7 @@ impl FramedWriter {
     /// keeps only compatible changes).
     pub async fn register(config: &Config, job: &Job, events: u64) -> Result<FramedWriter> {
         let registry = Registry::new(&config.registry)?;
-        let subject = crate::schemas::subject(config);
+        let subject = config.registry_subject();
         let kind = schema_type(job.format);
         let shapes = FramedWriter::shapes(job)?;
         let (stages, wrong_type, text_time) = shapes;
