@@ -11,65 +11,16 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::capture::Capture;
+use common::capture::{captured_table, field, finish, loadgen, tail, verify_when_caught_up};
 use common::*;
-
-fn loadgen(job: &Job, manifest: &str, args: &[&str]) -> std::process::Child {
-    Command::new(worker_binary())
-        .args(["loadgen", "--config", job.config.to_str().unwrap()])
-        .args([
-            "--manifest",
-            manifest,
-            "--step-ms",
-            "60000",
-            "--customers",
-            "30",
-        ])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("loadgen")
-}
-
-fn finish(child: std::process::Child) -> String {
-    let out = child.wait_with_output().expect("loadgen ends");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "loadgen failed:\n{text}");
-    text
-}
-
-/// The value of `name=` in a `verify-summary` line.
-fn field(summary: &str, name: &str) -> u64 {
-    summary
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{name}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {summary}"))
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_changing_table_reaches_the_view_exactly_once_through_kills_and_restarts() {
-    let capture = Capture::new();
-    let job = capture.job();
-    let manifest = job.dir.path().join("changes.json");
-    let manifest = manifest.to_str().unwrap().to_owned();
-
     // Rows that exist before the connector: its first snapshot reads them.
-    finish(loadgen(
-        &job,
-        &manifest,
-        &["--events", "0", "--initial-rows", "400"],
-    ));
-    capture.register(&[]).await;
-    capture.wait_for_records(400).await;
+    let (capture, job, manifest) = captured_table(400).await;
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
@@ -129,19 +80,7 @@ async fn a_changing_table_reaches_the_view_exactly_once_through_kills_and_restar
     wait_until(Duration::from_secs(120), || capture.running()).await;
 
     // Until Debezium and tally have caught up: verify passes, or says why not.
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let (ok, report) = loop {
-        let (ok, report) = tally_command(&job, "verify", &["--manifest", &manifest]);
-        if ok || Instant::now() > deadline {
-            break (ok, report);
-        }
-        tokio::time::sleep(Duration::from_secs(5)).await;
-    };
-    let summary = report
-        .lines()
-        .find(|l| l.starts_with("verify-summary"))
-        .unwrap_or_default()
-        .to_owned();
+    let (ok, report, summary) = verify_when_caught_up(&job, &manifest).await;
     println!("{report}");
     assert!(ok, "verify:\n{report}\nlog tail:\n{}", tail(&job.log()));
     // The connector's replay was counted, not applied: repeats are duplicates (or stale).
@@ -170,9 +109,4 @@ async fn a_changing_table_reaches_the_view_exactly_once_through_kills_and_restar
     );
     sigterm(&worker);
     wait_exit(&mut worker, Duration::from_secs(60));
-}
-
-fn tail(log: &str) -> String {
-    let lines: Vec<&str> = log.lines().collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
 }

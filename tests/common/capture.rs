@@ -3,7 +3,7 @@
 //! replication slot, publication, connector and topic named after it), and removed when
 //! dropped: a replication slot left behind would hold PostgreSQL's WAL for good.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use super::{Job, unique, wait_until};
@@ -194,4 +194,88 @@ impl Drop for Capture {
             self.name, self.table, self.signal_table
         ));
     }
+}
+
+/// `tally loadgen` of a change job: changes made through SQL on the capture's table, written
+/// down in `manifest` (which several runs extend).
+pub fn loadgen(job: &Job, manifest: &str, args: &[&str]) -> std::process::Child {
+    Command::new(super::worker_binary())
+        .args(["loadgen", "--config", job.config.to_str().unwrap()])
+        .args([
+            "--manifest",
+            manifest,
+            "--step-ms",
+            "60000",
+            "--customers",
+            "30",
+        ])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("loadgen")
+}
+
+/// Waits for a loadgen; its output, or a panic with it if it failed.
+pub fn finish(child: std::process::Child) -> String {
+    let out = child.wait_with_output().expect("loadgen ends");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "loadgen failed:\n{text}");
+    text
+}
+
+/// The value of `name=` in a `verify-summary` line.
+pub fn field(summary: &str, name: &str) -> u64 {
+    summary
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{name}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {summary}"))
+}
+
+/// A table of `rows` rows captured from the start: the connector registered and its first
+/// snapshot in the topic. The capture, the shipped orders job reading it, and the path of the
+/// loadgen manifest that the rows began.
+pub async fn captured_table(rows: u32) -> (Capture, Job, String) {
+    let capture = Capture::new();
+    let job = capture.job();
+    let manifest = job.dir.path().join("changes.json");
+    let manifest = manifest.to_str().expect("a UTF-8 path").to_owned();
+    finish(loadgen(
+        &job,
+        &manifest,
+        &["--events", "0", "--initial-rows", &rows.to_string()],
+    ));
+    capture.register(&[]).await;
+    capture.wait_for_records(i64::from(rows)).await;
+    (capture, job, manifest)
+}
+
+/// Runs `tally verify --manifest` until it passes (Debezium and tally caught up) or four minutes
+/// went by: whether it passed, its report and its `verify-summary` line.
+pub async fn verify_when_caught_up(job: &Job, manifest: &str) -> (bool, String, String) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    let (ok, report) = loop {
+        let (ok, report) = super::tally_command(job, "verify", &["--manifest", manifest]);
+        if ok || std::time::Instant::now() > deadline {
+            break (ok, report);
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    };
+    let summary = report
+        .lines()
+        .find(|l| l.starts_with("verify-summary"))
+        .unwrap_or_default()
+        .to_owned();
+    (ok, report, summary)
+}
+
+/// The last 40 lines of a log.
+pub fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
 }
