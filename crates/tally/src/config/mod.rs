@@ -80,23 +80,10 @@ impl<'de> Deserialize<'de> for Millis {
     }
 }
 
-/// Written back in the largest unit that holds it exactly, as a user would write it.
+/// Written back as a user would write it (`90s`, `5m`, `1h`).
 impl Serialize for Millis {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let units = [
-            (86_400_000, "d"),
-            (3_600_000, "h"),
-            (60_000, "m"),
-            (1_000, "s"),
-        ];
-        let text = units
-            .iter()
-            .find(|(scale, _)| self.0 != 0 && self.0 % scale == 0)
-            .map_or_else(
-                || format!("{}ms", self.0),
-                |(scale, unit)| format!("{}{unit}", self.0 / scale),
-            );
-        s.serialize_str(&text)
+        s.serialize_str(&tally_core::declare::format_duration(self.0))
     }
 }
 

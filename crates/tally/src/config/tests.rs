@@ -424,10 +424,10 @@ fn the_effective_settings_read_back_as_the_same_job_and_never_show_a_password() 
 #[test]
 fn durations_show_in_the_largest_unit_that_holds_them() {
     let shown = |ms| toml::Value::try_from(Millis(ms)).unwrap().to_string();
-    assert_eq!(shown(0), "\"0ms\"");
+    assert_eq!(shown(0), "\"0s\"");
     assert_eq!(shown(1_500), "\"1500ms\"");
     assert_eq!(shown(120_000), "\"2m\"");
-    assert_eq!(shown(86_400_000), "\"1d\"");
+    assert_eq!(shown(86_400_000), "\"24h\"");
     for ms in [0, 1, 999, 1_000, 61_000, 3_600_000, 90_000_000] {
         let text = toml::Value::try_from(Millis(ms)).unwrap();
         assert_eq!(Millis::parse(text.as_str().unwrap()), Ok(Millis(ms)));
