@@ -11,6 +11,10 @@ use tally_clickhouse::ClickHouseSink;
 use crate::config::Config;
 use crate::prove::{self, ReconcileFilter};
 
+/// Every fate a consumed record can have (a change job's `stale` and `tombstones` are 0 for
+/// jobs of events), and the offsets they add up to.
+const PROCESSED_INVARIANT: &str = "consumed = aggregated + duplicates + late + dead-lettered + filtered + stale + tombstones, and = next offset − first offset";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Status {
@@ -187,7 +191,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         Ok(store) => match store.meta() {
             None if !writers.is_empty() => row(
                 "Persisted → Processed",
-                "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+                PROCESSED_INVARIANT,
                 Status::Warn,
                 format!(
                     "no checkpoint in {}, and writer(s) {writers:?} commit the job: a standby's directory (it restores the job from the changelog when it takes over), or not the job's",
@@ -196,7 +200,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             ),
             None => row(
                 "Persisted → Processed",
-                "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+                PROCESSED_INVARIANT,
                 Status::Warn,
                 format!("no checkpoint in {}", config.job.state_dir.display()),
             ),
@@ -245,7 +249,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 let job_epoch = marks.values().map(|m| m.epoch).max().unwrap_or(meta.epoch);
                 row(
                     "Persisted → Processed",
-                    "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+                    PROCESSED_INVARIANT,
                     match (broken.is_empty(), replica) {
                         (false, _) => Status::Fail,
                         (true, true) => Status::Warn,
@@ -273,7 +277,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
         Err(e) => row(
             "Persisted → Processed",
-            "consumed = aggregated + duplicates + late + dead-lettered, and = next offset − first offset",
+            PROCESSED_INVARIANT,
             Status::Warn,
             format!("state directory not readable here ({e}); run doctor where the worker's state is, or on a copy"),
         ),
