@@ -134,3 +134,136 @@ async fn check_config_names_a_field_the_latest_schema_lacks() {
         assert!(text.contains(named), "{named}: {text}");
     }
 }
+
+/// The table "Which evolutions the registry takes" in docs/formats.md, checked against the
+/// local registry: each evolution registered after its first schema under a subject of each
+/// compatibility level, passing or refused as the table says.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_registry_takes_the_evolutions_formats_md_says() {
+    let avro = |fields: &[&str]| {
+        format!(
+            r#"{{"type":"record","name":"E","fields":[{}]}}"#,
+            fields.join(",")
+        )
+    };
+    let (id, n, note) = (
+        r#"{"name":"id","type":"string"}"#,
+        r#"{"name":"n","type":"int"}"#,
+        r#"{"name":"note","type":["null","string"],"default":null}"#,
+    );
+    let proto = |body: &str| format!("syntax = \"proto3\";\nmessage E {{\n{body}\n}}\n");
+    let first = (
+        avro(&[id, n, note]),
+        proto("string id = 1; int32 n = 2; string note = 3;"),
+    );
+    // Each row's first cell names its evolution: (Avro, Protobuf) schema after the first.
+    let evolutions: Vec<(&str, Option<String>, Option<String>)> = vec![
+        (
+            "a field added (Avro: nullable, with a default)",
+            Some(avro(&[
+                id,
+                n,
+                note,
+                r#"{"name":"c","type":["null","string"],"default":null}"#,
+            ])),
+            Some(proto(
+                "string id = 1; int32 n = 2; string note = 3; string c = 4;",
+            )),
+        ),
+        (
+            "a field added without a default",
+            Some(avro(&[id, n, note, r#"{"name":"c","type":"string"}"#])),
+            None,
+        ),
+        (
+            "a field removed",
+            Some(avro(&[id, n])),
+            Some(proto("string id = 1; int32 n = 2;")),
+        ),
+        (
+            "a field removed, its number and name reserved",
+            None,
+            Some(proto(
+                "string id = 1; int32 n = 2; reserved 3; reserved \"note\";",
+            )),
+        ),
+        (
+            "an int widened to a long (Protobuf: int32 to int64)",
+            Some(avro(&[id, r#"{"name":"n","type":"long"}"#, note])),
+            Some(proto("string id = 1; int64 n = 2; string note = 3;")),
+        ),
+        (
+            "a union gains a branch",
+            Some(avro(&[
+                id,
+                n,
+                r#"{"name":"note","type":["null","string","long"],"default":null}"#,
+            ])),
+            None,
+        ),
+        (
+            "a field's type changed (string to int)",
+            Some(avro(&[r#"{"name":"id","type":"int"}"#, n, note])),
+            Some(proto("int32 id = 1; int32 n = 2; string note = 3;")),
+        ),
+    ];
+    let doc = std::fs::read_to_string(format!(
+        "{}/../../docs/formats.md",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
+    let table: Vec<Vec<String>> = doc
+        .split("## Which evolutions the registry takes")
+        .nth(1)
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| evolution"))
+        .map(|l| {
+            l.trim_matches('|')
+                .split('|')
+                .map(|c| c.trim().to_owned())
+                .collect()
+        })
+        .take_while(|cells: &Vec<String>| cells.len() == 5)
+        .collect();
+    assert_eq!(
+        table.len(),
+        evolutions.len(),
+        "one row per evolution: {table:?}"
+    );
+    let registry = tally::schemas::Registry::new(&tally::config::RegistryConfig {
+        url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut checked = 0;
+    for (name, avro_after, proto_after) in &evolutions {
+        let row = table
+            .iter()
+            .find(|r| r[0] == *name)
+            .unwrap_or_else(|| panic!("docs/formats.md has no row {name:?}"));
+        let trials = [
+            ("AVRO", &first.0, avro_after, "BACKWARD", &row[1]),
+            ("AVRO", &first.0, avro_after, "NONE", &row[2]),
+            ("PROTOBUF", &first.1, proto_after, "BACKWARD", &row[3]),
+            ("PROTOBUF", &first.1, proto_after, "NONE", &row[4]),
+        ];
+        for (kind, before, after, level, says) in trials {
+            let Some(after) = after else {
+                assert_eq!(says, "—", "{name}: {kind} has no such evolution");
+                continue;
+            };
+            let subject = unique("evolution");
+            registry.set_compatibility(&subject, level).await.unwrap();
+            registry.register(&subject, before, kind).await.unwrap();
+            let taken = registry.register(&subject, after, kind).await;
+            let found = if taken.is_ok() { "passes" } else { "refused" };
+            assert_eq!(
+                found, says,
+                "{name}, {kind} under {level}: the registry answered {taken:?}"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 22, "every cell but the dashes");
+}

@@ -331,6 +331,17 @@ pub(crate) fn not_a_json_object(e: serde_json::Error) -> Poison {
     Poison::new(PoisonReason::InvalidJson, format!("{what}: {e}"))
 }
 
+/// `text` unless it is empty, which counts as missing.
+fn non_empty<'t>(text: Cow<'t, str>, name: &str) -> Result<Cow<'t, str>, Poison> {
+    if text.is_empty() {
+        return Err(Poison::new(
+            PoisonReason::MissingField,
+            format!("field {name:?} is empty"),
+        ));
+    }
+    Ok(text)
+}
+
 impl RecordDecoder {
     pub fn new(mapping: FieldMapping, max_record_bytes: usize) -> RecordDecoder {
         RecordDecoder {
@@ -375,68 +386,82 @@ impl RecordDecoder {
             }
         };
         let m = &self.mapping;
-        let event_id = required_string(Field::EventId, &m.event_id)?;
-        if event_id.is_empty() {
-            return Err(Poison::new(
-                PoisonReason::MissingField,
-                format!("field {:?} is empty", m.event_id),
-            ));
-        }
-        let customer_id = required_string(Field::CustomerId, &m.customer_id)?;
-        if customer_id.is_empty() {
-            return Err(Poison::new(
-                PoisonReason::MissingField,
-                format!("field {:?} is empty", m.customer_id),
-            ));
-        }
-        let currency = required_string(Field::Currency, &m.currency)?;
-        if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
-            return Err(Poison::new(
-                PoisonReason::InvalidCurrency,
-                format!("currency {currency:?} is not three upper-case letters"),
-            ));
-        }
-        let amount_text = match classify(get(Field::Amount, &m.amount)?) {
-            Raw::Str(raw) => string_of(raw)?,
-            Raw::Number(text) => Cow::Borrowed(text),
-            Raw::Other(kind) => {
+        let event_id =
+            required_string(Field::EventId, &m.event_id).and_then(|id| non_empty(id, &m.event_id));
+        let customer_id = required_string(Field::CustomerId, &m.customer_id)
+            .and_then(|id| non_empty(id, &m.customer_id));
+        let currency = required_string(Field::Currency, &m.currency).and_then(|currency| {
+            if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
                 return Err(Poison::new(
-                    PoisonReason::WrongType,
-                    format!(
-                        "field {:?} is {kind}, expected a number or decimal string",
-                        m.amount
-                    ),
+                    PoisonReason::InvalidCurrency,
+                    format!("currency {currency:?} is not three upper-case letters"),
                 ));
             }
-            Raw::Null => {
-                return Err(Poison::new(
-                    PoisonReason::MissingField,
-                    format!("field {:?} is null", m.amount),
-                ));
-            }
-        };
-        let amount = Amount::parse(&amount_text)
-            .map_err(|e| Poison::new(PoisonReason::InvalidAmount, e.to_string()))?;
-        let event_time_ms = match classify(get(Field::EventTime, &m.event_time)?) {
-            Raw::Str(raw) => event_time_of_text(&string_of(raw)?)?,
-            Raw::Number(text) => event_time_of_number(text, "milliseconds", 1)?,
-            Raw::Other(kind) => {
-                return Err(Poison::new(
-                    PoisonReason::WrongType,
-                    format!(
-                        "field {:?} is {kind}, expected a string or integer",
-                        m.event_time
-                    ),
-                ));
-            }
-            Raw::Null => {
-                return Err(Poison::new(
-                    PoisonReason::MissingField,
-                    format!("field {:?} is null", m.event_time),
-                ));
-            }
-        };
-        let event_time_ms = event_time_in_range(event_time_ms)?;
+            Ok(currency)
+        });
+        let amount = (|| {
+            let amount_text = match classify(get(Field::Amount, &m.amount)?) {
+                Raw::Str(raw) => string_of(raw)?,
+                Raw::Number(text) => Cow::Borrowed(text),
+                Raw::Other(kind) => {
+                    return Err(Poison::new(
+                        PoisonReason::WrongType,
+                        format!(
+                            "field {:?} is {kind}, expected a number or decimal string",
+                            m.amount
+                        ),
+                    ));
+                }
+                Raw::Null => {
+                    return Err(Poison::new(
+                        PoisonReason::MissingField,
+                        format!("field {:?} is null", m.amount),
+                    ));
+                }
+            };
+            Amount::parse(&amount_text)
+                .map_err(|e| Poison::new(PoisonReason::InvalidAmount, e.to_string()))
+        })();
+        let event_time_ms = (|| {
+            let ms = match classify(get(Field::EventTime, &m.event_time)?) {
+                Raw::Str(raw) => event_time_of_text(&string_of(raw)?)?,
+                Raw::Number(text) => event_time_of_number(text, "milliseconds", 1)?,
+                Raw::Other(kind) => {
+                    return Err(Poison::new(
+                        PoisonReason::WrongType,
+                        format!(
+                            "field {:?} is {kind}, expected a string or integer",
+                            m.event_time
+                        ),
+                    ));
+                }
+                Raw::Null => {
+                    return Err(Poison::new(
+                        PoisonReason::MissingField,
+                        format!("field {:?} is null", m.event_time),
+                    ));
+                }
+            };
+            event_time_in_range(ms)
+        })();
+        // A wrong value is named before a missing field, as a declared job names them
+        // (docs/formats.md: the order of dead-letter reasons).
+        let (event_id, customer_id, currency, amount, event_time_ms) =
+            match (event_id, customer_id, currency, amount, event_time_ms) {
+                (Ok(a), Ok(b), Ok(c), Ok(d), Ok(e)) => (a, b, c, d, e),
+                (a, b, c, d, e) => {
+                    let errors = [a.err(), b.err(), c.err(), d.err(), e.err()];
+                    let mut errors = errors.into_iter().flatten();
+                    let first = errors.next().unwrap_or_else(|| {
+                        Poison::new(PoisonReason::InvalidJson, "no field could be read")
+                    });
+                    if first.reason != PoisonReason::MissingField {
+                        return Err(first);
+                    }
+                    let wrong = errors.find(|p| p.reason != PoisonReason::MissingField);
+                    return Err(wrong.unwrap_or(first));
+                }
+            };
         Ok(OrderEvent {
             event_id: CompactString::from(event_id.as_ref()),
             customer_id: CompactString::from(customer_id.as_ref()),

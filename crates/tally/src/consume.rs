@@ -410,9 +410,16 @@ impl Consumer {
                         cuts: in_flight.readable(),
                         store: &*self.store,
                     };
-                    operator
+                    let (partition, offset) = (record.partition, record.offset);
+                    let outcome = operator
                         .process(&state, record)
                         .context("processing a record")?;
+                    if outcome == tally_core::Outcome::Truncated {
+                        bail!(
+                            "the source table was truncated: a TRUNCATE event is at partition {partition} offset {offset} of {}. Its rows are held across every partition, which tally cannot retract at one point, so the job stops before it and commits nothing past it. To go on, rebuild the job: stop its workers, give it a new job.name (new state and tables) and let the connector take a new snapshot of the table (docs/change-jobs.md: a TRUNCATE)",
+                            self.config.kafka.source_topic
+                        );
+                    }
                 }
                 Err(e) if e.is_offset_out_of_range() => {
                     bail!(

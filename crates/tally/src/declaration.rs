@@ -146,7 +146,7 @@ pub fn describe(job: &Job) -> String {
                 max.as_ref().map_or("+inf".into(), show)
             ),
             Test::Present(true) => format!("{name} is present"),
-            Test::Present(false) => format!("{name} is absent"),
+            Test::Present(false) => format!("{name} is absent or null (then not read)"),
         };
         let _ = writeln!(out, "  filter {test}");
     }

@@ -252,10 +252,14 @@ struct ReconcileArgs {
     /// the topic again.
     #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "URL")]
     source: Option<String>,
-    /// With --source: windows still open at the job's cut must match too (exit 1 otherwise),
-    /// for a source that stopped changing and a job that caught up.
+    /// With --source: fail too when open windows could not be compared at one point with the
+    /// table (no slot named, or the connector or the job not catching up within --wait).
     #[arg(long)]
     strict: bool,
+    /// With --source: how long to wait for the connector to capture and the job to commit
+    /// what the table's snapshot holds, before comparing only settled windows.
+    #[arg(long, default_value = "60s")]
+    wait: String,
 }
 
 fn init_logging(format: LogFormat) {
@@ -495,17 +499,18 @@ fn reconcile(args: ReconcileArgs) -> Result<()> {
     let rt = runtime()?;
     if let Some(url) = &args.source {
         let url = (!url.is_empty()).then_some(url.as_str());
+        let wait = parse_duration(&args.wait, "--wait")?;
         return match args.every {
             None => {
                 let r = rt.block_on(tally::source::reconcile::reconcile_source(
-                    &cfg, url, &filter, true,
+                    &cfg, url, &filter, wait, true,
                 ))?;
                 exit_unless(!r.fails(args.strict))
             }
             Some(every) => {
                 let every = parse_duration(&every, "--every")?;
                 rt.block_on(tally::source::reconcile::reconcile_source_every(
-                    &cfg, url, &filter, every,
+                    &cfg, url, &filter, every, wait,
                 ))
             }
         };

@@ -209,6 +209,16 @@ impl Registry {
         Ok(version.map(|v| (v.id, v.fetched)))
     }
 
+    /// Sets `subject`'s compatibility level (`BACKWARD`, `NONE`, ...): which new schemas the
+    /// registry takes under it.
+    pub async fn set_compatibility(&self, subject: &str, level: &str) -> Result<(), RegistryError> {
+        let body = serde_json::json!({ "compatibility": level }).to_string();
+        let _: Option<serde_json::Value> = self
+            .json("PUT", &format!("/config/{subject}"), Some(body))
+            .await?;
+        Ok(())
+    }
+
     /// Registers `schema` (of `kind`, `AVRO` or `PROTOBUF`) under `subject`; its id.
     pub async fn register(
         &self,

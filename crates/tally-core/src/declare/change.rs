@@ -51,6 +51,9 @@ pub enum Op {
     Delete,
     /// A snapshot read: the row as it is, whether tally holds it or not (an upsert).
     Read,
+    /// Every row of the table removed (`TRUNCATE`): the event names no row, so the rows it
+    /// removed are held in every partition; the operator stops the job at it.
+    Truncate,
 }
 
 /// One change, read: its row's primary key (the key's values as text, joined by NUL, which
@@ -180,11 +183,7 @@ impl Job {
             "u" => Op::Update,
             "d" => Op::Delete,
             "r" => Op::Read,
-            "t" => {
-                return Err(invalid(
-                    "a truncate (op \"t\") is not applied: it carries no rows to retract; rebuild the job (a new job name, from a new snapshot)",
-                ));
-            }
+            "t" => Op::Truncate,
             other => return Err(invalid(format!("op {other:?} is not c, u, d or r"))),
         };
         let lsn = slot[op_at + 1].and_then(unsigned);
@@ -211,6 +210,14 @@ impl Job {
                 ));
             }
         };
+        if op == Op::Truncate {
+            return Ok(Change {
+                op,
+                position,
+                key: CompactString::default(),
+                row: Ok(None),
+            });
+        }
         let (image, keys) = slot.split_at(envelope.fields);
         let before_keys = &keys[..envelope.primary_key.len()];
         let key_of = |raws: &[Option<&RawValue>], image: &str| {
@@ -245,12 +252,23 @@ impl Job {
         let after_keys: SmallVec<[Option<&RawValue>; 4]> =
             envelope.primary_key.iter().map(|&k| image[k]).collect();
         let key = key_of(&after_keys, "after")?;
-        let row = self.evaluate_fields(image).map(Some).map_err(|p| {
+        let named = |p: Poison| {
             Poison::new(
                 p.reason,
                 format!("row {:?}: {}", key.replace('\0', ","), p.message),
             )
-        });
+        };
+        let row = match self.evaluate_fields(image) {
+            Ok(Evaluation::Incomplete {
+                event_time_ms,
+                poison,
+            }) => Ok(Some(Evaluation::Incomplete {
+                event_time_ms,
+                poison: named(poison),
+            })),
+            Ok(evaluation) => Ok(Some(evaluation)),
+            Err(p) => Err(named(p)),
+        };
         Ok(Change {
             op,
             position,

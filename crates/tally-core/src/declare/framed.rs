@@ -163,7 +163,16 @@ impl Job {
         decoded.map_err(|why| {
             Poison::new(PoisonReason::Undecodable, format!("{why} (schema id {id})"))
         })?;
-        self.evaluate_fields(&cells[..])
-            .map_err(|p| Poison::new(p.reason, format!("{} (schema id {id})", p.message)))
+        let named = |p: Poison| Poison::new(p.reason, format!("{} (schema id {id})", p.message));
+        match self.evaluate_fields(&cells[..]) {
+            Ok(Evaluation::Incomplete {
+                event_time_ms,
+                poison,
+            }) => Ok(Evaluation::Incomplete {
+                event_time_ms,
+                poison: named(poison),
+            }),
+            other => other.map_err(named),
+        }
     }
 }

@@ -77,6 +77,7 @@ fn read(job: &Job, registry: &Registry, bytes: &[u8]) -> Result<DeclaredEvent, P
     match job.read(Some(bytes), 1 << 20, Some(registry))? {
         Evaluation::Event(e) => Ok(e),
         Evaluation::Filtered => panic!("no filter is declared"),
+        Evaluation::Incomplete { poison, .. } => Err(poison),
     }
 }
 

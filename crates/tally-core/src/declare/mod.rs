@@ -38,7 +38,7 @@ pub use value::{
     parse_decimal,
 };
 
-use crate::decode::{Poison, document, not_a_json_object};
+use crate::decode::{Poison, PoisonReason, document, not_a_json_object};
 use crate::window::WindowSpec;
 use crate::window_agg::{RowShape, WindowAgg, Word, WordKind};
 
@@ -182,6 +182,8 @@ pub struct Job {
     pub event_time: usize,
     pub keys: Vec<usize>,
     pub filter: Vec<Condition>,
+    /// Per field: the filter lets it be absent (`present = false`), so it is not read.
+    may_be_absent: Vec<bool>,
     pub aggregates: Vec<Aggregate>,
     pub windows: WindowSpec,
     /// Set for a job of change events: its primary key and the envelope around its rows.
@@ -235,11 +237,17 @@ impl FieldValues for [Option<Cell<'_>>] {
     }
 }
 
-/// A valid record either counts or is filtered out.
+/// A record the filter passes counts, or lacks a field it needs; else it is filtered out.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Evaluation {
     Event(DeclaredEvent),
     Filtered,
+    /// Every value there is valid, but a required field is missing: the record is
+    /// dead-lettered with `poison`, or as late when `event_time_ms` is behind the watermark.
+    Incomplete {
+        event_time_ms: i64,
+        poison: Poison,
+    },
 }
 
 /// A duration as the job file writes it (`90s`, `5m`, `1h`).
@@ -281,6 +289,12 @@ impl Job {
 
     /// Checks and filters one record's field values (field `i`'s at `fields`' index `i`), as
     /// [`Job::evaluate`] reads them from an event and [`Job::evaluate_change`] from a row image.
+    ///
+    /// The reason a record is dead-lettered is the first that applies, in this order (the
+    /// record's bytes and format were read before): a value the filter tests is of the wrong
+    /// type; a declared value is of the wrong type or invalid (first in declaration order);
+    /// a field is missing ([`Evaluation::Incomplete`]: the operator names it late first when
+    /// its event time is). A field the filter lets be absent (`present = false`) is not read.
     pub(crate) fn evaluate_fields<F: FieldValues + ?Sized>(
         &self,
         raws: &F,
@@ -288,9 +302,18 @@ impl Job {
         let n = self.fields.len();
         // The filter first: records it leaves out may have another shape altogether.
         for condition in &self.filter {
-            let field = &self.fields[condition.field];
-            let value = if raws.present(condition.field) {
-                Some(raws.read(field, condition.field)?)
+            let i = condition.field;
+            let value = if raws.present(i) {
+                match raws.read(&self.fields[i], i) {
+                    Ok(value) => Some(value),
+                    // An empty string counts as missing, so as absent to the filter.
+                    Err(p) if p.reason == PoisonReason::MissingField => None,
+                    // A presence test asks only whether a value is there.
+                    Err(_) if matches!(condition.test, Test::Present(false)) => {
+                        return Ok(Evaluation::Filtered);
+                    }
+                    Err(p) => return Err(p),
+                }
             } else {
                 None
             };
@@ -298,8 +321,8 @@ impl Job {
                 return Ok(Evaluation::Filtered);
             }
         }
-        // Then every field in declaration order, so that the first mistake named is the first
-        // declared field's.
+        // Then every field in declaration order: a wrong value is named at once, a missing
+        // field only if no later field holds a wrong value.
         let (mut small_values, mut large_values);
         let values: &mut [Option<Value>] = if n <= SMALL {
             small_values = [const { None }; SMALL];
@@ -308,18 +331,35 @@ impl Job {
             large_values = vec![None; n];
             &mut large_values
         };
+        let mut missing = None;
         for (i, (field, value)) in self.fields.iter().zip(values.iter_mut()).enumerate() {
-            *value = Some(raws.read(field, i)?);
+            if self.may_be_absent[i] {
+                continue;
+            }
+            match raws.read(field, i) {
+                Ok(v) => *value = Some(v),
+                Err(p) if p.reason == PoisonReason::MissingField => {
+                    missing.get_or_insert(p);
+                }
+                Err(p) => return Err(p),
+            }
         }
         let take = |i: usize| values[i].clone();
+        let event_time_ms = match (take(self.event_time), missing) {
+            (Some(Value::Time(ms)), Some(poison)) => {
+                return Ok(Evaluation::Incomplete {
+                    event_time_ms: ms,
+                    poison,
+                });
+            }
+            (_, Some(poison)) => return Err(poison),
+            (Some(Value::Time(ms)), None) => ms,
+            (_, None) => 0,
+        };
         let event_id = match take(self.event_id) {
             Some(Value::Str(s)) => s,
             Some(Value::Int(i)) => CompactString::from(i.to_string()),
             _ => CompactString::default(),
-        };
-        let event_time_ms = match take(self.event_time) {
-            Some(Value::Time(ms)) => ms,
-            _ => 0,
         };
         Ok(Evaluation::Event(DeclaredEvent {
             event_id,

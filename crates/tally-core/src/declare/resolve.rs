@@ -171,6 +171,8 @@ impl Declaration {
             }
         }
 
+        let may_be_absent = self.check_may_be_absent(&mut c, &filter, &fields, &keys, &primary_key);
+
         if self.aggregates.is_empty() {
             c.refuse(
                 "aggregation.aggregate",
@@ -214,6 +216,12 @@ impl Declaration {
                     let Some(input) = fields.get(index) else {
                         continue;
                     };
+                    if absent_only(&filter, index) {
+                        c.refuse(
+                            format!("{key}.field"),
+                            format!("field {name:?} has `present = false` in the filter: every record counted lacks it, so {} over it would always be empty (drop the aggregate, or the condition)", f.as_str()),
+                        );
+                    }
                     // A window keeps each aggregate in a word or two: a min or max of
                     // strings would need the string.
                     let fits = match f {
@@ -308,6 +316,7 @@ impl Declaration {
                     event_time,
                     keys,
                     filter,
+                    may_be_absent,
                     aggregates,
                     windows,
                 })
@@ -316,6 +325,74 @@ impl Declaration {
                 mistakes: c.mistakes,
             }),
         }
+    }
+
+    /// Per field, whether the filter lets it be absent (`present = false`): such a field is
+    /// absent in every record counted, so it may only be tested, never read as a key, an id,
+    /// the event time or a primary key. Refuses those, and a field the filter also requires.
+    fn check_may_be_absent(
+        &self,
+        c: &mut Checker,
+        filter: &[Condition],
+        fields: &[FieldReader],
+        keys: &[usize],
+        primary_key: &[usize],
+    ) -> Vec<bool> {
+        let absent: Vec<bool> = (0..fields.len()).map(|i| absent_only(filter, i)).collect();
+        let because = |name: &str| {
+            format!(
+                "field {name:?} has `present = false` in the filter: every record counted lacks it"
+            )
+        };
+        for (i, &k) in keys.iter().enumerate() {
+            if absent[k] {
+                c.refuse(
+                    format!("aggregation.group_by[{i}]"),
+                    format!("{}, so the key would be NULL in every row of the view (group by another field, or drop the condition)", because(&fields[k].name)),
+                );
+            }
+        }
+        for (i, &k) in primary_key.iter().enumerate() {
+            if absent[k] {
+                c.refuse(
+                    format!("aggregation.primary_key[{i}]"),
+                    format!(
+                        "{}, and a row is named by its primary key",
+                        because(&fields[k].name)
+                    ),
+                );
+            }
+        }
+        let named = |key: &str, name: &Option<String>| {
+            name.as_deref()
+                .and_then(|n| fields.iter().position(|f| f.name == n))
+                .filter(|&i| absent[i])
+                .map(|i| (key.to_owned(), fields[i].name.clone()))
+        };
+        for (key, name) in [
+            named("aggregation.event_id", &self.event_id),
+            named("aggregation.event_time", &Some(self.event_time.clone())),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            c.refuse(
+                key,
+                format!("{}, and every record needs it", because(&name)),
+            );
+        }
+        for (i, condition) in filter.iter().enumerate() {
+            if absent[condition.field] && !matches!(condition.test, Test::Present(false)) {
+                c.refuse(
+                    format!("aggregation.filter[{i}]"),
+                    format!(
+                        "{}, and this condition needs a value: together they pass no record",
+                        because(&fields[condition.field].name)
+                    ),
+                );
+            }
+        }
+        absent
     }
 
     fn check_fields(&self, c: &mut Checker) -> Vec<FieldReader> {
@@ -532,4 +609,11 @@ fn check_condition(
         None => None,
     };
     Some(Test::Range { min, max })
+}
+
+/// Whether the filter passes only records lacking field `field` (`present = false`).
+fn absent_only(filter: &[Condition], field: usize) -> bool {
+    filter
+        .iter()
+        .any(|c| c.field == field && c.test == Test::Present(false))
 }

@@ -60,6 +60,14 @@ fn mistakes(text: &str, rules: WindowRules) -> Vec<(String, String)> {
     }
 }
 
+/// The reason a record is dead-lettered for (a missing field: unless it is late).
+fn poison_of(evaluation: Result<Evaluation, Poison>, what: &str) -> Poison {
+    match evaluation {
+        Err(poison) | Ok(Evaluation::Incomplete { poison, .. }) => poison,
+        other => panic!("expected poison ({what}), got {other:?}"),
+    }
+}
+
 fn event(job: &Job, record: &str) -> DeclaredEvent {
     match job.evaluate(Some(record.as_bytes()), 4096) {
         Ok(Evaluation::Event(e)) => e,
@@ -156,7 +164,9 @@ proptest! {
                 prop_assert_eq!(e.key, vec![Value::Str(order.customer_id), Value::Str(order.currency)]);
                 prop_assert_eq!(e.inputs, vec![None, Some(Value::Decimal(order.amount.0))]);
             }
-            (Err(a), Err(b)) => prop_assert_eq!(a.reason, b.reason, "{} vs {}", a.message, b.message),
+            (Err(a), Err(b) | Ok(Evaluation::Incomplete { poison: b, .. })) => {
+                prop_assert_eq!(a.reason, b.reason, "{} vs {}", a.message, b.message)
+            }
             (a, b) => prop_assert!(false, "built-in {:?}, declared {:?}", a, b),
         }
     }
@@ -272,10 +282,12 @@ fn nested_paths_and_filters_read_what_they_name() {
     assert_eq!(poison.reason, PoisonReason::WrongType);
     assert!(poison.message.contains("\"kind\""), "{}", poison.message);
     // A later occurrence of a parent object replaces the earlier one, as in JSON.parse.
-    let poison = evaluate(
-        r#"{"id":7,"meta":{"ts":120},"page":"/","visitor":{"geo":{"country":"NL"}},"visitor":{},"kind":"view","bot":false,"load_ms":1}"#,
-    )
-    .expect_err("country replaced");
+    let poison = poison_of(
+        evaluate(
+            r#"{"id":7,"meta":{"ts":120},"page":"/","visitor":{"geo":{"country":"NL"}},"visitor":{},"kind":"view","bot":false,"load_ms":1}"#,
+        ),
+        "country replaced",
+    );
     assert_eq!(poison.reason, PoisonReason::MissingField);
     assert!(
         poison.message.contains("visitor.geo.country"),
@@ -284,10 +296,12 @@ fn nested_paths_and_filters_read_what_they_name() {
     );
     // A parent that is not an object leaves its fields missing, whatever else it is.
     for meta in ["5", "null", "\"ts\"", "[{\"ts\":120}]", "true"] {
-        let poison = evaluate(&format!(
-            r#"{{"id":7,"meta":{meta},"kind":"view","bot":false,"load_ms":1}}"#
-        ))
-        .expect_err("no time");
+        let poison = poison_of(
+            evaluate(&format!(
+                r#"{{"id":7,"meta":{meta},"kind":"view","bot":false,"load_ms":1}}"#
+            )),
+            "no time",
+        );
         assert_eq!(
             (poison.reason, poison.message.contains("meta.ts")),
             (PoisonReason::MissingField, true),
@@ -557,9 +571,7 @@ fn a_job_of_many_fields_reads_every_one() {
             "{{\"id\": \"e1\", \"at\": 1790000400000, {}}}",
             values[1..].join(", ")
         );
-        let poison = job
-            .evaluate(Some(short.as_bytes()), 1 << 20)
-            .expect_err("k0 missing");
+        let poison = poison_of(job.evaluate(Some(short.as_bytes()), 1 << 20), "k0 missing");
         assert_eq!(poison.reason, PoisonReason::MissingField);
         assert!(poison.message.contains("\"k0\""), "{}", poison.message);
     }
@@ -715,6 +727,190 @@ fn a_change_job_names_its_rows_by_primary_key_and_refuses_what_cannot_retract() 
     let found = mistakes(&events_with_key, TUMBLING);
     assert!(
         found.iter().any(|(k, _)| k == "aggregation.primary_key"),
+        "{found:?}"
+    );
+}
+
+/// Shipments per carrier, with an optional `signed_by`: `present` is set by the test.
+fn shipments(present: bool) -> Job {
+    job(
+        &format!(
+            r#"
+event_id = "id"
+event_time = "at"
+group_by = ["carrier"]
+
+[[field]]
+name = "id"
+type = "string"
+[[field]]
+name = "at"
+type = "timestamp"
+[[field]]
+name = "carrier"
+type = "string"
+[[field]]
+name = "weight"
+type = "integer"
+[[field]]
+name = "signed_by"
+type = "string"
+
+[[filter]]
+field = "signed_by"
+present = {present}
+
+[[aggregate]]
+column = "shipments"
+function = "count"
+[[aggregate]]
+column = "weight_total"
+function = "sum"
+field = "weight"
+"#
+        ),
+        TUMBLING,
+    )
+}
+
+#[test]
+fn a_field_the_filter_lets_be_absent_is_read_as_absent_not_as_poison() {
+    let absent = shipments(false);
+    let present = shipments(true);
+    let evaluate = |job: &Job, r: &str| job.evaluate(Some(r.as_bytes()), 4096);
+    for record in [
+        r#"{"id":"s1","at":1000,"carrier":"ups","weight":3}"#,
+        r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":null}"#,
+        r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":""}"#,
+    ] {
+        let e = event(&absent, record);
+        assert_eq!(e.key, [Value::Str("ups".into())], "{record}");
+        assert_eq!(e.inputs, [None, Some(Value::Int(3))], "{record}");
+        assert_eq!(
+            evaluate(&present, record),
+            Ok(Evaluation::Filtered),
+            "{record}"
+        );
+    }
+    for record in [
+        r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":"ann"}"#,
+        // A presence test asks whether a value is there, not its type.
+        r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":7}"#,
+    ] {
+        assert_eq!(
+            evaluate(&absent, record),
+            Ok(Evaluation::Filtered),
+            "{record}"
+        );
+    }
+    let e = event(
+        &present,
+        r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":"ann"}"#,
+    );
+    assert_eq!(e.inputs, [None, Some(Value::Int(3))]);
+    // A record passing `present = false` still needs every other field.
+    let p = poison_of(
+        evaluate(&absent, r#"{"id":"s1","at":1000,"weight":3}"#),
+        "no carrier",
+    );
+    assert_eq!(p.reason, PoisonReason::MissingField);
+    assert!(p.message.contains("\"carrier\""), "{}", p.message);
+}
+
+#[test]
+fn the_first_reason_that_applies_names_a_dead_letter() {
+    let job = shipments(false);
+    let evaluate = |r: &str| job.evaluate(Some(r.as_bytes()), 4096);
+    // A wrong value before a missing field, whichever is declared first.
+    let p = poison_of(
+        evaluate(r#"{"id":"s1","at":1000,"weight":"heavy"}"#),
+        "wrong weight, no carrier",
+    );
+    assert_eq!(p.reason, PoisonReason::WrongType, "{}", p.message);
+    let p = poison_of(
+        evaluate(r#"{"id":"s1","at":"tomorrow","carrier":"ups"}"#),
+        "bad time, no weight",
+    );
+    assert_eq!(p.reason, PoisonReason::InvalidTime, "{}", p.message);
+    // A missing field with a readable event time: the operator names it late first.
+    assert!(matches!(
+        evaluate(r#"{"id":"s1","at":1000,"carrier":"ups"}"#),
+        Ok(Evaluation::Incomplete { event_time_ms: 1000, ref poison })
+            if poison.reason == PoisonReason::MissingField && poison.message.contains("\"weight\"")
+    ));
+    // Without an event time, nothing can be late: the missing field is the reason.
+    let p = evaluate(r#"{"id":"s1","carrier":"ups"}"#).expect_err("no time");
+    assert_eq!(p.reason, PoisonReason::MissingField);
+    // The built-in decoder names them in the same order.
+    let built_in = RecordDecoder::new(FieldMapping::default(), 4096);
+    let p = built_in
+        .decode(Some(
+            br#"{"event_id":"e","currency":"eur","amount":"1","event_time":1}"#,
+        ))
+        .expect_err("no customer, bad currency");
+    assert_eq!(p.reason, PoisonReason::InvalidCurrency, "{}", p.message);
+}
+
+#[test]
+fn a_field_the_filter_lets_be_absent_is_only_tested() {
+    let with = |extra: &str, group_by: &str| {
+        mistakes(
+            &format!(
+                r#"
+event_id = "id"
+event_time = "at"
+group_by = [{group_by}]
+
+[[field]]
+name = "id"
+type = "string"
+[[field]]
+name = "at"
+type = "timestamp"
+[[field]]
+name = "carrier"
+type = "string"
+[[field]]
+name = "signed_by"
+type = "string"
+
+[[filter]]
+field = "signed_by"
+present = false
+{extra}
+[[aggregate]]
+column = "shipments"
+function = "count"
+"#
+            ),
+            TUMBLING,
+        )
+    };
+    let found = with("", "\"carrier\", \"signed_by\"");
+    assert!(
+        found.iter().any(|(k, m)| k == "aggregation.group_by[1]"
+            && m.contains("\"signed_by\"")
+            && m.contains("NULL")),
+        "{found:?}"
+    );
+    let found = with(
+        "[[aggregate]]\ncolumn = \"last\"\nfunction = \"max\"\nfield = \"signed_by\"\n",
+        "\"carrier\"",
+    );
+    assert!(
+        found
+            .iter()
+            .any(|(k, m)| k == "aggregation.aggregate[0].field" && m.contains("always be empty")),
+        "{found:?}"
+    );
+    let found = with(
+        "[[filter]]\nfield = \"signed_by\"\nequals = \"ann\"\n",
+        "\"carrier\"",
+    );
+    assert!(
+        found
+            .iter()
+            .any(|(k, m)| k == "aggregation.filter[1]" && m.contains("pass no record")),
         "{found:?}"
     );
 }

@@ -26,6 +26,15 @@ impl WindowOperator {
             return Ok(Outcome::Tombstone);
         }
         let change = match job.evaluate_change(record.value, max_record_bytes) {
+            Ok(change) if change.op == Op::Truncate => {
+                // Nothing is counted: the job stops here, and its next start reads it again.
+                if let Some(state) = self.partitions.get_mut(&record.partition) {
+                    state.next_offset = record.offset;
+                    state.epoch.consumed -= 1;
+                    state.totals.consumed -= 1;
+                }
+                return Ok(Outcome::Truncated);
+            }
             Ok(change) => change,
             Err(poison) => return Ok(self.dead_letter(record, poison)),
         };
@@ -59,6 +68,19 @@ impl WindowOperator {
             .watermark
             .current(cfg.out_of_orderness_ms)
             .unwrap_or(i64::MIN);
+        // A row lacking a field is late first when its event time is behind the watermark.
+        let new = match (&change.row, new) {
+            (
+                Ok(Some(Evaluation::Incomplete {
+                    event_time_ms,
+                    poison,
+                })),
+                _,
+            ) => Err(cfg
+                .late(*event_time_ms, watermark)
+                .unwrap_or_else(|| poison.clone())),
+            (_, new) => new,
+        };
         let held = self.held_row(store, record.partition, &change.key)?;
         if let Some(held) = &held {
             if change.position == held.position {
@@ -224,5 +246,6 @@ fn op_name(op: Op) -> &'static str {
         Op::Update => "u",
         Op::Delete => "d",
         Op::Read => "r",
+        Op::Truncate => "t",
     }
 }

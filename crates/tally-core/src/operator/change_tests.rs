@@ -435,10 +435,12 @@ fn a_change_the_declaration_refuses_is_dead_lettered_and_keeps_its_position() {
     ));
     assert_eq!(feed(&mut op, &store, 0, 2, Some(&bad)), Outcome::Duplicate);
     let truncate = change("t", 1, None, None, at, false);
+    // A truncate stops the job: not processed, not counted, its offset still the next one.
     assert_eq!(
         feed(&mut op, &store, 0, 3, Some(&truncate)),
-        Outcome::DeadLettered(PoisonReason::InvalidChange)
+        Outcome::Truncated
     );
+    assert_eq!(op.next_offsets().get(&0), Some(&3));
     let cp = barrier(&mut op, &mut store);
     assert_eq!(answer(&job, &store), expected(&BTreeMap::from([(1, a)])));
     assert!(

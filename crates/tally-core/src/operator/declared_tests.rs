@@ -363,3 +363,73 @@ fn an_overflow_in_one_window_leaves_all_of_the_records_windows_unchanged() {
     assert_eq!(got, want);
     assert!(c.accounting().balances());
 }
+
+/// A record lacking a field is late first when its event time is behind the watermark, and a
+/// dead-lettered record never moves the watermark.
+#[test]
+fn a_record_lacking_a_field_is_named_late_first_and_moves_no_watermark() {
+    const JOB: &str = r#"
+event_id = "id"
+event_time = "at"
+group_by = ["page"]
+[[field]]
+name = "id"
+type = "string"
+[[field]]
+name = "at"
+type = "timestamp"
+[[field]]
+name = "page"
+type = "string"
+[[aggregate]]
+column = "views"
+function = "count"
+"#;
+    let mut op = declared(JOB, rules(60_000, None));
+    let store = MemStore::default();
+    let t0 = 1_800_000_000_000i64;
+    let at = |offset_ms: i64, page: Option<&str>| match page {
+        Some(p) => format!(
+            r#"{{"id":"v{offset_ms}","at":{},"page":"{p}"}}"#,
+            t0 + offset_ms
+        ),
+        None => format!(r#"{{"id":"v{offset_ms}","at":{}}}"#, t0 + offset_ms),
+    };
+    assert_eq!(
+        feed(&mut op, &store, 0, 0, &at(0, Some("/"))),
+        Outcome::Aggregated
+    );
+    // Far ahead but lacking its page: dead-lettered, and the watermark stays where it was.
+    assert_eq!(
+        feed(&mut op, &store, 0, 1, &at(600_000, None)),
+        Outcome::DeadLettered(PoisonReason::MissingField)
+    );
+    assert_eq!(
+        feed(&mut op, &store, 0, 2, &at(1_000, Some("/"))),
+        Outcome::Aggregated
+    );
+    // Now the watermark passes the first window's lateness: a record there lacking its page
+    // is late, one of the open window lacks a field.
+    assert_eq!(
+        feed(&mut op, &store, 0, 3, &at(200_000, Some("/"))),
+        Outcome::Aggregated
+    );
+    assert_eq!(
+        feed(&mut op, &store, 0, 4, &at(2_000, None)),
+        Outcome::DeadLettered(PoisonReason::Late)
+    );
+    assert_eq!(
+        feed(&mut op, &store, 0, 5, &at(199_000, None)),
+        Outcome::DeadLettered(PoisonReason::MissingField)
+    );
+    let c = barrier(&mut op);
+    let reasons: Vec<PoisonReason> = c.dead_letters.iter().map(|d| d.reason).collect();
+    assert_eq!(
+        reasons,
+        [
+            PoisonReason::MissingField,
+            PoisonReason::Late,
+            PoisonReason::MissingField
+        ]
+    );
+}

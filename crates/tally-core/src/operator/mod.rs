@@ -60,6 +60,26 @@ pub struct OperatorConfig {
 }
 
 impl OperatorConfig {
+    /// Why an event at `event_time_ms` is late at `watermark`, if it is: the newest window
+    /// holding it is closed (with hopping windows the older ones close first, and a record still
+    /// adds to those that are open).
+    fn late(&self, event_time_ms: i64, watermark: i64) -> Option<Poison> {
+        let window_end = self.window.end_of(event_time_ms);
+        if window_end.saturating_add(self.allowed_lateness_ms) > watermark {
+            return None;
+        }
+        Some(Poison {
+            reason: PoisonReason::Late,
+            message: format!(
+                "event time {} is in window ending {}, closed at watermark {} (allowed lateness {} ms)",
+                crate::time::format_ms(event_time_ms),
+                crate::time::format_ms(window_end),
+                crate::time::format_ms(watermark),
+                self.allowed_lateness_ms
+            ),
+        })
+    }
+
     /// A window is closed once its end plus the allowed lateness is at or below the watermark:
     /// its records are late, and the next checkpoint takes it out of the state.
     fn window_closed(&self, window_start_ms: i64, watermark: i64) -> bool {
@@ -150,6 +170,9 @@ pub enum Outcome {
     Stale,
     /// A record without a value.
     Tombstone,
+    /// A change job's table was truncated: the record is not processed (its offset stays the
+    /// partition's next), and the job must stop (its rows are held in every partition).
+    Truncated,
 }
 
 /// Durable, checkpointed state the operator reads but never writes directly.
@@ -473,6 +496,17 @@ impl WindowOperator {
                     state.totals.filtered += 1;
                     return Ok(Outcome::Filtered);
                 }
+                // Late before a missing field; a record it names does not move the watermark.
+                Ok(Evaluation::Incomplete {
+                    event_time_ms,
+                    poison,
+                }) => {
+                    let watermark = state
+                        .watermark
+                        .current(cfg.out_of_orderness_ms)
+                        .unwrap_or(i64::MIN);
+                    Err(cfg.late(event_time_ms, watermark).unwrap_or(poison))
+                }
                 Err(poison) => Err(poison),
             },
         };
@@ -498,24 +532,8 @@ impl WindowOperator {
             return Ok(Outcome::Duplicate);
         }
 
-        // Late when the newest window holding the event is closed: with hopping windows the
-        // older ones close first, and a record still adds to those that are open.
-        let window_end = cfg.window.end_of(event_time_ms);
-        if window_end.saturating_add(cfg.allowed_lateness_ms) <= watermark {
-            let message = format!(
-                "event time {} is in window ending {}, closed at watermark {} (allowed lateness {} ms)",
-                crate::time::format_ms(event_time_ms),
-                crate::time::format_ms(window_end),
-                crate::time::format_ms(watermark),
-                cfg.allowed_lateness_ms
-            );
-            return Ok(self.dead_letter(
-                record,
-                Poison {
-                    reason: PoisonReason::Late,
-                    message,
-                },
-            ));
+        if let Some(late) = cfg.late(event_time_ms, watermark) {
+            return Ok(self.dead_letter(record, late));
         }
 
         match input {

@@ -77,12 +77,6 @@ impl DeclaredGenerator {
                     field.name
                 ));
             }
-            if matches!(condition.test, Test::Present(false)) {
-                return Err(format!(
-                    "loadgen cannot generate a record passing `present = false` on field {:?}: every declared field is required",
-                    field.name
-                ));
-            }
             if tests[condition.field]
                 .replace(condition.test.clone())
                 .is_some()
@@ -258,10 +252,17 @@ impl DeclaredGenerator {
         }
     }
 
-    /// The record's JSON, each value at its field's path.
+    /// The record's JSON, each value at its field's path; a field a presence test reads is
+    /// absent or, in every other record, null.
     fn json(&self, values: &[Option<Value>]) -> Vec<u8> {
         let mut root = Map::new();
-        for (field, value) in self.job.fields.iter().zip(values) {
+        for ((field, value), test) in self.job.fields.iter().zip(values).zip(&self.tests) {
+            if value.is_none()
+                && matches!(test, Some(Test::Present(_)))
+                && self.generated.is_multiple_of(2)
+            {
+                insert_at(&mut root, &field.path, Json::Null);
+            }
             if let Some(value) = value {
                 let json = match (value, field.unit) {
                     (Value::Time(ms), TimeUnit::Seconds) => Json::from(ms.div_euclid(1000)),
@@ -473,7 +474,8 @@ pub(crate) fn random_value(kind: FieldKind, scale: u32, near_ms: i64, rng: &mut 
     }
 }
 
-/// A value meeting `test` (`pass`) or not (`None`: absent). `Present(true)` is met by `any`.
+/// A value meeting `test` (`pass`) or not (`None`: absent). A value is present when `present`
+/// is what `pass` asks for (`any`), else absent.
 pub(crate) fn filtered_value(
     test: &Test,
     pass: bool,
@@ -500,8 +502,7 @@ pub(crate) fn filtered_value(
         (Test::Range { min: Some(min), .. }, false) => Some(below(min)),
         (Test::Range { max: Some(max), .. }, false) => Some(above(max)),
         (Test::Range { .. }, false) => None,
-        (Test::Present(_), true) => Some(any),
-        (Test::Present(_), false) => None,
+        (Test::Present(present), pass) => (*present == pass).then_some(any),
     }
 }
 

@@ -149,7 +149,7 @@ impl ReconcileFilter {
 }
 
 /// Result of one reconciliation.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Reconciliation {
     pub epoch: Option<Epoch>,
     /// Records of the committed range whose event id was seen before: what the producers re-sent.

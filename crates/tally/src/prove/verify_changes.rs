@@ -68,6 +68,7 @@ impl TopicChanges {
                     // The first snapshot's reads come before any commit position.
                     Op::Read if change.position.commit_lsn == 0 => self.read_first += 1,
                     Op::Read => self.read += 1,
+                    Op::Truncate => self.unreadable += 1,
                 }
             }
         }
@@ -254,13 +255,14 @@ pub async fn verify_changes(config: &Config, job: &Job, manifest_path: &Path) ->
             to_ms: None,
             customer: None,
         },
+        std::time::Duration::from_secs(60),
         true,
     )
     .await?;
     if reconciled.fails(true) {
         problems.push(format!(
             "the view differs from the source table in {} windows",
-            reconciled.settled.mismatched + reconciled.moving.mismatched
+            reconciled.settled.mismatched + reconciled.open.mismatched
         ));
     }
     println!(
@@ -275,8 +277,8 @@ pub async fn verify_changes(config: &Config, job: &Job, manifest_path: &Path) ->
         c.stale,
         c.tombstones,
         c.dead_letters,
-        reconciled.settled.keys + reconciled.moving.keys,
-        reconciled.settled.mismatched + reconciled.moving.mismatched
+        reconciled.compared(),
+        reconciled.settled.mismatched + reconciled.open.mismatched
     );
     for p in &problems {
         println!("  {p}");

@@ -74,6 +74,7 @@ pub(crate) fn shown_of(job: &Job, value: &WindowAgg) -> Vec<Shown> {
 }
 
 /// The ClickHouse types of a declared job's view columns: its keys', then its aggregates'.
+#[derive(Debug, Clone)]
 pub(crate) struct ViewTypes {
     keys: Vec<ColumnType>,
     values: Vec<ColumnType>,

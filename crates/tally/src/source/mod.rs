@@ -3,6 +3,7 @@
 //! (`loadgen` of a change job).
 
 pub mod capture;
+pub mod consistent;
 pub mod reconcile;
 pub mod sql;
 pub mod workload;

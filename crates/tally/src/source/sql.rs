@@ -166,6 +166,28 @@ pub fn aggregation(
     from_ms: Option<i64>,
     to_ms: Option<i64>,
 ) -> Result<Aggregation, Vec<String>> {
+    statement(job, table, columns, (from_ms, to_ms), None)
+}
+
+/// The same aggregation over only the rows whose primary key is one of `rows` (each key's
+/// values as text, in the key's order; PostgreSQL reads each as its column's type): the
+/// windows those rows are in.
+pub fn aggregation_of_rows(
+    job: &Job,
+    table: &str,
+    columns: &[Column],
+    rows: &[Vec<String>],
+) -> Result<Aggregation, Vec<String>> {
+    statement(job, table, columns, (None, None), Some(rows))
+}
+
+fn statement(
+    job: &Job,
+    table: &str,
+    columns: &[Column],
+    (from_ms, to_ms): (Option<i64>, Option<i64>),
+    rows: Option<&[Vec<String>]>,
+) -> Result<Aggregation, Vec<String>> {
     let mut problems = Vec::new();
     let mut column = |i: usize| match column_of(&job.fields[i], columns) {
         Ok(c) => Some(c.clone()),
@@ -182,6 +204,14 @@ pub fn aggregation(
         .map(|a| a.field.and_then(&mut column))
         .collect();
     let filters: Vec<Option<Column>> = job.filter.iter().map(|c| column(c.field)).collect();
+    let primary_key: Vec<Option<Column>> = match (rows, &job.changes) {
+        (None, _) => Vec::new(),
+        (Some(_), Some(changes)) => changes.primary_key.iter().map(|&k| column(k)).collect(),
+        (Some(_), None) => {
+            problems.push("the job reads events: its rows have no primary key".to_owned());
+            Vec::new()
+        }
+    };
     for a in &job.aggregates {
         if matches!(a.function, Function::Min | Function::Max)
             || a.input.is_some_and(|t| t.kind == FieldKind::Float)
@@ -220,6 +250,26 @@ pub fn aggregation(
                 .map(|c| condition(&value_expr(f, c), f, &cond.test))
         })
         .collect();
+    let mut conditions = conditions;
+    if let Some(rows) = rows {
+        let key: Vec<String> = primary_key
+            .iter()
+            .flatten()
+            .map(|c| quote_ident(&c.name))
+            .collect();
+        let tuples: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                let values: Vec<String> = r.iter().map(|v| quote_text(v)).collect();
+                format!("({})", values.join(", "))
+            })
+            .collect();
+        conditions.push(if tuples.is_empty() {
+            "false".to_owned()
+        } else {
+            format!("({}) IN ({})", key.join(", "), tuples.join(", "))
+        });
+    }
     let mut sql = format!("SELECT {} FROM {table}", inner.join(", "));
     if !conditions.is_empty() {
         let _ = write!(sql, " WHERE {}", conditions.join(" AND "));

@@ -111,17 +111,7 @@ fn rules() -> OperatorConfig {
 
 fn job() -> Arc<Job> {
     let declaration: Declaration = toml::from_str(JOB).unwrap();
-    let rules = rules();
-    Arc::new(
-        declaration
-            .resolve(WindowRules {
-                size_ms: rules.window.size_ms,
-                slide_ms: Some(rules.window.slide_ms),
-                allowed_lateness_ms: rules.allowed_lateness_ms,
-                dedup_horizon_ms: rules.dedup_horizon_ms,
-            })
-            .unwrap(),
-    )
+    Arc::new(resolved(&declaration))
 }
 
 fn spec(seed: u64) -> LoadSpec {
@@ -241,6 +231,19 @@ fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
     }
 }
 
+/// `declaration` resolved with [`rules`].
+fn resolved(declaration: &Declaration) -> Job {
+    let rules = rules();
+    declaration
+        .resolve(WindowRules {
+            size_ms: rules.window.size_ms,
+            slide_ms: Some(rules.window.slide_ms),
+            allowed_lateness_ms: rules.allowed_lateness_ms,
+            dedup_horizon_ms: rules.dedup_horizon_ms,
+        })
+        .unwrap()
+}
+
 /// The same job's records in Avro and in Protobuf, written with three schemas in turn (a
 /// field added, then one removed) and the poison schemas, read by tally's decoders.
 #[test]
@@ -249,16 +252,24 @@ fn framed_ground_truth_matches_the_operator() {
         let declaration: Declaration =
             toml::from_str(&format!("format = \"{format}\"\n{JOB}")).unwrap();
         let rules = rules();
-        let job = declaration
-            .resolve(WindowRules {
-                size_ms: rules.window.size_ms,
-                slide_ms: Some(rules.window.slide_ms),
-                allowed_lateness_ms: rules.allowed_lateness_ms,
-                dedup_horizon_ms: rules.dedup_horizon_ms,
-            })
-            .unwrap();
+        let job = resolved(&declaration);
         // The six faults of the wire format and the schemas, too_large and late.
         assert_ground_truth(&Arc::new(job), rules, 8);
+    }
+}
+
+/// A field the filter lets be absent (`present = false`): the records passing it lack the
+/// field (absent, or null) and are aggregated, in JSON, Avro and Protobuf alike.
+#[test]
+fn a_present_false_filter_ground_truth_matches_the_operator() {
+    let absent = JOB.replace("present = true", "present = false");
+    assert_ne!(absent, JOB);
+    for (format, reasons) in [("json", 7), ("avro", 8), ("protobuf", 8)] {
+        let declaration: Declaration =
+            toml::from_str(&format!("format = \"{format}\"\n{absent}")).unwrap();
+        let rules = rules();
+        let job = resolved(&declaration);
+        assert_ground_truth(&Arc::new(job), rules, reasons);
     }
 }
 
@@ -267,14 +278,7 @@ fn loadgen_refuses_what_it_cannot_generate_by_name() {
     let on_key = format!("{JOB}\n[[filter]]\nfield = \"status\"\nmin = 200\n");
     let declaration: Declaration = toml::from_str(&on_key).unwrap();
     let rules = rules();
-    let job = declaration
-        .resolve(WindowRules {
-            size_ms: rules.window.size_ms,
-            slide_ms: Some(rules.window.slide_ms),
-            allowed_lateness_ms: rules.allowed_lateness_ms,
-            dedup_horizon_ms: rules.dedup_horizon_ms,
-        })
-        .unwrap();
+    let job = resolved(&declaration);
     let Err(e) = DeclaredGenerator::new(spec(1), Arc::new(job), rules) else {
         panic!("a range filter on a key is refused");
     };

@@ -85,9 +85,13 @@ fn writer(job: &Job) -> FramedWriter {
     FramedWriter::offline(job, 30, [1, 2, 3, 4, 5]).unwrap()
 }
 
+/// A record read as the operator reads it: a missing field is its poison (none is late here).
 fn read(job: &Job, writer: &FramedWriter, bytes: &[u8]) -> Result<Evaluation, Poison> {
     let schemas = writer.schemas(job).unwrap();
-    job.evaluate_framed(Some(bytes), 4096, schemas.as_ref())
+    match job.evaluate_framed(Some(bytes), 4096, schemas.as_ref()) {
+        Ok(Evaluation::Incomplete { poison, .. }) => Err(poison),
+        other => other,
+    }
 }
 
 fn expected_event(job: &Job) -> Evaluation {
