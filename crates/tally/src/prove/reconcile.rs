@@ -377,10 +377,15 @@ pub async fn reconcile(
         }
         println!(
             "reconcile: {}",
-            if result.mismatched == 0 {
-                "OK: every ratio is 1"
+            if result.mismatched > 0 {
+                "FAILED".to_owned()
+            } else if result.keys == 0 {
+                "NOTHING COMPARED: no window in range on either side".to_owned()
             } else {
-                "FAILED"
+                format!(
+                    "{} ({} windows compared at the committed cut)",
+                    "OK: every ratio is 1", result.keys
+                )
             }
         );
     }

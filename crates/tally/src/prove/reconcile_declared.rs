@@ -191,10 +191,15 @@ pub async fn reconcile_declared(
         diff.print("windows", 20);
         println!(
             "reconcile: {}",
-            if result.mismatched == 0 {
-                "OK: every window matches the source"
+            if result.mismatched > 0 {
+                "FAILED".to_owned()
+            } else if result.keys == 0 {
+                "NOTHING COMPARED: no window in range on either side".to_owned()
             } else {
-                "FAILED"
+                format!(
+                    "{} ({} windows compared at the committed cut)",
+                    "OK: every window matches the source", result.keys
+                )
             }
         );
     }

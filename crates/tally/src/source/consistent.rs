@@ -95,6 +95,13 @@ pub async fn reach(
     let Some(slot_name) = &config.source.slot else {
         return Ok(Err("source.slot is not set: tally cannot tell when the connector has captured what the snapshot holds".into()));
     };
+    // The connector confirms a position only once it has processed a change there: an idle
+    // table on a server whose WAL moves on (other tables, other databases) never confirms the
+    // position after the snapshot. A signal it reads (Debezium's `log` signal, through
+    // `source.signal_table`) is such a change, after every change the snapshot holds.
+    if let Some(signal_table) = &config.source.signal_table {
+        mark(source, signal_table).await?;
+    }
     let confirmed_lsn = loop {
         let confirmed = match super::capture::slot(source, slot_name).await? {
             Some(slot) => slot.confirmed_lsn,
@@ -109,10 +116,15 @@ pub async fn reach(
         }
         if Instant::now() >= until {
             return Ok(Err(format!(
-                "the connector's slot {slot_name} confirmed {} after {}s, not yet {} (the WAL position after the snapshot): is the connector running, with heartbeat.interval.ms set?",
+                "the connector's slot {slot_name} confirmed {} after {}s, not yet {} (the WAL position after the snapshot): is the connector running{}?",
                 lsn_text(confirmed),
                 wait.as_secs(),
-                lsn_text(lsn)
+                lsn_text(lsn),
+                if config.source.signal_table.is_some() {
+                    ", reading source.signal_table (its signal.data.collection)"
+                } else {
+                    "? Set source.signal_table (the connector's signal.data.collection) so that tally can mark the position"
+                }
             )));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -148,6 +160,27 @@ pub async fn reach(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Writes a `log` signal into the connector's signal table (and takes the row out again, in
+/// the same transaction): a change the connector reads, and confirms, after the snapshot.
+async fn mark(source: &Source, signal_table: &str) -> Result<()> {
+    let client = source.connect().await?;
+    let id = format!(
+        "tally-reconcile-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let data = r#"{"message": "tally reconcile --source: the table was read before this point"}"#;
+    client
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO {signal_table} (id, type, data) VALUES ('{id}', 'log', '{data}'); \
+             DELETE FROM {signal_table} WHERE id = '{id}'; COMMIT"
+        ))
+        .await
+        .with_context(|| format!("source: writing a log signal into {signal_table}"))
 }
 
 /// The changes in the topic between two cuts that the snapshot does not hold.
