@@ -6,8 +6,9 @@ set -euo pipefail
 # libclang: librocksdb-sys runs bindgen. pkg-config, libssl-dev, zlib1g-dev: librdkafka (TLS, gzip).
 # Java + Maven: the real Kafka broker and Kafka Connect, fetched as jars. clickhouse-server: the local
 # ClickHouse. postgresql-15: the local PostgreSQL (services.sh runs its own cluster, as the postgres user).
+# zookeeper: for the replicated ClickHouse of the cluster set (services.sh up --cluster).
 PACKAGES=(build-essential pkg-config libclang-dev libssl-dev zlib1g-dev curl ca-certificates
-          openjdk-17-jre-headless maven clickhouse-server clickhouse-client postgresql-15)
+          openjdk-17-jre-headless maven clickhouse-server clickhouse-client postgresql-15 zookeeper)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

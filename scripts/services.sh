@@ -2,7 +2,9 @@
 # Local Kafka + ClickHouse + PostgreSQL + Kafka Connect (Debezium) + a schema registry (Apicurio) for
 # tally, without Docker (this project's machines have no Docker engine).
 #
-#   scripts/services.sh up      [SERVICE...]          start (idempotent) and wait until answering
+#   scripts/services.sh up      [--cluster] [SERVICE...]  start (idempotent) and wait until answering
+#       --cluster: the cluster set in place of the single-node one (below); `up` with no flag and no
+#       SERVICE brings the single-node set back. The set chosen last is the one the other commands see.
 #   scripts/services.sh down    [--wipe] [SERVICE...] stop what this script started; --wipe deletes data
 #   scripts/services.sh restart [SERVICE...]          down + up, keeping data (used by chaos tests)
 #   scripts/services.sh status  [SERVICE...]          exit 0 only if every service answers
@@ -14,6 +16,15 @@
 # SERVICE is kafka, clickhouse, postgres, registry or connect; none means all of them. `up` starts
 # connect only once kafka answers (`up connect` brings kafka up too); the others start in parallel.
 # `down` stops connect before kafka.
+#
+# The cluster set (`up --cluster`), as production runs: three Kafka brokers in KRaft (kafka-1,
+# kafka-2, kafka-3 on 127.0.0.1:9092, :9093, :9094, controllers on :19092-19094;
+# default.replication.factor=3, min.insync.replicas=2, the offsets and transaction topics at RF 3 /
+# min ISR 2), ZooKeeper (zookeeper, 127.0.0.1:2181, Debian's package) and two ClickHouse servers as
+# two replicas of one shard in the cluster `tally` (clickhouse-1 and clickhouse-2: HTTP :8123 and
+# :8124, native :9011 and :9012, interserver :9021 and :9022), with postgres, registry and connect
+# as in the single-node set (connect pointed at the three brokers). Every command names its nodes:
+# `status`, `logs clickhouse-2`, `pid kafka-3`, `restart zookeeper`. No TLS endpoints on it.
 #
 # Each service, its settings and how it is run: scripts/<service>/service.sh (kafka, clickhouse,
 # postgres, connect, registry), sourced below.
@@ -58,6 +69,7 @@ CACHE_DIR="${TALLY_CACHE_DIR:-$HOME/.cache/tally}"
 READY_TIMEOUT="${TALLY_SERVICES_TIMEOUT:-120}"
 STOP_TIMEOUT="${TALLY_SERVICES_STOP_TIMEOUT:-30}"
 KAFKA_HEAP_OPTS="${TALLY_KAFKA_HEAP_OPTS:--Xms512m -Xmx1g}"
+KAFKA_NODE_HEAP_OPTS="${TALLY_KAFKA_NODE_HEAP_OPTS:--Xms256m -Xmx768m}"
 CONNECT_HEAP_OPTS="${TALLY_CONNECT_HEAP_OPTS:--Xms256m -Xmx768m}"
 REGISTRY_HEAP_OPTS="${TALLY_REGISTRY_HEAP_OPTS:--Xms128m -Xmx512m}"
 
@@ -65,18 +77,45 @@ TLS_DIR="$STATE_DIR/tls"
 # Test-only secrets, documented in the header above.
 TLS_STORE_PASSWORD="tally-test"
 
-# Start order for `up`/`status`; `down` walks it backwards (connect before kafka).
-ALL_SERVICES=(clickhouse kafka postgres registry connect)
-# `up` launches these only once what they need answers.
-declare -A DEPENDS_ON=([connect]=kafka)
+# Which set runs: `single` (default) or `cluster` (`up --cluster`), kept in the state dir.
+MODE_FILE="$STATE_DIR/mode"
+MODE="$(cat "$MODE_FILE" 2>/dev/null || echo single)"
+SINGLE_NODES=(clickhouse kafka)
+CLUSTER_NODES=(zookeeper clickhouse-1 clickhouse-2 kafka-1 kafka-2 kafka-3)
+# set_mode MODE -- the services, their order and dependencies of that set.
+set_mode() {
+  MODE="$1"
+  # Start order for `up`/`status`; `down` walks it backwards (connect before kafka).
+  # `up` launches a service of DEPENDS_ON only once every service it names answers.
+  if [[ $MODE == cluster ]]; then
+    ALL_SERVICES=("${CLUSTER_NODES[@]}" postgres registry connect)
+    DEPENDS_ON=([connect]="kafka-1 kafka-2 kafka-3" [clickhouse-1]=zookeeper [clickhouse-2]=zookeeper)
+    KAFKA_BOOTSTRAP="$KAFKA_CLUSTER_BOOTSTRAP"
+    CONNECT_REPLICATION=3
+  else
+    ALL_SERVICES=("${SINGLE_NODES[@]}" postgres registry connect)
+    DEPENDS_ON=([connect]=kafka)
+    KAFKA_BOOTSTRAP="127.0.0.1:9092"
+    CONNECT_REPLICATION=1
+  fi
+}
+declare -A DEPENDS_ON=()
 # The services that serve the TLS material of tls_ensure.
 TLS_SERVICES=(clickhouse kafka)
 
 # Each service's settings and steps (<service>_prepare, _launch, _ready, _logfiles, ...).
-for svc_file in kafka clickhouse postgres connect registry; do
+for svc_file in kafka clickhouse postgres connect registry zookeeper; do
   # shellcheck source=/dev/null
   source "$REPO_ROOT/scripts/$svc_file/service.sh"
 done
+# The cluster's nodes: kafka-N and clickhouse-N are steps of one node kind with its number.
+for n in 1 2 3; do
+  for step in prepare launch ready logfiles; do
+    eval "kafka-${n}_${step}() { kafka_node_${step} $n; }"
+    ((n <= 2)) && eval "clickhouse-${n}_${step}() { ch_node_${step} $n; }"
+  done
+done
+set_mode "$MODE"
 
 log() { printf '[services] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -167,7 +206,9 @@ pidfile_of() {
   case $1 in
     kafka) echo "$KAFKA_PIDFILE" ;; clickhouse) echo "$CH_PIDFILE" ;;
     postgres) echo "$PG_PIDFILE" ;; connect) echo "$CONNECT_PIDFILE" ;;
-    registry) echo "$REGISTRY_PIDFILE" ;;
+    registry) echo "$REGISTRY_PIDFILE" ;; zookeeper) echo "$ZK_PIDFILE" ;;
+    kafka-*) echo "$(kafka_node_dir "${1#kafka-}")/kafka.pid" ;;
+    clickhouse-*) echo "$(ch_node_dir "${1#clickhouse-}")/clickhouse.pid" ;;
   esac
 }
 # A path on the service's command line that is unique to this state dir (postgres: its config file,
@@ -176,14 +217,18 @@ marker_of() {
   case $1 in
     kafka) echo "$KAFKA_PROPS" ;; clickhouse) echo "$CH_CONF" ;;
     postgres) echo "$PG_CONF" ;; connect) echo "$CONNECT_PROPS" ;;
-    registry) echo "$REGISTRY_PROPS" ;;
+    registry) echo "$REGISTRY_PROPS" ;; zookeeper) echo "$ZK_CONF" ;;
+    kafka-*) echo "$(kafka_node_dir "${1#kafka-}")/server.properties" ;;
+    clickhouse-*) echo "$(ch_node_dir "${1#clickhouse-}")/etc/config.xml" ;;
   esac
 }
 ports_of() {
   case $1 in
     kafka) echo "9092 9093 9094" ;; clickhouse) echo "8123 9000 8443" ;;
     postgres) echo "5432" ;; connect) echo "8083" ;;
-    registry) echo "8081 9081" ;;
+    registry) echo "8081 9081" ;; zookeeper) echo "2181" ;;
+    kafka-*) echo "$(kafka_node_port "${1#kafka-}") $((19091 + ${1#kafka-}))" ;;
+    clickhouse-*) echo "$((8122 + ${1#clickhouse-})) $((9010 + ${1#clickhouse-})) $((9020 + ${1#clickhouse-}))" ;;
   esac
 }
 # Signals stop_svc sends in turn. PostgreSQL: SIGINT is a fast shutdown (a clean checkpoint; open
@@ -475,12 +520,13 @@ svc_await() {
 # Services without dependencies (and the dependencies of the requested ones, e.g. kafka for `up
 # connect`) are launched together; the others once what they depend on answers.
 cmd_up() {
-  local svc dep rc=0 first=() later=() down=()
+  local svc dep rc=0 first=() later=() down=() missing
   for svc in "$@"; do
-    dep="${DEPENDS_ON[$svc]:-}"
-    if [[ -n $dep ]]; then
+    if [[ -n ${DEPENDS_ON[$svc]:-} ]]; then
       later+=("$svc")
-      in_list "$dep" "$@" || in_list "$dep" "${first[@]}" || first+=("$dep")
+      for dep in ${DEPENDS_ON[$svc]}; do
+        in_list "$dep" "$@" || in_list "$dep" "${first[@]}" || first+=("$dep")
+      done
     else
       in_list "$svc" "${first[@]}" || first+=("$svc")
     fi
@@ -488,17 +534,37 @@ cmd_up() {
   for svc in "${first[@]}" "${later[@]}"; do svc_prepare "$svc"; done
   for svc in "${first[@]}"; do svc_launch "$svc"; done
   for svc in "${first[@]}"; do svc_await "$svc" || { rc=1; down+=("$svc"); }; done
+  # The later ones in turn (a ClickHouse replica once ZooKeeper serves sessions).
   for svc in "${later[@]}"; do
-    dep="${DEPENDS_ON[$svc]}"
-    if in_list "$dep" "${down[@]}"; then
-      log "$svc: not started, $dep is not up"
+    missing=""
+    for dep in ${DEPENDS_ON[$svc]}; do
+      in_list "$dep" "${down[@]}" && missing+=" $dep"
+    done
+    if [[ -n $missing ]]; then
+      log "$svc: not started, not up:$missing"
       rc=1
+      down+=("$svc")
       continue
     fi
     svc_launch "$svc"
-    svc_await "$svc" || rc=1
+    svc_await "$svc" || { rc=1; down+=("$svc"); }
   done
   return $rc
+}
+
+# switch_to MODE -- stops the other set's nodes (they hold the same ports) and Kafka Connect (its
+# brokers change), then makes MODE the set every command sees.
+switch_to() {
+  local other=("${SINGLE_NODES[@]}")
+  [[ $1 == single ]] && other=("${CLUSTER_NODES[@]}")
+  if [[ $1 != "$MODE" ]]; then
+    log "switching to the $1 set"
+    set_mode "$MODE"
+    cmd_down 0 connect "${other[@]}"
+  fi
+  mkdir -p "$STATE_DIR"
+  echo "$1" >"$MODE_FILE"
+  set_mode "$1"
 }
 
 cmd_down() {
@@ -579,9 +645,17 @@ main() {
   [[ $# -gt 0 ]] && shift
   case $cmd in
     up)
+      local mode="$MODE"
+      if [[ ${1:-} == --cluster ]]; then
+        mode=cluster
+        shift
+      elif [[ $# -eq 0 ]]; then
+        mode=single
+      fi
+      take_lock
+      switch_to "$mode"
       # (parse_services runs in a subshell: its usage exit must end this script too)
       svcs="$(parse_services "$@")" || exit 2
-      take_lock
       # shellcheck disable=SC2086
       cmd_up $svcs
       ;;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: system packages, Kafka and ClickHouse, formatting,
 # lints, unit + property + integration tests against the real services, then the chaos runs and
-# an upgrade in place from an earlier release under chaos.
+# an upgrade in place from an earlier release under chaos, then the tests of the cluster set
+# (scripts/services.sh up --cluster), which it leaves running.
 #   scripts/test.sh            everything
 #   TALLY_SKIP_CHAOS=1 scripts/test.sh   without the chaos run
 set -euo pipefail
@@ -58,6 +59,19 @@ if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   echo "== upgrade in place under chaos (from the release before the state and changelog formats changed)"
   # No service restarts: that release stops if it starts while Kafka restarts (fixed since).
   scripts/upgrade.sh --events 60000 --rate 4000 --kills 3 --restarts 0
+fi
+echo "== the cluster set: three Kafka brokers (RF 3, min ISR 2), ZooKeeper, two ClickHouse replicas"
+scripts/services.sh up --cluster
+set +e
+cargo test --locked -p tally --test cluster_kafka -- --ignored 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(( passed + $(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}') ))
+failed=$(( failed + $(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}') ))
+if [ "$status" -ne 0 ]; then
+  echo "cluster tests failed"
+  echo "tests: $passed passed, $failed failed"
+  exit "$status"
 fi
 echo "wall time: $(( $(date +%s) - started ))s"
 echo "tests: $passed passed, $failed failed"

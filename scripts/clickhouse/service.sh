@@ -35,3 +35,44 @@ clickhouse_ready() {
 }
 
 clickhouse_logfiles() { echo "$CH_LOGS/clickhouse-server.log $CH_LOGS/clickhouse-server.err.log $CH_OUT"; }
+
+# --- two replicas of one shard (services.sh up --cluster): clickhouse-1, clickhouse-2 ------------
+# Replica N: HTTP 127.0.0.1:812(2+N), native 901N, interserver 902N; no HTTPS (single-node only).
+ch_node_dir() { echo "$STATE_DIR/clickhouse-$1"; }
+ch_node_http() { echo "http://127.0.0.1:$((8122 + $1))"; }
+
+ch_node_prepare() {
+  local n="$1" dir
+  dir="$(ch_node_dir "$n")"
+  ensure_cmds curl:curl clickhouse-server:clickhouse-server clickhouse-client:clickhouse-client
+  mkdir -p "$dir/etc/config.d" "$dir/data" "$dir/tmp" "$dir/user_files" "$dir/format_schemas" "$dir/logs"
+  # The single node's config with this replica's ports and paths, and no HTTPS port.
+  sed -e "s#@CH_STATE_DIR@#$dir#g" -e "s#@TLS_DIR@#$TLS_DIR#g" \
+    -e "s#<http_port>8123</http_port>#<http_port>$((8122 + n))</http_port>#" \
+    -e "s#<tcp_port>9000</tcp_port>#<tcp_port>$((9010 + n))</tcp_port>#" \
+    -e "/<https_port>/d" "$CH_SRC/config.xml" >"$dir/etc/config.xml.tmp"
+  mv "$dir/etc/config.xml.tmp" "$dir/etc/config.xml"
+  sed -e "s#@REPLICA@#$n#g" -e "s#@INTERSERVER_PORT@#$((9020 + n))#g" \
+    "$CH_SRC/cluster.xml.in" >"$dir/etc/config.d/cluster.xml"
+  cp "$CH_SRC/users.xml" "$dir/etc/users.xml"
+}
+
+ch_node_launch() {
+  local dir
+  dir="$(ch_node_dir "$1")"
+  launch "clickhouse-$1" "$dir" "$dir/logs/stdout.log" "$(ch_bin)" --config-file="$dir/etc/config.xml"
+}
+
+# Ready = it answers a query and sees ZooKeeper (system.zookeeper reads the root).
+ch_node_ready() {
+  local http
+  http="$(ch_node_http "$1")"
+  [[ "$(curl -fsS --max-time 2 "$http/ping" 2>/dev/null)" == "Ok." ]] || return 1
+  [[ "$(curl -fsS --max-time 5 "$http/" --data-binary "SELECT count() > 0 FROM system.zookeeper WHERE path = '/'" 2>/dev/null)" == "1" ]]
+}
+
+ch_node_logfiles() {
+  local dir
+  dir="$(ch_node_dir "$1")"
+  echo "$dir/logs/clickhouse-server.log $dir/logs/clickhouse-server.err.log $dir/logs/stdout.log"
+}

@@ -44,8 +44,11 @@ connect_prepare() {
   connect_fetch
   mkdir -p "$CONNECT_LOGS"
   # Rendered on every start so template edits apply; the worker's state is in Kafka topics.
-  sed -e "s#@PLUGIN_PATH@#$CONNECT_PLUGINS#g" "$CONNECT_SRC/connect-distributed.properties.in" \
-    >"$CONNECT_PROPS.tmp"
+  # The brokers and the internal topics' replication of the set that runs (services.sh set_mode).
+  sed -e "s#@PLUGIN_PATH@#$CONNECT_PLUGINS#g" \
+    -e "s#^bootstrap.servers=.*#bootstrap.servers=$KAFKA_BOOTSTRAP#" \
+    -e "s#replication.factor=1#replication.factor=$CONNECT_REPLICATION#" \
+    "$CONNECT_SRC/connect-distributed.properties.in" >"$CONNECT_PROPS.tmp"
   mv "$CONNECT_PROPS.tmp" "$CONNECT_PROPS"
   cp "$CONNECT_SRC/log4j2.xml" "$CONNECT_DIR/log4j2.xml"
 }

@@ -79,3 +79,60 @@ kafka_ready() {
 
 # Process stdout/stderr last: JVM/startup errors land there, and the last lines shown matter most.
 kafka_logfiles() { echo "$KAFKA_LOGS/server.log $KAFKA_OUT"; }
+
+# --- the three-broker cluster (services.sh up --cluster): kafka-1, kafka-2, kafka-3 -------------
+# Broker N: PLAINTEXT 127.0.0.1:909(1+N), controller 127.0.0.1:1909(1+N); one cluster id for all.
+KAFKA_CLUSTER_BOOTSTRAP="127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094"
+kafka_node_dir() { echo "$STATE_DIR/kafka-$1"; }
+kafka_node_port() { echo $((9091 + $1)); }
+
+kafka_node_prepare() {
+  local n="$1" dir
+  dir="$(kafka_node_dir "$n")"
+  ensure_cmds java:openjdk-17-jre-headless
+  check_java
+  kafka_fetch
+  mkdir -p "$dir/data" "$dir/logs"
+  sed -e "s#@NODE_ID@#$n#g" -e "s#@PORT@#$(kafka_node_port "$n")#g" \
+    -e "s#@CONTROLLER_PORT@#$((19091 + n))#g" -e "s#@KAFKA_DATA_DIR@#$dir/data#g" \
+    "$KAFKA_SRC/cluster-node.properties.in" >"$dir/server.properties.tmp"
+  mv "$dir/server.properties.tmp" "$dir/server.properties"
+  cp "$KAFKA_SRC/log4j2.xml" "$dir/log4j2.xml"
+  if [[ ! -f $dir/data/meta.properties ]]; then
+    # One cluster id for the three, made once (a lock: the nodes are prepared one after another).
+    if [[ ! -s $STATE_DIR/kafka-cluster.id ]]; then
+      kafka_cli kafka.tools.StorageTool random-uuid >"$STATE_DIR/kafka-cluster.id" ||
+        die "kafka-$n: cannot run Kafka's StorageTool; if the jar cache is broken, delete $KAFKA_LIBS"
+    fi
+    log "kafka-$n: formatting storage (cluster id $(cat "$STATE_DIR/kafka-cluster.id"))"
+    if ! kafka_cli kafka.tools.StorageTool format -t "$(cat "$STATE_DIR/kafka-cluster.id")" \
+      -c "$dir/server.properties" >"$dir/logs/format.log" 2>&1; then
+      cat "$dir/logs/format.log" >&2
+      die "kafka-$n: storage format failed"
+    fi
+  fi
+}
+
+kafka_node_launch() {
+  local n="$1" dir
+  dir="$(kafka_node_dir "$n")"
+  # shellcheck disable=SC2086 # heap opts are intentionally word-split
+  launch "kafka-$n" "$dir" "$dir/logs/kafka.out" \
+    java $KAFKA_NODE_HEAP_OPTS -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+    -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent \
+    -Djava.awt.headless=true \
+    -Dkafka.logs.dir="$dir/logs" -Dlog4j2.configurationFile="$dir/log4j2.xml" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$dir/server.properties"
+}
+
+# Ready = its port open and an admin request through it round-trips (a controller quorum answers).
+kafka_node_ready() {
+  local port
+  port="$(kafka_node_port "$1")"
+  port_open "$port" || return 1
+  [[ -d $KAFKA_LIBS ]] || return 1
+  timeout 30 java -Dlog4j2.configurationFile="$KAFKA_SRC/tools-log4j2.xml" -cp "$KAFKA_LIBS/*" \
+    org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$port" --list >/dev/null 2>&1
+}
+
+kafka_node_logfiles() { echo "$(kafka_node_dir "$1")/logs/server.log $(kafka_node_dir "$1")/logs/kafka.out"; }

@@ -413,6 +413,16 @@ pub struct TopicDurability {
     pub min_insync_replicas: Option<i64>,
     /// `retention.ms` (-1: unlimited).
     pub retention_ms: Option<i64>,
+    /// Per partition: its replicas and those in sync (ISR), as the cluster's metadata has them.
+    pub partitions: Vec<PartitionReplicas>,
+}
+
+/// One partition's replicas and the replicas in sync with its leader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionReplicas {
+    pub partition: i32,
+    pub replicas: usize,
+    pub in_sync: usize,
 }
 
 pub async fn topic_durability(settings: &KafkaSettings, topic: &str) -> Result<TopicDurability> {
@@ -426,6 +436,17 @@ pub async fn topic_durability(settings: &KafkaSettings, topic: &str) -> Result<T
         .map(|p| p.replicas().len())
         .min()
         .unwrap_or(0);
+    let partitions = metadata
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic)
+        .flat_map(|t| t.partitions())
+        .map(|p| PartitionReplicas {
+            partition: p.id(),
+            replicas: p.replicas().len(),
+            in_sync: p.isr().len(),
+        })
+        .collect();
     let brokers = metadata.brokers().len();
     let admin: AdminClient<DefaultClientContext> = settings
         .client_config()
@@ -452,5 +473,6 @@ pub async fn topic_durability(settings: &KafkaSettings, topic: &str) -> Result<T
         replication_factor,
         min_insync_replicas,
         retention_ms,
+        partitions,
     })
 }

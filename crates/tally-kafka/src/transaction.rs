@@ -121,7 +121,10 @@ impl UnfencedProducer {
         let mut config = settings.client_config();
         config
             .set("transactional.id", transactional_id)
-            .set("enable.idempotence", "true");
+            .set("enable.idempotence", "true")
+            // What idempotence implies, said: a record is acknowledged once every in-sync
+            // replica has it (min.insync.replicas of them at least).
+            .set("acks", "all");
         set_default(&mut config, "transaction.timeout.ms", "120000");
         // Dead letters carry whole source records plus headers.
         set_default(&mut config, "message.max.bytes", "16777216");
