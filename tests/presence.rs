@@ -54,6 +54,10 @@ async fn a_presence_filter_is_exact_through_a_kill_9(format: &str, present: bool
         "filter signed_by is absent or null (then not read)"
     };
     assert!(ok && text.contains(says), "{text}");
+    assert!(
+        text.contains("loadgen generates its records by construction"),
+        "{text}"
+    );
 
     let (mut worker, loadgen) = declared_stream_through_a_kill_9(&job, &manifest).await;
     let out = loadgen.wait_with_output().unwrap();

@@ -665,6 +665,15 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         Ok(_) => println!("runs on the built-in revenue_agg decoder"),
         Err(_) => println!("runs as declared"),
     }
+    // What loadgen makes of the same declaration, so that the two never disagree unsaid.
+    if job.changes.is_none() {
+        match tally::loadgen::filter_tests(&job) {
+            Ok(_) => {
+                println!("loadgen generates its records by construction (tally loadgen --config)")
+            }
+            Err(why) => println!("{why}: tally loadgen refuses this job (the job itself runs)"),
+        }
+    }
     println!("{}: ok", path.display());
     Ok(())
 }

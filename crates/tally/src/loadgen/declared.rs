@@ -22,6 +22,37 @@ use super::framed::FramedWriter;
 use super::{Fate, GeneratedRecord, Kind, LoadOptions, LoadSpec, Stream, open_source, produce_all};
 use crate::config::Config;
 
+/// Per field, the filter test loadgen generates it by (at most one), or why it cannot generate
+/// records of `job` by construction (what `check-config` says too).
+pub fn filter_tests(job: &Job) -> Result<Vec<Option<Test>>, String> {
+    let mut tests = vec![None; job.fields.len()];
+    for condition in &job.filter {
+        let field = &job.fields[condition.field];
+        if condition.field == job.event_id || condition.field == job.event_time {
+            return Err(format!(
+                "loadgen cannot generate a filter on field {:?}: it is the event id or the event time",
+                field.name
+            ));
+        }
+        if job.keys.contains(&condition.field) && matches!(condition.test, Test::Range { .. }) {
+            return Err(format!(
+                "loadgen cannot generate a range filter on field {:?}: it is a group-by key",
+                field.name
+            ));
+        }
+        if tests[condition.field]
+            .replace(condition.test.clone())
+            .is_some()
+        {
+            return Err(format!(
+                "loadgen generates one filter condition per field; field {:?} has several",
+                field.name
+            ));
+        }
+    }
+    Ok(tests)
+}
+
 /// Moduli deriving the second, third, ... group-by value from a record's key combination (the
 /// first is the combination itself), so that a combination names one value of every key.
 const KEY_DIVISORS: [u32; 4] = [7, 5, 3, 11];
@@ -62,31 +93,7 @@ pub struct DeclaredGenerator {
 impl DeclaredGenerator {
     /// A generator for `job`, or why loadgen cannot generate records of it by construction.
     pub fn new(spec: LoadSpec, job: Arc<Job>, rules: OperatorConfig) -> Result<Self, String> {
-        let mut tests = vec![None; job.fields.len()];
-        for condition in &job.filter {
-            let field = &job.fields[condition.field];
-            if condition.field == job.event_id || condition.field == job.event_time {
-                return Err(format!(
-                    "loadgen cannot generate a filter on field {:?}: it is the event id or the event time",
-                    field.name
-                ));
-            }
-            if job.keys.contains(&condition.field) && matches!(condition.test, Test::Range { .. }) {
-                return Err(format!(
-                    "loadgen cannot generate a range filter on field {:?}: it is a group-by key",
-                    field.name
-                ));
-            }
-            if tests[condition.field]
-                .replace(condition.test.clone())
-                .is_some()
-            {
-                return Err(format!(
-                    "loadgen generates one filter condition per field; field {:?} has several",
-                    field.name
-                ));
-            }
-        }
+        let tests = filter_tests(&job)?;
         Ok(DeclaredGenerator {
             stream: Stream::new(&spec)?,
             spec,

@@ -23,7 +23,9 @@ use crate::config::Config;
 
 mod declared;
 mod framed;
-pub use declared::{DeclaredGenerator, DeclaredManifest, Running, Shown, produce_declared};
+pub use declared::{
+    DeclaredGenerator, DeclaredManifest, Running, Shown, filter_tests, produce_declared,
+};
 pub(crate) use declared::{filtered_value, key_value, random_value};
 pub use framed::FramedWriter;
 
