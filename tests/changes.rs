@@ -11,7 +11,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::capture::{captured_table, field, finish, loadgen, tail, verify_when_caught_up};
@@ -48,23 +47,7 @@ async fn a_changing_table_reaches_the_view_exactly_once_through_kills_and_restar
     job.wait_until_consuming(before).await;
     // Kafka Connect killed while it streams: Debezium sends again what it had not flushed.
     at(10).await;
-    let pid = Command::new("bash")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../scripts/services.sh"
-        ))
-        .args(["pid", "connect"])
-        .output()
-        .expect("services.sh pid connect");
-    let pid = String::from_utf8_lossy(&pid.stdout).trim().to_owned();
-    assert!(!pid.is_empty(), "Kafka Connect's pid");
-    assert!(
-        Command::new("kill")
-            .args(["-9", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    kill_9_service("connect");
     services(&["up", "connect"]);
     // PostgreSQL restarted under the workload and the connector.
     at(16).await;

@@ -9,33 +9,12 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
 use tally::loadgen::Manifest;
 
 const CLUSTER_BROKERS: &str = "127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094";
-
-fn kill_9(node: &str) {
-    let out = Command::new("bash")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../scripts/services.sh"
-        ))
-        .args(["pid", node])
-        .output()
-        .unwrap();
-    let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    assert!(!pid.is_empty(), "{node}'s pid");
-    assert!(
-        Command::new("kill")
-            .args(["-9", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
-}
 
 fn settings() -> tally_kafka::KafkaSettings {
     tally_kafka::KafkaSettings {
@@ -111,7 +90,7 @@ async fn a_job_on_three_brokers_waits_out_broker_losses_and_stays_exact() {
     // A broker killed: the job goes on (two replicas in sync, the min ISR), doctor WARNs.
     let committed = job.log().len();
     let killed = Instant::now();
-    kill_9("kafka-3");
+    kill_9_service("kafka-3");
     produce_into(&topic, &records[3_000..4_500], &mut manifest).await;
     job.wait_for_log(committed, "checkpoint committed", Duration::from_secs(120))
         .await;

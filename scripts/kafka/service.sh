@@ -58,15 +58,19 @@ kafka_prepare() {
   fi
 }
 
-kafka_launch() {
+# kafka_start NAME DIR HEAP_OPTS -- a broker of DIR (its server.properties, log4j2.xml, logs/).
+kafka_start() {
+  local name="$1" dir="$2" heap="$3"
   # shellcheck disable=SC2086 # heap opts are intentionally word-split
-  launch kafka "$KAFKA_DIR" "$KAFKA_OUT" \
-    java $KAFKA_HEAP_OPTS -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+  launch "$name" "$dir" "$dir/logs/kafka.out" \
+    java $heap -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
     -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent \
     -Djava.awt.headless=true \
-    -Dkafka.logs.dir="$KAFKA_LOGS" -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.xml" \
-    -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_PROPS"
+    -Dkafka.logs.dir="$dir/logs" -Dlog4j2.configurationFile="$dir/log4j2.xml" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$dir/server.properties"
 }
+
+kafka_launch() { kafka_start kafka "$KAFKA_DIR" "$KAFKA_HEAP_OPTS"; }
 
 # Ready = port open and an admin request (list topics) round-trips, i.e. broker + controller work.
 kafka_ready() {
@@ -113,17 +117,7 @@ kafka_node_prepare() {
   fi
 }
 
-kafka_node_launch() {
-  local n="$1" dir
-  dir="$(kafka_node_dir "$n")"
-  # shellcheck disable=SC2086 # heap opts are intentionally word-split
-  launch "kafka-$n" "$dir" "$dir/logs/kafka.out" \
-    java $KAFKA_NODE_HEAP_OPTS -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
-    -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent \
-    -Djava.awt.headless=true \
-    -Dkafka.logs.dir="$dir/logs" -Dlog4j2.configurationFile="$dir/log4j2.xml" \
-    -cp "$KAFKA_LIBS/*" kafka.Kafka "$dir/server.properties"
-}
+kafka_node_launch() { kafka_start "kafka-$1" "$(kafka_node_dir "$1")" "$KAFKA_NODE_HEAP_OPTS"; }
 
 # Ready = its port open and an admin request through it round-trips (a controller quorum answers).
 kafka_node_ready() {

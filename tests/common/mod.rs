@@ -431,6 +431,27 @@ pub fn services(args: &[&str]) {
     assert!(status.success(), "services.sh {args:?}");
 }
 
+/// Kills a service this checkout's `scripts/services.sh` started (`connect`, `kafka-3`, ...)
+/// with SIGKILL.
+pub fn kill_9_service(name: &str) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/services.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .args(["pid", name])
+        .output()
+        .expect("services.sh pid");
+    let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(!pid.is_empty(), "{name}'s pid");
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .expect("kill")
+            .success(),
+        "kill -9 {name}"
+    );
+}
+
 pub fn sigterm(child: &Child) {
     let _ = Command::new("kill")
         .arg("-TERM")
