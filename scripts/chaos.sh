@@ -26,6 +26,10 @@
 #          changelog and tables BIN wrote: an upgrade in place under the chaos)
 #          --config FILE (the job file, default config/revenue_agg.toml; a hopping job's slide is
 #          shortened with its size, to TALLY_WINDOW__SLIDE or 2s)
+#          --cluster (the cluster set of scripts/services.sh: the job on the three brokers, and each
+#          Kafka restart is a SIGKILL of one broker at a time, started again after 5 s; ClickHouse
+#          restarts hit clickhouse-1, which tally writes through: tally does not write replicated
+#          tables yet, issue 48)
 #
 # A job of change events (config/orders.toml) runs on the whole chain: loadgen changes a
 # PostgreSQL table of the run's own (inserts, updates, deletes, key changes, --snapshots new
@@ -39,7 +43,7 @@ source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
 workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9 upgrade_from=""
-config=config/revenue_agg.toml snapshots=2
+config=config/revenue_agg.toml snapshots=2 cluster=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -60,6 +64,7 @@ while (($#)); do
     --upgrade-from) upgrade_from=$2; shift 2 ;;
     --config) config=$2; shift 2 ;;
     --snapshots) snapshots=$2; shift 2 ;;
+    --cluster) cluster=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -67,7 +72,14 @@ RANDOM=$seed
 started=$(date +%s)
 
 scripts/bootstrap.sh
-scripts/services.sh up >&2
+bootstrap=127.0.0.1:9092
+if ((cluster)); then
+  scripts/services.sh up --cluster >&2
+  bootstrap=127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094
+  export TALLY_KAFKA__BROKERS="$bootstrap"
+else
+  scripts/services.sh up >&2
+fi
 if [ -n "${TALLY_CHAOS_BIN:-}" ]; then
   TALLY_BIN="$TALLY_CHAOS_BIN"   # a given build: the run never picks up a rebuild made meanwhile
 elif [ "$profile" = release ]; then
@@ -202,7 +214,7 @@ if ((changes)); then
   # The changes start once the first snapshot has read those rows: a change made before its
   # consistent point would show in the topic as part of the snapshot, not as itself.
   snapshot_deadline=$(( $(date +%s) + 120 ))
-  until [ "$(scripts/services.sh kafka-cli org.apache.kafka.tools.GetOffsetShell --bootstrap-server 127.0.0.1:9092 \
+  until [ "$(scripts/services.sh kafka-cli org.apache.kafka.tools.GetOffsetShell --bootstrap-server "$bootstrap" \
             --topic "$TALLY_KAFKA__SOURCE_TOPIC" 2>/dev/null | awk -F: '{s += $3} END {print s + 0}')" -ge 500 ]; do
     [ "$(date +%s)" -lt "$snapshot_deadline" ] || { echo "chaos: the connector's first snapshot did not arrive" >&2; exit 1; }
     sleep 1
@@ -282,8 +294,21 @@ for action in "${actions[@]}"; do
         until [ "$(chq "SELECT max(generation) FROM ${run}.${table}_read_side" 2>/dev/null || echo 0)" -gt "$gen" ]; do sleep 0.1; done
         read_side_back="$read_side_back $(( ($(date +%s%N) - killed_at) / 1000000 ))"
       done ;;
-    clickhouse) scripts/services.sh restart clickhouse >&2; done_ch=$((done_ch + 1)) ;;
-    kafka) scripts/services.sh restart kafka >&2; done_kafka=$((done_kafka + 1)) ;;
+    clickhouse)
+      if ((cluster)); then scripts/services.sh restart clickhouse-1 >&2; else scripts/services.sh restart clickhouse >&2; fi
+      done_ch=$((done_ch + 1)) ;;
+    kafka)
+      if ((cluster)); then
+        # One broker at a time, SIGKILLed (the controller or a transaction coordinator among them, by chance).
+        broker="kafka-$(( RANDOM % 3 + 1 ))"
+        kill -9 "$(scripts/services.sh pid "$broker")" 2>/dev/null || true
+        sleep 5
+        scripts/services.sh up "$broker" >&2
+        killed_brokers="${killed_brokers:-}${killed_brokers:+ }$broker"
+      else
+        scripts/services.sh restart kafka >&2
+      fi
+      done_kafka=$((done_kafka + 1)) ;;
     connect)
       # Killed while it streams: Debezium sends again what it had not flushed.
       kill -9 "$(scripts/services.sh pid connect)" 2>/dev/null || true
@@ -374,7 +399,11 @@ printf '%-40s %s\n' "leaves (SIGTERM, then rejoin)" "$done_leaves"
 printf '%-40s %s%s\n' "takeovers caught up from the changelog" "$caught_up" "${takeover_ms:+ (ms: ${takeover_ms% })}"
 printf '%-40s %s\n' "whole restores from the changelog" "$whole"
 printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
-printf '%-40s %s\n' "kafka restarts" "$done_kafka"
+if ((cluster)); then
+  printf '%-40s %s\n' "kafka brokers SIGKILLed, one at a time" "$done_kafka${killed_brokers:+ (${killed_brokers})}"
+else
+  printf '%-40s %s\n' "kafka restarts" "$done_kafka"
+fi
 if ((changes)); then
   printf '%-40s %s / %s\n' "changes made / in the topic" "$(field changes_made)" "$(field changes_in_topic)"
   printf '%-40s %s\n' "snapshot reads" "$(field snapshot_reads)"

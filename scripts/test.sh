@@ -73,5 +73,11 @@ if [ "$status" -ne 0 ]; then
   echo "tests: $passed passed, $failed failed"
   exit "$status"
 fi
+if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
+  echo "== chaos on the cluster set (3 workers; brokers SIGKILLed one at a time, ClickHouse restarted)"
+  scripts/chaos.sh --cluster --workers 3 --events 60000 --rate 3000 --kills 3 --zombies 1 --leaves 1 --restarts 2
+  echo "== chaos of a job of change events on the cluster set (config/orders.toml, 3 workers)"
+  scripts/chaos.sh --cluster --config config/orders.toml --workers 3 --events 3000 --rate 150 --kills 2 --zombies 1 --leaves 1 --restarts 1
+fi
 echo "wall time: $(( $(date +%s) - started ))s"
 echo "tests: $passed passed, $failed failed"
