@@ -138,10 +138,14 @@ fn condition(expr: &str, field: &FieldReader, test: &Test) -> String {
 }
 
 /// A field's value in SQL, in the terms its filter constants and keys are written in: times in
-/// epoch milliseconds, everything else as the column holds it.
+/// epoch milliseconds, an empty string as NULL (the job reads it as absent unless `allow_empty`),
+/// everything else as the column holds it.
 fn value_expr(field: &FieldReader, column: &Column) -> String {
     match field.kind {
         FieldKind::Timestamp => time_ms(field, column),
+        FieldKind::String if !field.allow_empty => {
+            format!("NULLIF({}, '')", quote_ident(&column.name))
+        }
         _ => quote_ident(&column.name),
     }
 }
@@ -251,6 +255,21 @@ fn statement(
         })
         .collect();
     let mut conditions = conditions;
+    // A row lacking a field no condition tests is dead-lettered by the job (missing_field), so
+    // it counts nowhere here either; a tested field's NULL fails its test as in the job.
+    let mut required: Vec<usize> = vec![job.event_time];
+    required.extend(&job.keys);
+    required.extend(job.aggregates.iter().filter_map(|a| a.field));
+    required.sort_unstable();
+    required.dedup();
+    for i in required {
+        if job.filter.iter().any(|c| c.field == i) {
+            continue;
+        }
+        if let Ok(c) = column_of(field(i), columns) {
+            conditions.push(format!("{} IS NOT NULL", value_expr(field(i), c)));
+        }
+    }
     if let Some(rows) = rows {
         let key: Vec<String> = primary_key
             .iter()
@@ -402,8 +421,10 @@ mod tests {
         assert_eq!(
             a.sql,
             "SELECT w__.start, r__.k0__, count(*)::bigint, sum(r__.a1__)::text FROM \
-             (SELECT floor(extract(epoch from \"created_at\") * 1000)::bigint AS t__, \"customer_id\"::text AS k0__, \"amount\" AS a1__ \
-             FROM public.orders WHERE \"status\" NOT IN ('cancelled')) AS r__ \
+             (SELECT floor(extract(epoch from \"created_at\") * 1000)::bigint AS t__, NULLIF(\"customer_id\", '')::text AS k0__, \"amount\" AS a1__ \
+             FROM public.orders WHERE NULLIF(\"status\", '') NOT IN ('cancelled') \
+             AND NULLIF(\"customer_id\", '') IS NOT NULL AND \"amount\" IS NOT NULL \
+             AND floor(extract(epoch from \"created_at\") * 1000)::bigint IS NOT NULL) AS r__ \
              CROSS JOIN LATERAL generate_series(r__.t__ - mod(r__.t__, 3600000) - 0, r__.t__ - mod(r__.t__, 3600000), 3600000) AS w__(start) \
              GROUP BY 1, 2"
         );
