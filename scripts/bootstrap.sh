@@ -7,8 +7,9 @@ set -euo pipefail
 # Java + Maven: the real Kafka broker and Kafka Connect, fetched as jars. clickhouse-server: the local
 # ClickHouse. postgresql-15: the local PostgreSQL (services.sh runs its own cluster, as the postgres user).
 # zookeeper: for the replicated ClickHouse of the cluster set (services.sh up --cluster).
+# docker-compose: `docker-compose config` checks docker-compose.yml (no Docker engine needed).
 PACKAGES=(build-essential pkg-config libclang-dev libssl-dev zlib1g-dev curl ca-certificates
-          openjdk-17-jre-headless maven clickhouse-server clickhouse-client postgresql-15 zookeeper)
+          openjdk-17-jre-headless maven clickhouse-server clickhouse-client postgresql-15 zookeeper docker-compose)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

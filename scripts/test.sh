@@ -13,6 +13,8 @@ started=$(date +%s)
 scripts/bootstrap.sh
 scripts/services.sh up
 
+echo "== docker-compose.yml (the same topology as services.sh up --cluster, current images)"
+docker-compose -f docker-compose.yml config -q
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"
