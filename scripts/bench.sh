@@ -33,6 +33,9 @@
 #       --updates updates of it (amounts, customers, hours, cancellations), captured into one topic;
 #       revenue_agg's topic holds as many events; alternating catch-ups of each, then the state's
 #       size per live row and reconcile --source of the last change run
+#   scripts/bench.sh --cluster [--events N ...]   the throughput bench on the cluster set
+#       (scripts/services.sh up --cluster: three brokers at RF 3 / min ISR 2; the broker CPU is the
+#       three's): run it without and with --cluster for what replication costs
 #   scripts/bench.sh --formats [--events N] [--repeat R]
 #       one declared job (config/payments.toml) on the same records in JSON, Avro and Protobuf
 #       (Confluent wire format, schemas in the local registry, changing twice mid-stream):
@@ -41,7 +44,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3 rows=1000000 updates=1000000
-customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0 together=0
+customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0 together=0 cluster=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -55,6 +58,7 @@ while (($#)); do
     --with-standby) with_standby=1; shift ;;
     --shared) shared=1; shift ;;
     --together) together=1; shift ;;
+    --cluster) cluster=1; shift ;;
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
     --join) mode=join; shift ;;
@@ -68,9 +72,9 @@ while (($#)); do
   esac
 done
 
-# cpu_ticks PID -- the CPU time (user + system, clock ticks) a process has used so far; 0 once it
-# is gone. Fields after "pid (comm) ": utime is the 12th, stime the 13th.
-cpu_ticks() { stat_ticks "/proc/$1/stat"; }
+# cpu_ticks PIDS -- the CPU time (user + system, clock ticks) the processes have used so far; 0 once
+# they are gone (PIDS space-separated). Fields after "pid (comm) ": utime is the 12th, stime the 13th.
+cpu_ticks() { local p t=0; for p in $1; do t=$((t + $(stat_ticks "/proc/$p/stat"))); done; echo "$t"; }
 stat_ticks() { awk '{ sub(/.*\) /, ""); print $12 + $13 }' "$1" 2>/dev/null || echo 0; }
 ticks_s() { awk -v t="$1" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz }'; }
 
@@ -292,7 +296,12 @@ if [ "$mode" = join ]; then join_bench; exit 0; fi
 events=${events:-1000000}
 
 scripts/bootstrap.sh
-scripts/services.sh up >&2
+if ((cluster)); then
+  scripts/services.sh up --cluster >&2
+  export TALLY_KAFKA__BROKERS=127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094
+else
+  scripts/services.sh up >&2
+fi
 if [ -n "${TALLY_BENCH_BIN:-}" ]; then
   bin="$TALLY_BENCH_BIN"   # e.g. an earlier build, for before/after figures with the same script
 else
@@ -324,7 +333,12 @@ manifest="$dir/manifest.json"
 
 # The CPU each run costs, beside its wall time: the broker's and ClickHouse's too, which share
 # the machine's cores with the reader.
-kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse)
+if ((cluster)); then
+  kafka_pid="$(scripts/services.sh pid kafka-1) $(scripts/services.sh pid kafka-2) $(scripts/services.sh pid kafka-3)"
+  clickhouse_pid=$(scripts/services.sh pid clickhouse-1)
+else
+  kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse)
+fi
 
 # ceiling_run FILE -- one ceiling run; its line in FILE, the CPU it cost in FILE.cpu.
 ceiling_run() {
