@@ -17,6 +17,8 @@ mod value;
 #[cfg(test)]
 mod framed_tests;
 #[cfg(test)]
+mod presence_tests;
+#[cfg(test)]
 pub(crate) mod tests;
 
 use std::collections::BTreeSet;
