@@ -60,7 +60,11 @@ async fn a_changing_table_reaches_the_view_exactly_once_through_kills_and_restar
     .unwrap();
     let text = finish(load_out);
     assert!(text.contains("1 snapshots asked for"), "{text}");
-    wait_until(Duration::from_secs(120), || capture.running()).await;
+    assert!(
+        capture.revive().await,
+        "the connector runs: {}",
+        capture.status()
+    );
 
     // Until Debezium and tally have caught up: verify passes, or says why not.
     let (ok, report, summary) = verify_when_caught_up(&job, &manifest).await;

@@ -158,6 +158,27 @@ impl Capture {
         curl(&[&format!("{CONNECT}/connectors/{}/status", self.name)]).1
     }
 
+    /// Waits (up to two minutes) until the connector and its task run, restarting a failed task
+    /// as an operator would (Kafka Connect never does): a task starting while PostgreSQL shuts
+    /// down fails for good ("the database system is shutting down"). Whether it runs.
+    pub async fn revive(&self) -> bool {
+        let until = std::time::Instant::now() + Duration::from_secs(120);
+        while !self.running() && std::time::Instant::now() < until {
+            if self.status().contains("FAILED") {
+                let _ = curl(&[
+                    "-X",
+                    "POST",
+                    &format!(
+                        "{CONNECT}/connectors/{}/restart?includeTasks=true&onlyFailed=true",
+                        self.name
+                    ),
+                ]);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        self.running()
+    }
+
     /// The connector and its task run.
     pub fn running(&self) -> bool {
         let status: serde_json::Value = serde_json::from_str(&self.status()).unwrap_or_default();
