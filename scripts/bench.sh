@@ -33,9 +33,13 @@
 #       --updates updates of it (amounts, customers, hours, cancellations), captured into one topic;
 #       revenue_agg's topic holds as many events; alternating catch-ups of each, then the state's
 #       size per live row and reconcile --source of the last change run
-#   scripts/bench.sh --cluster [--events N ...]   the throughput bench on the cluster set
-#       (scripts/services.sh up --cluster: three brokers at RF 3 / min ISR 2; the broker CPU is the
-#       three's): run it without and with --cluster for what replication costs
+#   scripts/bench.sh --cluster [--events N --repeat R ...]   what replication costs, in one run: the
+#       same records (one seed) produced into the single-node set and into the cluster set
+#       (scripts/services.sh up --cluster: three brokers at RF 3 / min ISR 2, two ClickHouse
+#       replicas; a job on both replicas), R catch-ups on each set, each summarised (the services'
+#       CPU is the three brokers' and the two replicas'); then, on the cluster under a live load of
+#       5000 records/s, the time from a SIGKILL of the replica written through, and of a broker, to
+#       the commit of the first epoch begun after it
 #   scripts/bench.sh --formats [--events N] [--repeat R]
 #       one declared job (config/payments.toml) on the same records in JSON, Avro and Protobuf
 #       (Confluent wire format, schemas in the local registry, changing twice mid-stream):
@@ -296,12 +300,22 @@ if [ "$mode" = join ]; then join_bench; exit 0; fi
 events=${events:-1000000}
 
 scripts/bootstrap.sh
-if ((cluster)); then
-  scripts/services.sh up --cluster >&2
-  export TALLY_KAFKA__BROKERS=127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094
-else
-  scripts/services.sh up >&2
-fi
+# use_set SET -- the services of SET (single or cluster), the job's settings for it, and the pids
+# whose CPU a run counts (the broker CPU is every broker's, ClickHouse's every replica's).
+use_set() {
+  if [ "$1" = cluster ]; then
+    scripts/services.sh up --cluster >&2
+    export TALLY_KAFKA__BROKERS=127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094
+    export TALLY_CLICKHOUSE__URL=http://127.0.0.1:8123,http://127.0.0.1:8124 TALLY_CLICKHOUSE__CLUSTER=tally
+    kafka_pid="$(scripts/services.sh pid kafka-1) $(scripts/services.sh pid kafka-2) $(scripts/services.sh pid kafka-3)"
+    clickhouse_pid="$(scripts/services.sh pid clickhouse-1) $(scripts/services.sh pid clickhouse-2)"
+  else
+    scripts/services.sh up >&2
+    unset TALLY_KAFKA__BROKERS TALLY_CLICKHOUSE__URL TALLY_CLICKHOUSE__CLUSTER
+    kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse)
+  fi
+}
+if ((cluster)); then use_set single; else scripts/services.sh up >&2; fi
 if [ -n "${TALLY_BENCH_BIN:-}" ]; then
   bin="$TALLY_BENCH_BIN"   # e.g. an earlier build, for before/after figures with the same script
 else
@@ -323,8 +337,9 @@ mkdir -p "$dir"
 config=${TALLY_BENCH_CONFIG:-config/revenue_agg.toml}
 export TALLY_JOB__MAX_RECORD_BYTES=4096 TALLY_KAFKA__SOURCE_TOPIC="$topic" TALLY_METRICS__ADDRESS=""
 
-# One pre-loaded topic for every run below (--changes and --formats make their own).
-if [ "$mode" != changes ] && [ "$mode" != formats ]; then
+# One pre-loaded topic for every run below (--changes and --formats make their own, --cluster
+# one per set).
+if [ "$mode" != changes ] && [ "$mode" != formats ] && ((!cluster)); then
   "$bin" loadgen --config "$config" --events "$events"  --partitions "$partitions" --customers "$customers" \
     --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" | tee "$dir/loadgen.log" >&2
 fi
@@ -333,12 +348,7 @@ manifest="$dir/manifest.json"
 
 # The CPU each run costs, beside its wall time: the broker's and ClickHouse's too, which share
 # the machine's cores with the reader.
-if ((cluster)); then
-  kafka_pid="$(scripts/services.sh pid kafka-1) $(scripts/services.sh pid kafka-2) $(scripts/services.sh pid kafka-3)"
-  clickhouse_pid=$(scripts/services.sh pid clickhouse-1)
-else
-  kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse)
-fi
+((cluster)) || { kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse); }
 
 # ceiling_run FILE -- one ceiling run; its line in FILE, the CPU it cost in FILE.cpu.
 ceiling_run() {
@@ -555,6 +565,75 @@ PY
   done
 }
 if [ "$mode" = formats ]; then formats_bench; exit 0; fi
+
+# --cluster: the fault times on the cluster set, under a live load: a fresh topic produced at
+# 5000 records/s for 60 s while a job consumes it; the replica written through SIGKILLed after
+# 15 s, a broker after 35 s, each started again 5 s later. Each time is from the kill to the
+# commit of the first epoch begun after it (the last committed epoch at the kill plus the epochs
+# that may have been in flight, job.max_epochs_in_flight, plus one).
+fault_times() {
+  local fdir="$top/faults" pid node e0 t0 t1 committed in_flight
+  mkdir -p "$fdir"
+  in_flight=$(sed -n 's/^max_epochs_in_flight *= *\([0-9]*\).*/\1/p' "$config"); in_flight=${in_flight:-2}
+  export TALLY_KAFKA__SOURCE_TOPIC="${topic}_faults"
+  run_env 0 faults
+  "$bin" loadgen --config "$config" --events 300000 --rate 5000 --partitions "$partitions" --customers "$customers" \
+    --seed 3 --manifest "$fdir/manifest.json" >"$fdir/loadgen.log" 2>&1 &
+  local loadgen=$!
+  sleep 2
+  "$bin" run --config "$config" >"$fdir/worker.log" 2>&1 &
+  pid=$!
+  trap "kill -9 $pid $loadgen 2>/dev/null || true" EXIT
+  last_epoch() { sed -n 's/.*checkpoint committed epoch=\([0-9]*\).*/\1/p' "$fdir/worker.log" | tail -1; }
+  for node in clickhouse-1 kafka-2; do
+    sleep 15
+    e0=$(last_epoch); e0=${e0:-0}
+    t0=$(date +%s%N)
+    kill -9 "$(scripts/services.sh pid "$node")"
+    committed=0
+    until [ "$committed" -ge $(( e0 + in_flight + 1 )) ]; do
+      sleep 0.05
+      committed=$(last_epoch); committed=${committed:-0}
+      [ $(( ($(date +%s%N) - t0) / 1000000000 )) -lt 300 ] || { echo "no commit within 300 s of the $node kill" >&2; break; }
+    done
+    t1=$(date +%s%N)
+    echo "fault: $node SIGKILLed at epoch $e0; epoch $(( e0 + in_flight + 1 )) (the first begun after it) committed $(( (t1 - t0) / 1000000 )) ms later" | tee -a "$fdir/times"
+    sleep 5
+    scripts/services.sh up "$node" >&2
+  done
+  wait "$loadgen" || true
+  sleep 5
+  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+  trap - EXIT
+  "$bin" verify --config "$config" --manifest "$fdir/manifest.json" | grep -E '^verify' | tee -a "$fdir/times"
+  echo "fault: writes moved to another replica $(grep -c 'writing through another clickhouse replica' "$fdir/worker.log" || true) times" | tee -a "$fdir/times"
+}
+
+if ((cluster)); then
+  # Each set's runs together (switching sets restarts every service), the single-node set first.
+  top=$dir
+  for set in single cluster; do
+    use_set "$set"
+    dir="$top/$set" manifest="$top/$set.json"
+    mkdir -p "$dir"
+    "$bin" loadgen --config "$config" --events "$events" --partitions "$partitions" --customers "$customers" \
+      --skew "$skew" --step-ms "$step_ms" --duplicates 0.02 --poison 0.005 --late 0.005 --seed 1 \
+      --manifest "$manifest" >"$dir/loadgen.log"
+    for r in $(seq 1 "$repeat"); do
+      ceiling_run "$dir/ceiling_r$r"
+      tally_run "$r" "$set"
+      echo "$set run $r: $(cat "$dir/ceiling_r$r"); $(cat "$dir/r$r/verify" | tr '\n' ' ')" >&2
+    done
+  done
+  fault_times
+  for set in single cluster; do
+    echo "== $set: $([ "$set" = single ] && echo "one broker, one ClickHouse server" || echo "three brokers (RF 3, min ISR 2), two ClickHouse replicas (the job's truth replicated, a view on each)") ($events records)"
+    python3 benches/summarize.py "$top/$set" "$events" "$repeat"
+  done
+  echo "== faults on the cluster set (5000 records/s)"
+  cat "$top/faults/times"
+  exit 0
+fi
 
 if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do

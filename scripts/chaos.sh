@@ -26,10 +26,11 @@
 #          changelog and tables BIN wrote: an upgrade in place under the chaos)
 #          --config FILE (the job file, default config/revenue_agg.toml; a hopping job's slide is
 #          shortened with its size, to TALLY_WINDOW__SLIDE or 2s)
-#          --cluster (the cluster set of scripts/services.sh: the job on the three brokers, and each
-#          Kafka restart is a SIGKILL of one broker at a time, started again after 5 s; ClickHouse
-#          restarts hit clickhouse-1, which tally writes through: tally does not write replicated
-#          tables yet, issue 48)
+#          --cluster (the cluster set of scripts/services.sh: the job on the three brokers and both
+#          ClickHouse replicas; each Kafka restart is a SIGKILL of one broker at a time, each
+#          ClickHouse restart a SIGKILL of one replica at a time, each started again after 5 s,
+#          and each restart adds a ZooKeeper restart; a reader polls each replica's view and
+#          verify checks each replica)
 #
 # A job of change events (config/orders.toml) runs on the whole chain: loadgen changes a
 # PostgreSQL table of the run's own (inserts, updates, deletes, key changes, --snapshots new
@@ -77,6 +78,7 @@ if ((cluster)); then
   scripts/services.sh up --cluster >&2
   bootstrap=127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094
   export TALLY_KAFKA__BROKERS="$bootstrap"
+  export TALLY_CLICKHOUSE__URL="http://127.0.0.1:8123,http://127.0.0.1:8124" TALLY_CLICKHOUSE__CLUSTER=tally
 else
   scripts/services.sh up >&2
 fi
@@ -131,7 +133,9 @@ keys=${keys:-customer_id,currency}
 export TALLY_JOB__STATE_DIR="$dir/state-0"
 
 # ClickHouse over HTTP, for what the run counts and where it aims its fold kills.
-chq() { curl -sS "${TALLY_CLICKHOUSE__URL:-http://127.0.0.1:8123}/" --data-binary "$1"; }
+# The servers readers read: one, or each replica of the cluster.
+IFS=, read -r -a ch_urls <<<"${TALLY_CLICKHOUSE__URL:-http://127.0.0.1:8123}"
+chq() { curl -sS "${2:-${ch_urls[0]}}/" --data-binary "$1"; }
 table=${TALLY_CLICKHOUSE__TABLE:-${job_table:-revenue_agg}}
 
 # Worker i: its own state directory and log; pids[i], and where its log was when it started.
@@ -161,6 +165,15 @@ active_worker() {
     fi
   done
   if ((${#running[@]})); then echo "${running[RANDOM % ${#running[@]}]}"; else echo 0; fi
+}
+# kill_one_node KIND N -- SIGKILLs one of the cluster's nodes KIND-1..KIND-N at random, starts it
+# again 5 s later, and prints its name.
+kill_one_node() {
+  local node="$1-$(( RANDOM % $2 + 1 ))"
+  kill -9 "$(scripts/services.sh pid "$node")" 2>/dev/null || true
+  sleep 5
+  scripts/services.sh up "$node" >&2
+  echo "$node"
 }
 connect_url=http://127.0.0.1:8083
 pg() { PGPASSWORD=tally-secret psql -X -q -t -A -h 127.0.0.1 -U tally tally -c "$1"; }
@@ -198,7 +211,7 @@ drop_capture() {
 }
 cleanup() {
   for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null || true; kill -9 "$pid" 2>/dev/null || true; done
-  [ -n "${probe_pid:-}" ] && kill "$probe_pid" 2>/dev/null || true
+  for pid in "${probe_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   [ -n "${loadgen_pid:-}" ] && kill "$loadgen_pid" 2>/dev/null || true
   if ((changes)); then drop_capture; fi
 }
@@ -230,15 +243,21 @@ else
 fi
 sleep 2
 for ((w = 0; w < workers; w++)); do start_worker "$w"; done
-# A dashboard reading the view all along: it must never see a window twice, vanish or shrink.
-"$TALLY_BIN" probe --config "$config" --interval 250ms >"$dir/probe.txt" 2>"$dir/probe.log" &
-probe_pid=$!
+# A dashboard reading the view all along (on each replica of a cluster): it must never see a
+# window twice, vanish or shrink.
+probe_pids=()
+for ((r = 0; r < ${#ch_urls[@]}; r++)); do
+  TALLY_CLICKHOUSE__URL="${ch_urls[r]}" "$TALLY_BIN" probe --config "$config" --interval 250ms \
+    >"$dir/probe-$r.txt" 2>"$dir/probe-$r.log" &
+  probe_pids+=($!)
+done
 
 # Spread kills and service restarts over the load's duration.
-total_events=$(( kills + (2 + 2 * changes) * restarts + zombies + leaves + fold_kills ))
+total_events=$(( kills + (2 + 2 * changes + cluster) * restarts + zombies + leaves + fold_kills ))
 actions=()
 for ((i = 0; i < kills; i++)); do actions+=(kill); done
 for ((i = 0; i < restarts; i++)); do actions+=(clickhouse kafka); done
+if ((cluster)); then for ((i = 0; i < restarts; i++)); do actions+=(zookeeper); done; fi
 if ((changes)); then for ((i = 0; i < restarts; i++)); do actions+=(connect postgres); done; fi
 for ((i = 0; i < zombies; i++)); do actions+=(zombie); done
 for ((i = 0; i < leaves; i++)); do actions+=(leave); done
@@ -246,7 +265,7 @@ for ((i = 0; i < fold_kills; i++)); do actions+=(foldkill); done
 for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${actions[i]}; actions[i]=${actions[j]}; actions[j]=$t; done
 gap_ms=$(( duration * 1000 / (total_events + 1) ))
 done_kills=0 done_ch=0 done_kafka=0 done_zombies=0 done_leaves=0 zombie_exits=0 done_fold_kills=0 read_side_back=""
-done_connect=0 done_pg=0
+done_connect=0 done_pg=0 done_zk=0
 for action in "${actions[@]}"; do
   # A random moment: on average one gap apart, anywhere from half a gap to one and a half.
   sleep_ms=$(( gap_ms / 2 + RANDOM % (gap_ms > 1 ? gap_ms : 1) ))
@@ -295,16 +314,21 @@ for action in "${actions[@]}"; do
         read_side_back="$read_side_back $(( ($(date +%s%N) - killed_at) / 1000000 ))"
       done ;;
     clickhouse)
-      if ((cluster)); then scripts/services.sh restart clickhouse-1 >&2; else scripts/services.sh restart clickhouse >&2; fi
+      if ((cluster)); then
+        # One replica at a time (the one written through or the other, by chance).
+        killed_replicas="${killed_replicas:-}${killed_replicas:+ }$(kill_one_node clickhouse 2)"
+      else
+        scripts/services.sh restart clickhouse >&2
+      fi
       done_ch=$((done_ch + 1)) ;;
+    zookeeper)
+      # The replicated tables turn read-only until the servers reconnect: writes wait.
+      scripts/services.sh restart zookeeper >&2
+      done_zk=$((done_zk + 1)) ;;
     kafka)
       if ((cluster)); then
-        # One broker at a time, SIGKILLed (the controller or a transaction coordinator among them, by chance).
-        broker="kafka-$(( RANDOM % 3 + 1 ))"
-        kill -9 "$(scripts/services.sh pid "$broker")" 2>/dev/null || true
-        sleep 5
-        scripts/services.sh up "$broker" >&2
-        killed_brokers="${killed_brokers:-}${killed_brokers:+ }$broker"
+        # One broker at a time (the controller or a transaction coordinator among them, by chance).
+        killed_brokers="${killed_brokers:-}${killed_brokers:+ }$(kill_one_node kafka 3)"
       else
         scripts/services.sh restart kafka >&2
       fi
@@ -330,9 +354,18 @@ for action in "${actions[@]}"; do
 done
 wait "$loadgen_pid"; loadgen_pid=""
 
+# verify on every replica readers read (one server, or each replica of the cluster).
+verify_all() {
+  local r
+  for ((r = 0; r < ${#ch_urls[@]}; r++)); do
+    TALLY_CLICKHOUSE__URL="${ch_urls[r]}" "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" \
+      >"$dir/verify-$r.txt" 2>&1 || { cp "$dir/verify-$r.txt" "$dir/verify.txt"; return 1; }
+  done
+  cp "$dir/verify-0.txt" "$dir/verify.txt"
+}
 # Catch up: poll verify until it matches or the deadline passes.
 deadline=$(( $(date +%s) + catch_up ))
-until "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1; do
+until verify_all; do
   if [ "$(date +%s)" -ge "$deadline" ]; then break; fi
   if ((changes)); then revive_connector; fi
   # A woken zombie stops by itself once (see above); start it again.
@@ -349,12 +382,12 @@ done
 for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
 for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
 pids=()
-kill -TERM "$probe_pid" 2>/dev/null || true
+for pid in "${probe_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
 set +e
-wait "$probe_pid"
-probe_status=$?
-probe_pid=""
-"$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" >"$dir/verify.txt" 2>&1
+probe_status=0
+for pid in "${probe_pids[@]}"; do wait "$pid" || probe_status=1; done
+probe_pids=()
+verify_all
 verdict=$?
 set -e
 
@@ -398,7 +431,13 @@ printf '%-40s %s\n' "exits on a lost lease (started again)" "$zombie_exits"
 printf '%-40s %s\n' "leaves (SIGTERM, then rejoin)" "$done_leaves"
 printf '%-40s %s%s\n' "takeovers caught up from the changelog" "$caught_up" "${takeover_ms:+ (ms: ${takeover_ms% })}"
 printf '%-40s %s\n' "whole restores from the changelog" "$whole"
-printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
+if ((cluster)); then
+  printf '%-40s %s\n' "clickhouse replicas SIGKILLed, one at a time" "$done_ch${killed_replicas:+ (${killed_replicas})}"
+  printf '%-40s %s\n' "zookeeper restarts" "$done_zk"
+  printf '%-40s %s\n' "writes moved to another replica" "$(cat "$dir"/worker-*.log | grep -c 'writing through another clickhouse replica' || true)"
+else
+  printf '%-40s %s\n' "clickhouse restarts" "$done_ch"
+fi
 if ((cluster)); then
   printf '%-40s %s\n' "kafka brokers SIGKILLed, one at a time" "$done_kafka${killed_brokers:+ (${killed_brokers})}"
 else
@@ -420,29 +459,36 @@ else
   printf '%-40s %s / %s\n' "dead letters expected / found" "$(field dl_expected)" "$(field dl_found)"
   printf '%-40s %s\n' "dead letters repeated (must be 0)" "$(field dl_repeated)"
 fi
-probe=$(grep '^probe-summary' "$dir/probe.txt" || true)
 pfield() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$probe"; }
 folds=$(cat "$dir"/worker-*.log | grep -c 'fold step frontier=' || true)
 printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(cat "$dir"/worker-*.log | grep 'fold step frontier=' | grep -vc 'folded_rows=0' || true))"
 printf '%-40s %s\n' "fold kills (holder SIGKILLed mid-insert)" "$done_fold_kills${read_side_back:+ (read side back after ms:$read_side_back)}"
 printf '%-40s %s\n' "publishes (snapshots swapped in)" "$(cat "$dir"/worker-*.log | grep -c ' published ' || true)"
 printf '%-40s %s\n' "read side generations (claims)" "$(chq "SELECT countIf(event = 'claimed') FROM ${run}.${table}_read_side" 2>/dev/null || echo '?')"
-twice=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_live)" 2>/dev/null || echo '?')
+twice=0
+for url in "${ch_urls[@]}"; do
+  n=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_live)" "$url" 2>/dev/null || echo '?')
+  if [ "$n" = '?' ] || [ "$twice" = '?' ]; then twice='?'; else twice=$((twice + n)); fi
+done
 printf '%-40s %s\n' "keys twice in the folded or live table (must be 0)" "$twice"
-printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view" "$(pfield reads)" "$(pfield errors)"
-printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"
-if ((changes)); then
-  printf '%-40s %s\n' "reader saw an emptied group (must be 0)" "$(pfield empty)"
-else
-  printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
-  printf '%-40s %s\n' "reader saw a count go down (must be 0)" "$(pfield decreased)"
-fi
+for ((r = 0; r < ${#ch_urls[@]}; r++)); do
+  probe=$(grep '^probe-summary' "$dir/probe-$r.txt" || true)
+  on=""; if ((${#ch_urls[@]} > 1)); then on=" on ${ch_urls[r]#http://}"; fi
+  printf '%-40s %s (%s failed during restarts)\n' "reader polls of the view$on" "$(pfield reads)" "$(pfield errors)"
+  printf '%-40s %s\n' "reader saw a key twice (must be 0)" "$(pfield duplicated)"
+  if ((changes)); then
+    printf '%-40s %s\n' "reader saw an emptied group (must be 0)" "$(pfield empty)"
+  else
+    printf '%-40s %s\n' "reader saw a window vanish (must be 0)" "$(pfield vanished)"
+    printf '%-40s %s\n' "reader saw a count go down (must be 0)" "$(pfield decreased)"
+  fi
+done
 printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
 if [ "$twice" != 0 ]; then
   echo "chaos: FAILED (a key is twice in a table readers read)"; exit 1
 fi
 if [ "$probe_status" -ne 0 ]; then
-  echo "chaos: FAILED (the reader saw an inconsistent view)"; cat "$dir/probe.txt"; exit 1
+  echo "chaos: FAILED (the reader saw an inconsistent view)"; cat "$dir"/probe-*.txt; exit 1
 fi
 if [ "$verdict" -ne 0 ]; then
   echo "chaos: FAILED"; sed -n '1,40p' "$dir/verify.txt"; for f in "$dir"/worker-*.log; do echo "== $f"; tail -30 "$f"; done; exit 1

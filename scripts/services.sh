@@ -301,6 +301,12 @@ stop_svc() {
     wait=10
   done
   rm -f "$pidfile"
+  # An exiting process can hold its ports a moment after it stops being listed (a JVM closing
+  # them last): a start right after must not find them taken.
+  local p
+  for p in $(ports_of "$svc"); do
+    for ((i = 0; i < 100; i++)); do port_open "$p" || break; sleep 0.1; done
+  done
   log "$svc: stopped"
 }
 

@@ -65,13 +65,15 @@ fi
 echo "== the cluster set: three Kafka brokers (RF 3, min ISR 2), ZooKeeper, two ClickHouse replicas"
 scripts/services.sh up --cluster
 set +e
-cargo test --locked -p tally --test cluster_kafka -- --ignored --nocapture 2>&1 | tee "$log"
+# One test at a time: they kill shared servers.
+cluster_tests=(--test cluster_kafka --test cluster_clickhouse)
+cargo test --locked -p tally "${cluster_tests[@]}" -- --ignored --nocapture --test-threads=1 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then
-  # Once, on the fresh clone, it failed right after the cluster's first start (its output is
-  # above); a second run shows whether that was the start or the test.
-  echo "cluster_kafka failed once; running it again"
-  cargo test --locked -p tally --test cluster_kafka -- --ignored --nocapture 2>&1 | tee "$log"
+  # Once, on the fresh clone, cluster_kafka failed right after the cluster's first start (its
+  # output is above); a second run shows whether that was the start or the test.
+  echo "the cluster tests failed once; running them again"
+  cargo test --locked -p tally "${cluster_tests[@]}" -- --ignored --nocapture --test-threads=1 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
 fi
 set -e
@@ -83,7 +85,7 @@ if [ "$status" -ne 0 ]; then
   exit "$status"
 fi
 if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
-  echo "== chaos on the cluster set (3 workers; brokers SIGKILLed one at a time, ClickHouse restarted)"
+  echo "== chaos on the cluster set (3 workers; brokers and ClickHouse replicas SIGKILLed one at a time, ZooKeeper restarted, a reader on each replica)"
   scripts/chaos.sh --cluster --workers 3 --events 60000 --rate 3000 --kills 3 --zombies 1 --leaves 1 --restarts 2
   echo "== chaos of a job of change events on the cluster set (config/orders.toml, 3 workers)"
   scripts/chaos.sh --cluster --config config/orders.toml --workers 3 --events 3000 --rate 150 --kills 2 --zombies 1 --leaves 1 --restarts 1

@@ -62,7 +62,8 @@ class Embedded:
         return result.bytes().decode() if hasattr(result, "bytes") else str(result)
 
 
-def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8", table="revenue_agg", config=None):
+def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8", table="revenue_agg", config=None,
+            replicated=False):
     args = [
         tally, "schema", "--print-sql", "--database", database, "--table", table,
         "--from", str(frm), "--to", str(T0 + 600), "--as-of", as_of,
@@ -72,6 +73,8 @@ def catalog(tally, database, atomic, frm=0, as_of="0:20,1:8", table="revenue_agg
         args.append("--atomic")
     if config:
         args += ["--config", config]
+    if replicated:
+        args.append("--replicated")
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
@@ -453,6 +456,44 @@ def orders_scenario(engine, database, check):
     return answers
 
 
+def replicated_scenario(engine, database, check):
+    """A job on a replicated cluster, on the current engine: it runs no coordinator in process,
+    so each replicated CREATE must get as far as asking for one (code 225: the engine and its
+    arguments accepted), the cluster's tables answer with the columns tally reads, the remote
+    read of a member's macros parses, and SYNC REPLICA parses (refused on a table that is not
+    replicated, code 36). The cluster tests run the same statements on 18.16 replicas."""
+    db = f"{database}_replicated"
+    engine.query(f"CREATE DATABASE IF NOT EXISTS {db}")
+    for s in catalog(TALLY, db, True, replicated=True):
+        name, sql = s["name"], s["sql"]
+        if name.startswith("create.") and "ReplicatedMergeTree" in sql:
+            sql = sql.replace("{shard}", "1").replace("{replica}", "r1")
+            try:
+                engine.query(sql)
+                check.that(False, f"{engine.name}: {name} created a replicated table without a coordinator")
+            except RuntimeError as e:
+                check.that("Code: 225" in str(e), f"{engine.name} rejected {name}: {str(e)[:300]}")
+        elif name == "cluster.members":
+            try:
+                engine.query(sql)
+                check.that(True, name)
+            except RuntimeError as e:
+                check.that(False, f"{engine.name} rejected {name}: {str(e)[:300]}")
+        elif name == "cluster.member_macro":
+            try:
+                engine.query(f"EXPLAIN SYNTAX {sql}")
+                check.that(True, name)
+            except RuntimeError as e:
+                check.that(False, f"{engine.name} rejected {name}: {str(e)[:300]}")
+        elif name == "cluster.sync":
+            engine.query(f"CREATE TABLE IF NOT EXISTS {db}.revenue_agg_data (x UInt8) ENGINE = MergeTree ORDER BY x")
+            try:
+                engine.query(sql)
+                check.that(False, f"{engine.name}: {name} ran on a table that is not replicated")
+            except RuntimeError as e:
+                check.that("Code: 36" in str(e), f"{engine.name} rejected {name}: {str(e)[:300]}")
+
+
 def main():
     global TALLY
     TALLY = sys.argv[1]
@@ -468,6 +509,8 @@ def main():
             results[engine.name] = scenario(engine, database, check)
             results[engine.name].update(page_views_scenario(engine, database, check))
             results[engine.name].update(orders_scenario(engine, database, check))
+            if engine.name == "chdb":
+                replicated_scenario(engine, database, check)
     # Engine-specific reads: the database engine, and part names.
     skip = ("read.database_engine", "read.partitions", "read.beat_age")
     current, old = results["chdb"], results["server"]

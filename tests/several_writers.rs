@@ -30,6 +30,7 @@ async fn sink(database: &str) -> ClickHouseSink {
         ca_file: None,
         request_timeout: Duration::from_secs(30),
         shape: tally_clickhouse::Shape::revenue_agg(),
+        cluster: None,
     };
     let sink = ClickHouseSink::connect(&settings).await.unwrap();
     sink.ensure_schema().await.unwrap();

@@ -515,8 +515,17 @@ pub async fn view(
     database: &str,
     table: &str,
 ) -> Result<BTreeMap<(i64, String, String), (u64, i64)>, tally_clickhouse::SinkError> {
+    view_at(CLICKHOUSE, database, table).await
+}
+
+/// [`view`] as the server at `url` (a replica of a cluster) shows it.
+pub async fn view_at(
+    url: &str,
+    database: &str,
+    table: &str,
+) -> Result<BTreeMap<(i64, String, String), (u64, i64)>, tally_clickhouse::SinkError> {
     let settings = tally_clickhouse::SinkSettings {
-        url: CLICKHOUSE.into(),
+        url: url.into(),
         database: database.into(),
         table: table.into(),
         user: "default".into(),
@@ -524,6 +533,7 @@ pub async fn view(
         ca_file: None,
         request_timeout: Duration::from_secs(10),
         shape: tally_clickhouse::Shape::revenue_agg(),
+        cluster: None,
     };
     tally_clickhouse::ClickHouseSink::connect(&settings)
         .await?
@@ -759,9 +769,20 @@ pub fn doctor(job: &Job) -> (bool, String) {
 
 /// Runs `tally <command> --config <job's> <args>` to its end: (exit 0, stdout and stderr).
 pub fn tally_command(job: &Job, command: &str, args: &[&str]) -> (bool, String) {
+    tally_command_with(job, command, args, &[])
+}
+
+/// [`tally_command`] with settings overridden by environment variables (`TALLY_<SECTION>__<KEY>`).
+pub fn tally_command_with(
+    job: &Job,
+    command: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
         .args([command, "--config", job.config.to_str().unwrap()])
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     let text = format!(

@@ -459,6 +459,9 @@ impl ClickHouseSink {
             && let Ok(allowed) = u32::try_from(rules.frontier_ms(watermark).div_euclid(1000))
             && allowed > logged.seconds
         {
+            // The watermarks were read from this replica's commit log: its versions of those
+            // batches are here once it synced.
+            self.sync_versions().await?;
             let versions = self.version_rows().await?;
             let seconds = step_end(logged.seconds, allowed, &versions, rules.step_rows);
             outcome.behind = seconds < allowed;
@@ -520,7 +523,7 @@ impl ClickHouseSink {
         if outcome.frontier != logged {
             fault(FoldStep::Installed);
         }
-        let settled = self.note_installed(outcome.frontier);
+        let settled = self.droppable_below(self.note_installed(outcome.frontier));
         outcome.dropped_partitions = self.drop_folded_versions(settled.seconds).await?;
         if let Some(retention) = rules.retention_ms {
             let below = i64::from(outcome.frontier.seconds) - retention.div_euclid(1000);

@@ -18,6 +18,7 @@
 mod fold;
 mod publish;
 mod read_side;
+mod replicas;
 mod rows;
 mod schema;
 mod tls;
@@ -31,6 +32,7 @@ use tally_core::{Epoch, OutputRow, PartitionId};
 pub use fold::{FOLD_STEP_ROWS, FoldOutcome, FoldRules, FoldStep, READER_MARGIN};
 pub use publish::{PublishOutcome, PublishStep, Published};
 pub use read_side::{ReadLease, ReadSideHolder};
+pub use replicas::{ClusterMember, Replicas, SYNC_WAIT, check_cluster};
 pub use rows::ColumnType;
 pub use schema::{Cut, Frontier, Shape, TableNames};
 pub use tls::https_connector;
@@ -103,6 +105,9 @@ pub struct SinkSettings {
     pub request_timeout: Duration,
     /// The job's keys and aggregates: its tables' columns and the rows it writes.
     pub shape: Shape,
+    /// The cluster whose replica `url` is (`clickhouse.cluster`): the job's truth is then
+    /// replicated (see `replicas`).
+    pub cluster: Option<String>,
 }
 
 /// One checkpoint's output, identified by what it commits: its source partitions and the
@@ -251,6 +256,9 @@ pub struct ClickHouseSink {
     request_timeout: Duration,
     /// The newest fold frontier this process installed in the view, and when it first did.
     installed: std::sync::Mutex<Option<(Frontier, std::time::Instant)>>,
+    /// On a cluster: the oldest window another replica still reads versions of (`None`: not
+    /// known, so none is dropped). Versions are replicated, a drop too.
+    versions_floor: std::sync::Mutex<Option<Frontier>>,
     /// Whether the job's database is Atomic, once asked: a database keeps its engine, and each
     /// publish and repair swaps tables by it.
     atomic: std::sync::OnceLock<bool>,
@@ -282,7 +290,8 @@ impl ClickHouseSink {
             .with_setting("wait_end_of_query", "1")
             .with_validation(false);
         let names = TableNames::new(&settings.database, &settings.table)?
-            .with_shape(settings.shape.clone());
+            .with_shape(settings.shape.clone())
+            .replicated(settings.cluster.is_some());
         let mut sink = ClickHouseSink {
             client,
             url: settings.url.clone(),
@@ -291,6 +300,7 @@ impl ClickHouseSink {
             version: String::new(),
             request_timeout: settings.request_timeout,
             installed: std::sync::Mutex::new(None),
+            versions_floor: std::sync::Mutex::new(None),
             atomic: std::sync::OnceLock::new(),
         };
         // The first request: a failure no retry can cure becomes `Refused`, naming the cause.
@@ -343,6 +353,11 @@ impl ClickHouseSink {
 
     pub fn version(&self) -> &str {
         &self.version
+    }
+
+    /// The server this sink talks to.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     pub fn names(&self) -> &TableNames {

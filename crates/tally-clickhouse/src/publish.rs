@@ -136,6 +136,9 @@ impl ClickHouseSink {
                 rows: None,
             });
         }
+        // The cut was read from this replica's commit log: its versions of those batches are
+        // here once it synced (on a cluster).
+        self.sync_versions().await?;
         let stage = lease.publish_stage();
         let [create, truncate, insert] =
             <[String; 3]>::try_from(self.names.stage_snapshot_sql(&stage, from, &cut))

@@ -49,6 +49,7 @@ async fn sink(database: &str, table: &str, shape: Option<Shape>) -> ClickHouseSi
         ca_file: None,
         request_timeout: Duration::from_secs(30),
         shape: tally_clickhouse::Shape::revenue_agg(),
+        cluster: None,
     };
     let mut sink = ClickHouseSink::connect(&settings)
         .await

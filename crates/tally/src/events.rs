@@ -160,6 +160,23 @@ impl SinkRetry<'_> {
     }
 }
 
+/// The worker writes through another ClickHouse replica: the one before failed.
+pub struct SinkReplicaChanged<'a> {
+    pub from: &'a str,
+    pub to: &'a str,
+}
+
+impl SinkReplicaChanged<'_> {
+    pub fn emit(&self) {
+        tracing::warn!(
+            from = self.from,
+            to = self.to,
+            "writing through another clickhouse replica"
+        );
+        counter!("tally_clickhouse_replica_switches_total").increment(1);
+    }
+}
+
 /// An epoch cut at a barrier and handed to the committer; the operator goes on consuming.
 pub struct CheckpointCut {
     pub epoch: Epoch,
@@ -326,6 +343,8 @@ impl Folded<'_> {
 pub struct Published<'a> {
     pub result: &'a Result<tally_clickhouse::PublishOutcome, tally_clickhouse::SinkError>,
     pub duration: Duration,
+    /// The publish before failed too: a failure is logged once, then quietly until one works.
+    pub failed_before: bool,
 }
 
 impl Published<'_> {
@@ -345,6 +364,10 @@ impl Published<'_> {
                     histogram!("tally_publish_duration_seconds")
                         .record(self.duration.as_secs_f64());
                 }
+            }
+            Err(error) if self.failed_before => {
+                tracing::debug!(error = %error, "publishing the answer failed again");
+                counter!("tally_publish_failures_total").increment(1);
             }
             Err(error) => {
                 tracing::warn!(error = %error, "publishing the answer failed; the view shows the one before until a retry succeeds");

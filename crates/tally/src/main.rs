@@ -147,6 +147,10 @@ struct SchemaArgs {
     /// Statements for an Atomic database (current servers) instead of Ordinary (18.16).
     #[arg(long)]
     atomic: bool,
+    /// Statements for a job on a replicated cluster (`clickhouse.cluster`): its truth in
+    /// `ReplicatedMergeTree` tables, and the statements that look at the cluster.
+    #[arg(long)]
+    replicated: bool,
     /// A job file whose `[aggregation]` shapes the statements (its keys and aggregates as
     /// columns); default: revenue_agg's.
     #[arg(long)]
@@ -561,7 +565,8 @@ fn schema(args: &SchemaArgs) -> Result<()> {
     if !args.print_sql {
         anyhow::bail!("nothing to do: pass --print-sql");
     }
-    let mut names = tally_clickhouse::TableNames::new(&args.database, &args.table)?;
+    let mut names =
+        tally_clickhouse::TableNames::new(&args.database, &args.table)?.replicated(args.replicated);
     if let Some(path) = &args.config
         && let (_, Some(job)) = Config::load_declared(path)?
     {

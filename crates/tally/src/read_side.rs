@@ -84,6 +84,15 @@ pub struct CommitSignals {
     pub committed: Arc<tokio::sync::Notify>,
 }
 
+/// How long the holder waits before publishing again after `failures` failed publishes in a
+/// row: nothing at first, then from half a second doubling up to ten.
+fn failure_backoff(failures: u32) -> Duration {
+    if failures == 0 {
+        return Duration::ZERO;
+    }
+    (Duration::from_millis(250) * 2u32.saturating_pow(failures.min(6))).min(Duration::from_secs(10))
+}
+
 /// How long the holder waits before its next fold step: at once while it is behind, unless the
 /// committer was behind within the interval; otherwise the interval.
 fn next_fold_wait(fold_behind: bool, commit_pressed: bool, interval: Duration) -> Duration {
@@ -109,26 +118,61 @@ enum Signal {
 /// and joins the thread.
 pub struct ReadSide {
     signal: watch::Sender<Signal>,
-    _thread: Background,
+    /// One agent per replica the view is served from (one on a single server).
+    _threads: Vec<Background>,
+    /// On a cluster: hands each commit to every agent.
+    forward: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl ReadSide {
-    /// Starts the agent of `config`'s job on a thread of its own.
+    /// Starts the agents of `config`'s job, one per ClickHouse replica, each on a thread of its
+    /// own: each replica's read side (lease, publishes, folds) is its own.
     pub fn start(config: &Config, rt: Handle, signals: CommitSignals) -> Result<ReadSide> {
-        let stop = Arc::new(AtomicBool::new(false));
         let (signal, signal_rx) = watch::channel(Signal::Run);
-        let agent = Agent {
-            config: config.clone(),
-            rt,
-            faults: ReadFaults::new(FaultPlan::from_env().map_err(|e| anyhow::anyhow!(e))?),
-            signals,
-            stop: stop.clone(),
-            holder: holder_name(config, "run"),
-        };
-        let thread = Background::spawn("tally-read", stop, move || agent.run(signal_rx))?;
+        let replicas = config.replica_settings();
+        let mut threads = Vec::new();
+        let mut wakers = Vec::new();
+        for (i, replica) in replicas.iter().enumerate() {
+            let stop = Arc::new(AtomicBool::new(false));
+            let mut own = signals.clone();
+            if replicas.len() > 1 {
+                own.committed = Arc::new(tokio::sync::Notify::new());
+                wakers.push(own.committed.clone());
+            }
+            let agent = Agent {
+                config: config.clone(),
+                replica: replica.clone(),
+                peers: replicas
+                    .iter()
+                    .filter(|p| p.url != replica.url)
+                    .map(|p| (p.clone(), tokio::sync::OnceCell::new()))
+                    .collect(),
+                rt: rt.clone(),
+                faults: ReadFaults::new(FaultPlan::from_env().map_err(|e| anyhow::anyhow!(e))?),
+                signals: own,
+                stop: stop.clone(),
+                holder: holder_name(config, "run"),
+            };
+            let rx = signal_rx.clone();
+            const NAMES: [&str; 4] = ["tally-read", "tally-read-2", "tally-read-3", "tally-read-4"];
+            let name = NAMES.get(i).copied().unwrap_or("tally-read-n");
+            threads.push(Background::spawn(name, stop, move || agent.run(rx))?);
+        }
+        let forward = (!wakers.is_empty()).then(|| {
+            let committed = signals.committed.clone();
+            rt.spawn(async move {
+                loop {
+                    committed.notified().await;
+                    for w in &wakers {
+                        w.notify_one();
+                    }
+                }
+            })
+        });
         Ok(ReadSide {
             signal,
-            _thread: thread,
+            _threads: threads,
+            forward,
         })
     }
 
@@ -142,6 +186,9 @@ impl ReadSide {
 impl Drop for ReadSide {
     /// Wakes a step waiting in the runtime; the thread's guard then sets the flag and joins.
     fn drop(&mut self) {
+        if let Some(forward) = self.forward.take() {
+            forward.abort();
+        }
         self.signal.send_if_modified(|s| {
             let run = *s == Signal::Run;
             if run {
@@ -247,6 +294,14 @@ enum Held {
 
 struct Agent {
     config: Config,
+    /// The replica whose read side this agent runs (the server, off a cluster).
+    replica: tally_clickhouse::SinkSettings,
+    /// The other replicas (connected once asked): versions are dropped only below what each
+    /// still reads.
+    peers: Vec<(
+        tally_clickhouse::SinkSettings,
+        tokio::sync::OnceCell<ClickHouseSink>,
+    )>,
     rt: Handle,
     faults: ReadFaults,
     signals: CommitSignals,
@@ -265,9 +320,12 @@ impl Agent {
     }
 
     fn run(self, mut signal: watch::Receiver<Signal>) {
+        let cluster = self.config.clickhouse.cluster.is_some();
+        let _replica =
+            cluster.then(|| tracing::info_span!("replica", url = %self.replica.url).entered());
         ReadSideChanged::Watching.emit();
         // A connection of its own: the frontier it installs is this agent's state.
-        let sink = match crate::retry::connect_clickhouse(&self.config, &self.rt, &self.stop) {
+        let sink = match crate::retry::connect_replica(&self.replica, &self.rt, &self.stop) {
             Ok(sink) => sink,
             Err(e) => {
                 if !self.stop.load(Ordering::SeqCst) {
@@ -276,6 +334,11 @@ impl Agent {
                 return;
             }
         };
+        // A replica that was down when the worker started gets its tables now.
+        if cluster && let Err(e) = self.rt.block_on(sink.ensure_schema()) {
+            tracing::warn!(error = %e, "the read side cannot create the job's tables on this replica; it neither publishes nor folds here until its next start");
+            return;
+        }
         // The source's partition count, asked of Kafka before each fold step: folding waits
         // for a watermark from every partition (the registry in ClickHouse counts them too).
         let partitions = Source::connect(
@@ -397,6 +460,7 @@ impl Agent {
         let mut next_fold: Option<Instant> = None;
         let mut yielding = false;
         let mut last_publish: Option<Instant> = None;
+        let mut failed_publishes = 0u32;
         let mut next_beat = Instant::now() + self.beat_every();
         loop {
             if next_beat <= Instant::now() {
@@ -413,6 +477,9 @@ impl Agent {
                     && let Ok(p) = source.partitions()
                 {
                     known_partitions = p.len();
+                }
+                if !self.peers.is_empty() {
+                    sink.hold_versions_from(self.peers_floor().await);
                 }
                 let started = Instant::now();
                 let step = sink.fold(
@@ -450,11 +517,21 @@ impl Agent {
             } else {
                 Duration::ZERO
             };
+            // A server down (a replica killed) is asked again less and less often.
+            let gap = gap.max(failure_backoff(failed_publishes));
             if last_publish.map_or_else(Instant::now, |t| t + gap) <= Instant::now() {
-                let publish = self.publish(sink, lease);
+                let publish = self.publish(sink, lease, failed_publishes > 0);
                 let result = match self.run_step(sink, lease, signal, publish).await {
                     Ok(result) => result,
                     Err(held) => return held,
+                };
+                failed_publishes = if result.is_ok() {
+                    if failed_publishes > 0 {
+                        tracing::info!(failures = failed_publishes, "publishing works again");
+                    }
+                    0
+                } else {
+                    failed_publishes.saturating_add(1)
                 };
                 last_publish = Some(Instant::now());
                 // The view of an earlier layout (or a fresh holder's) reads the published
@@ -485,6 +562,27 @@ impl Agent {
                 _ = signal.changed() => return self.stopped(signal),
             }
         }
+    }
+
+    /// The oldest window whose versions another replica still reads (`None`: one did not
+    /// say, so none is dropped).
+    async fn peers_floor(&self) -> Option<tally_clickhouse::Frontier> {
+        let mut floor: Option<tally_clickhouse::Frontier> = None;
+        for (settings, peer) in &self.peers {
+            let needed = async {
+                peer.get_or_try_init(|| ClickHouseSink::connect(settings))
+                    .await?
+                    .versions_needed_from()
+                    .await
+            };
+            match tokio::time::timeout(Duration::from_secs(5), needed).await {
+                Ok(Ok(f)) => {
+                    floor = Some(floor.map_or(f, |g| if f.seconds < g.seconds { f } else { g }));
+                }
+                _ => return None,
+            }
+        }
+        floor
     }
 
     /// Runs a step under `lease`, beating meanwhile; `Err` ends the holding: told to stop (the
@@ -551,6 +649,7 @@ impl Agent {
         &self,
         sink: &ClickHouseSink,
         lease: &ReadLease,
+        failed_before: bool,
     ) -> Result<tally_clickhouse::PublishOutcome, SinkError> {
         let started = Instant::now();
         let result = sink
@@ -564,6 +663,7 @@ impl Agent {
             Published {
                 result: &result,
                 duration: started.elapsed(),
+                failed_before,
             }
             .emit();
         }
@@ -575,7 +675,7 @@ impl Agent {
     async fn release(&self, sink: &ClickHouseSink, lease: &ReadLease, publish: bool) {
         let done = tokio::time::timeout(FINAL_PUBLISH_TIMEOUT, async {
             if publish {
-                let _ = self.publish(sink, lease).await;
+                let _ = self.publish(sink, lease, false).await;
             }
             sink.release_read_side(lease).await
         })
@@ -598,7 +698,19 @@ impl Agent {
 /// `tally fold`: claims the read side (fencing its holder, which claims it back later), folds
 /// every final window, publishes, and releases.
 pub async fn fold_now(config: &Config) -> Result<()> {
-    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    let replicas = config.replica_settings();
+    for settings in &replicas {
+        if replicas.len() > 1 {
+            // Each replica folds its own copy; versions stay for the running read sides to drop.
+            println!("replica {}:", settings.url);
+        }
+        fold_replica(config, settings).await?;
+    }
+    Ok(())
+}
+
+async fn fold_replica(config: &Config, settings: &tally_clickhouse::SinkSettings) -> Result<()> {
+    let sink = ClickHouseSink::connect(settings).await?;
     sink.ensure_schema().await?;
     let partitions =
         tally_kafka::topic_extent(&config.kafka_settings(), &config.kafka.source_topic)?.len();
@@ -659,6 +771,14 @@ async fn fold_until_caught_up(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failing_publish_is_retried_less_and_less_often() {
+        assert_eq!(failure_backoff(0), Duration::ZERO);
+        assert_eq!(failure_backoff(1), Duration::from_millis(500));
+        assert_eq!(failure_backoff(2), Duration::from_secs(1));
+        assert_eq!(failure_backoff(40), Duration::from_secs(10));
+    }
 
     #[test]
     fn folding_steps_back_to_back_only_while_the_committer_keeps_up() {

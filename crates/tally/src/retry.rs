@@ -115,16 +115,37 @@ pub fn wait_for<T>(
     }
 }
 
-/// Connects to ClickHouse, waiting while it is unreachable; a refused connection (a bad
-/// certificate or password) stops at once.
+/// Connects to ClickHouse (the first replica of `clickhouse.url` that answers), waiting while
+/// none does; a refused connection (a bad certificate or password) stops at once.
 pub fn connect_clickhouse(
     config: &Config,
     rt: &Handle,
     shutdown: &AtomicBool,
 ) -> anyhow::Result<ClickHouseSink> {
-    let settings = config.sink_settings();
+    let replicas = config.replica_settings();
     wait_for("clickhouse", shutdown, || {
-        Ok(rt.block_on(ClickHouseSink::connect(&settings))?)
+        let mut last = None;
+        for settings in &replicas {
+            match rt.block_on(ClickHouseSink::connect(settings)) {
+                Ok(sink) => return Ok(sink),
+                Err(e @ tally_clickhouse::SinkError::Server { .. }) => last = Some(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(last
+            .map(Failure::from)
+            .unwrap_or_else(|| Failure::permanent(anyhow!("clickhouse.url names no server"))))
+    })
+}
+
+/// Connects to one ClickHouse server, waiting while it is unreachable.
+pub fn connect_replica(
+    settings: &tally_clickhouse::SinkSettings,
+    rt: &Handle,
+    shutdown: &AtomicBool,
+) -> anyhow::Result<ClickHouseSink> {
+    wait_for("clickhouse", shutdown, || {
+        Ok(rt.block_on(ClickHouseSink::connect(settings))?)
     })
 }
 

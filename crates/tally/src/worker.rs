@@ -78,7 +78,21 @@ impl Worker {
         );
         let kafka = config.kafka_settings();
         let sink = connect_clickhouse(&config, &rt, &shutdown)?;
-        tracing::info!(version = sink.version(), url = %config.clickhouse.url, "connected to clickhouse");
+        tracing::info!(version = sink.version(), url = %sink.url(), "connected to clickhouse");
+        if let Some(cluster) = &config.clickhouse.cluster {
+            let down = rt.block_on(tally_clickhouse::check_cluster(&config.replica_settings()))?;
+            tracing::info!(cluster = %cluster, replicas = %config.clickhouse.url, down = ?down, "writing a replicated cluster: every replica serves the view");
+            // Each replica's read side creates its tables too, so a replica down now gets
+            // them once it answers.
+            for settings in config.replica_settings() {
+                if settings.url != sink.url()
+                    && let Ok(other) =
+                        rt.block_on(tally_clickhouse::ClickHouseSink::connect(&settings))
+                {
+                    rt.block_on(other.ensure_schema())?;
+                }
+            }
+        }
         rt.block_on(sink.ensure_schema())?;
         if !rt.block_on(sink.pushes_predicates_into_views())? {
             tracing::warn!(
@@ -146,7 +160,11 @@ impl Worker {
                 committed: signals.committed,
             },
             KafkaTransactions::new(&config, rt.clone(), member, fenced)?,
-            ClickHouseBatches::new(sink, rt.clone(), &config.kafka.source_topic),
+            ClickHouseBatches::new(
+                tally_clickhouse::Replicas::new(config.replica_settings(), sink),
+                rt.clone(),
+                &config.kafka.source_topic,
+            ),
         )?;
         Ok(Worker {
             consumer: Consumer::new(

@@ -477,6 +477,7 @@ fn sink_at(url: String, shape: Shape) -> crate::ClickHouseSink {
         version: String::new(),
         request_timeout: std::time::Duration::from_secs(10),
         installed: std::sync::Mutex::new(None),
+        versions_floor: std::sync::Mutex::new(None),
         atomic: std::sync::OnceLock::new(),
     }
 }

@@ -108,6 +108,7 @@ pub(super) fn normalise(ty: &str) -> String {
 /// otherwise tally's commit log (any sorting key): a foreign table is reported, not altered.
 pub(super) fn commit_columns_to_add(
     full_name: &str,
+    engine: &str,
     info: &(TableInfo, Vec<ColumnInfo>),
 ) -> Vec<&'static str> {
     let missing: Vec<&'static str> = ADDED_COMMIT_COLUMNS
@@ -120,7 +121,7 @@ pub(super) fn commit_columns_to_add(
         .filter(|(n, _)| !missing.contains(n))
         .copied()
         .collect();
-    if check(full_name, info, "MergeTree", None, &before).is_empty() {
+    if check(full_name, info, engine, None, &before).is_empty() {
         missing
     } else {
         Vec::new()
@@ -137,7 +138,7 @@ pub(super) async fn add_commit_columns(
     name: &str,
     info: (TableInfo, Vec<ColumnInfo>),
 ) -> Result<(TableInfo, Vec<ColumnInfo>)> {
-    let missing = commit_columns_to_add(&names.commits, &info);
+    let missing = commit_columns_to_add(&names.commits, names.truth_engine_name(), &info);
     if missing.is_empty() {
         return Ok(info);
     }
@@ -174,6 +175,8 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
         url,
     )
     .await?;
+    // Refuses a database of an engine tally cannot swap tables in.
+    atomic_database(client, names, url).await?;
     let short = |suffix: &str| format!("{}{suffix}", names.view);
     let shape = &names.shape;
     let (data_columns, answer_columns, live_columns, view_columns) = (
@@ -183,6 +186,7 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
         shape.view_columns(),
     );
     let (data_key, answer_key) = (shape.data_sorting_key(), shape.answer_sorting_key());
+    let truth = names.truth_engine_name();
     let tables = [
         (
             names.data.clone(),
@@ -249,7 +253,13 @@ pub(crate) async fn ensure(client: &Client, names: &TableNames, url: &str) -> Re
                 old_layout |= name == short("_data") && info.1.iter().any(|c| c.name == "epoch");
                 let legacy_commits = name == short("_commits")
                     && info.0.sorting_key.as_deref() == Some(LEGACY_COMMIT_SORTING_KEY);
-                let found = check(&full, &info, "MergeTree", key, &columns);
+                let engine =
+                    if [short("_data"), short("_commits"), short("_partitions")].contains(&name) {
+                        truth
+                    } else {
+                        "MergeTree"
+                    };
+                let found = check(&full, &info, engine, key, &columns);
                 // Only the key differs: same rows, sorted for the view's pruning by window.
                 if legacy_commits && found.len() == 1 {
                     for sql in names.migrate_commits_sql(atomic_database(client, names, url).await?)

@@ -9,9 +9,11 @@ use crate::{Result, SinkError};
 
 // Statements that build and read the answer (publish, fold, view), beside the tables' own here.
 mod answer;
+mod cluster;
 mod ensure;
 mod shape;
 
+pub(crate) use cluster::{REPLICA_MACRO_SQL, cluster_members_sql, member_macro_sql};
 pub(crate) use ensure::ensure;
 #[cfg(test)]
 use ensure::*;
@@ -125,6 +127,9 @@ pub struct TableNames {
     pub partitions: String,
     /// The job's keys and aggregates as columns.
     pub shape: Shape,
+    /// Whether the job writes a replicated cluster: its truth (the versions, the commit log,
+    /// the partitions' registry) is then in `ReplicatedMergeTree` tables, the rest per replica.
+    pub replicated: bool,
 }
 
 fn valid_identifier(s: &str) -> bool {
@@ -154,7 +159,32 @@ impl TableNames {
             live: format!("{database}.{view}_live"),
             partitions: format!("{database}.{view}_partitions"),
             shape: Shape::revenue_agg(),
+            replicated: false,
         })
+    }
+
+    /// The same names for a job writing a replicated cluster (see [`replicated`](Self::replicated)).
+    pub fn replicated(self, replicated: bool) -> TableNames {
+        TableNames { replicated, ..self }
+    }
+
+    /// The engine of a table of the job's truth: replicated on a cluster, its path in the
+    /// coordinator named after the table (`{shard}` and `{replica}` are each server's macros).
+    pub(crate) fn truth_engine(&self, qualified: &str) -> String {
+        if !self.replicated {
+            return "MergeTree".into();
+        }
+        let path = qualified.replace('.', "/");
+        format!("ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{path}', '{{replica}}')")
+    }
+
+    /// The engine name `system.tables` shows for a table of the job's truth.
+    pub(crate) fn truth_engine_name(&self) -> &'static str {
+        if self.replicated {
+            "ReplicatedMergeTree"
+        } else {
+            "MergeTree"
+        }
     }
 
     /// The same names for a job of another shape.
@@ -187,18 +217,20 @@ impl TableNames {
 
     fn create_data(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree PARTITION BY intDiv(toUInt32(window_start), {DATA_PARTITION_SECONDS}) ORDER BY ({})",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = {} PARTITION BY intDiv(toUInt32(window_start), {DATA_PARTITION_SECONDS}) ORDER BY ({})",
             self.data,
             columns_sql(&borrowed(&self.shape.data_columns())),
+            self.truth_engine(&self.data),
             self.shape.data_sorting_key(),
         )
     }
 
     fn create_commits(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY ({COMMIT_SORTING_KEY})",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = {} ORDER BY ({COMMIT_SORTING_KEY})",
             self.commits,
-            commit_columns_sql()
+            commit_columns_sql(),
+            self.truth_engine(&self.commits),
         )
     }
 
@@ -232,9 +264,10 @@ impl TableNames {
 
     fn create_partitions(&self) -> String {
         format!(
-            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = MergeTree ORDER BY partition",
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE = {} ORDER BY partition",
             self.partitions,
-            columns_sql(PARTITION_COLUMNS)
+            columns_sql(PARTITION_COLUMNS),
+            self.truth_engine(&self.partitions),
         )
     }
 
@@ -500,6 +533,17 @@ impl TableNames {
         for (i, sql) in self.release_sql(1).into_iter().enumerate() {
             out.push((format!("release.{i}"), sql));
         }
+        if self.replicated {
+            out.extend([
+                ("cluster.members".to_owned(), cluster_members_sql("tally")),
+                ("cluster.macro".to_owned(), REPLICA_MACRO_SQL.to_owned()),
+                (
+                    "cluster.member_macro".to_owned(),
+                    member_macro_sql("127.0.0.1:9000", "default", ""),
+                ),
+                ("cluster.sync".to_owned(), self.sync_versions_sql()),
+            ]);
+        }
         out
     }
 
@@ -681,6 +725,14 @@ pub(crate) async fn atomic_database(
         "reading the database engine",
     )
     .await?;
+    // A Replicated database runs every DDL on all its replicas in its own order: the
+    // per-replica swaps of the read side would then race each other.
+    if engines.first().is_some_and(|e| e.engine == "Replicated") {
+        return Err(SinkError::Schema(format!(
+            "clickhouse.database: {} is a Replicated database; tally builds what readers see on each replica itself and needs an Atomic (or Ordinary) database: give the job one, with clickhouse.cluster naming the cluster (docs/clickhouse-versions.md, \"Replicated clusters\")",
+            names.database
+        )));
+    }
     Ok(engines.first().is_some_and(|e| e.engine != "Ordinary"))
 }
 

@@ -190,12 +190,16 @@ fn only_a_commit_log_of_an_earlier_release_is_altered() {
         .collect();
     let full = "tally.r_commits";
     assert_eq!(
-        commit_columns_to_add(full, &commit_log(&earlier, COMMIT_SORTING_KEY)),
+        commit_columns_to_add(full, "MergeTree", &commit_log(&earlier, COMMIT_SORTING_KEY)),
         added
     );
     // One sorted by epoch too: it is rebuilt with its key after the columns are added.
     assert_eq!(
-        commit_columns_to_add(full, &commit_log(&earlier, LEGACY_COMMIT_SORTING_KEY)),
+        commit_columns_to_add(
+            full,
+            "MergeTree",
+            &commit_log(&earlier, LEGACY_COMMIT_SORTING_KEY)
+        ),
         added
     );
     // One of the release before change jobs lacks the last four only.
@@ -205,11 +209,15 @@ fn only_a_commit_log_of_an_earlier_release_is_altered() {
         .copied()
         .collect();
     assert_eq!(
-        commit_columns_to_add(full, &commit_log(&with_filtered, COMMIT_SORTING_KEY)),
+        commit_columns_to_add(
+            full,
+            "MergeTree",
+            &commit_log(&with_filtered, COMMIT_SORTING_KEY)
+        ),
         added[1..]
     );
     let current = commit_log(COMMIT_COLUMNS, COMMIT_SORTING_KEY);
-    assert!(commit_columns_to_add(full, &current).is_empty());
+    assert!(commit_columns_to_add(full, "MergeTree", &current).is_empty());
     assert!(
         check(
             full,
@@ -225,8 +233,15 @@ fn only_a_commit_log_of_an_earlier_release_is_altered() {
         &[("batch_id", "String"), ("x", "UInt8")],
         COMMIT_SORTING_KEY,
     );
-    assert!(commit_columns_to_add(full, &foreign).is_empty());
+    assert!(commit_columns_to_add(full, "MergeTree", &foreign).is_empty());
     let mut wrong_type = earlier.clone();
     wrong_type[2] = ("epoch", "UInt32");
-    assert!(commit_columns_to_add(full, &commit_log(&wrong_type, COMMIT_SORTING_KEY)).is_empty());
+    assert!(
+        commit_columns_to_add(
+            full,
+            "MergeTree",
+            &commit_log(&wrong_type, COMMIT_SORTING_KEY)
+        )
+        .is_empty()
+    );
 }

@@ -328,7 +328,12 @@ impl Default for WindowConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClickHouseConfig {
+    /// The server's HTTP URL; on a replicated cluster every replica's, comma-separated.
     pub url: String,
+    /// The cluster whose replicas `url` lists: the job's truth is then replicated, and each
+    /// replica serves the view (docs/design/clusters.md).
+    #[serde(default)]
+    pub cluster: Option<String>,
     #[serde(default = "default_database")]
     pub database: String,
     #[serde(default = "default_table")]
@@ -705,9 +710,37 @@ impl Config {
         }
     }
 
+    /// The ClickHouse URLs of `clickhouse.url`: one server, or every replica of the cluster.
+    pub fn clickhouse_urls(&self) -> Vec<String> {
+        self.clickhouse
+            .url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The sink's settings for each server of `clickhouse.url`, in its order.
+    pub fn replica_settings(&self) -> Vec<tally_clickhouse::SinkSettings> {
+        self.clickhouse_urls()
+            .into_iter()
+            .map(|url| tally_clickhouse::SinkSettings {
+                url,
+                ..self.sink_settings()
+            })
+            .collect()
+    }
+
+    /// The sink's settings for the first server of `clickhouse.url`.
     pub fn sink_settings(&self) -> tally_clickhouse::SinkSettings {
         tally_clickhouse::SinkSettings {
-            url: self.clickhouse.url.clone(),
+            url: self
+                .clickhouse_urls()
+                .into_iter()
+                .next()
+                .unwrap_or_default(),
+            cluster: self.clickhouse.cluster.clone(),
             database: self.clickhouse.database.clone(),
             table: self.clickhouse.table.clone(),
             user: self.clickhouse.user.clone(),

@@ -183,16 +183,44 @@ impl Config {
                 return Err((key, "must not be empty".into()));
             }
         }
-        let url = self.clickhouse.url.trim();
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return Err((
-                "clickhouse.url",
-                format!(
-                    "{url:?} must start with http:// or https:// (the HTTP interface, e.g. port 8123, or 8443 for TLS)"
-                ),
-            ));
+        let urls = self.clickhouse_urls();
+        for url in &urls {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err((
+                    "clickhouse.url",
+                    format!(
+                        "{url:?} must start with http:// or https:// (the HTTP interface, e.g. port 8123, or 8443 for TLS)"
+                    ),
+                ));
+            }
         }
-        if self.clickhouse.ca_file.is_some() && !url.starts_with("https://") {
+        if urls.len() != urls.iter().collect::<std::collections::BTreeSet<_>>().len() {
+            return Err(("clickhouse.url", "lists a server twice".into()));
+        }
+        match self.clickhouse.cluster.as_deref().map(str::trim) {
+            None if urls.len() > 1 => {
+                return Err((
+                    "clickhouse.url",
+                    format!(
+                        "lists {} servers: name the cluster they are the replicas of in clickhouse.cluster",
+                        urls.len()
+                    ),
+                ));
+            }
+            Some(cluster)
+                if cluster.is_empty()
+                    || !cluster
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) =>
+            {
+                return Err((
+                    "clickhouse.cluster",
+                    format!("{cluster:?} is not a cluster name (letters, digits, _ - .)"),
+                ));
+            }
+            _ => {}
+        }
+        if self.clickhouse.ca_file.is_some() && !urls.iter().all(|u| u.starts_with("https://")) {
             return Err((
                 "clickhouse.ca_file",
                 "is only used with an https:// clickhouse.url".into(),

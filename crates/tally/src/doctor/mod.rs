@@ -1,6 +1,7 @@
 //! `tally doctor`: one row per hop of Produced → Accepted → Persisted → Processed → Written →
 //! Queryable → Reported, each with the invariant, the evidence checked and PASS, WARN or FAIL.
 
+mod queryable;
 mod replication;
 
 use std::collections::BTreeMap;
@@ -366,92 +367,16 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
     ));
 
-    // Written → Queryable: the view shows each key once, and exactly what was committed.
-    let unpublished_after = config.job.session_timeout.as_duration() + Duration::from_secs(30);
-    let compare_totals = config.clickhouse.retention.is_none();
-    let shown = match &config.declared {
-        Some(job) => {
-            declared_view(
-                config,
-                job,
-                &sink,
-                unpublished_after,
-                compare_totals,
-                committed_events,
-            )
-            .await?
-        }
-        None => {
-            let committed = (committed_events, committed_revenue);
-            revenue_view(&sink, unpublished_after, compare_totals, committed).await?
-        }
-    };
-    let frontier = sink.frontier().await?;
-    let mut problems = Vec::new();
-    let foldable = sink
-        .foldable_frontier(config.fold_rules(), ranges.len())
-        .await
-        .unwrap_or_else(|e| {
-            problems.push(format!("the committed watermarks cannot be read: {e}"));
-            None
-        });
-    problems.extend(shown.problems);
-    let (live_rows, live_points) = sink.live_points().await?;
-    if live_points > 1 {
-        problems.push(format!(
-            "the published answer {} holds rows of {live_points} snapshots among its {live_rows}: a row no publish wrote",
-            sink.names().view_q()
-        ));
-    }
-    let read_side = describe_read_side(&sink).await;
-    if shown.unpublished > 0 {
-        problems.push(format!(
-            "{} batches committed more than {}s ago are not published: nothing publishes ({read_side})",
-            shown.unpublished,
-            unpublished_after.as_secs()
-        ));
-    }
-    // How much of what is final is still read from versions.
-    let oldest = sink.oldest_unfolded_window().await?;
-    let behind = match (foldable, oldest) {
-        (Some(f), Some(o)) => (i64::from(f) - i64::from(o.max(frontier.seconds))).max(0),
-        _ => 0,
-    };
-    let allowed = 3 * config.clickhouse.fold_interval.0 / 1000 + config.window.size.0 / 1000;
-    // Behind is no fault while fold steps happen: a backlog read at once makes many windows
-    // final together, and a holder that just claimed the read side folds at its interval.
-    let idle = sink.fold_idle_seconds().await?;
-    let folding_late = config.clickhouse.fold_interval.0 > 0
-        && behind > allowed
-        && idle.is_none_or(|s| i64::from(s) > allowed);
-    rows.push(row(
-        "Written → Queryable",
-        "no key twice, the view = what the commit log committed, publishing and folding keep up",
-        if !problems.is_empty() {
-            Status::Fail
-        } else if folding_late || !compare_totals {
-            Status::Warn
-        } else {
-            Status::Pass
-        },
-        if problems.is_empty() {
-            format!(
-                "{}; {read_side}; {} s of final windows not folded yet{}",
-                shown.summary,
-                behind,
-                match (folding_late, idle) {
-                    (true, Some(s)) => format!(
-                        " (more than {allowed} s, and no fold step for {s} s: is folding failing?)"
-                    ),
-                    (true, None) => format!(" (more than {allowed} s, and no fold step ever)"),
-                    (false, Some(s)) if behind > 0 => format!(" (the last fold step {s} s ago)"),
-                    _ => String::new(),
-                }
-            )
-        } else {
-            problems.join("; ")
-        },
-    ));
+    rows.push(
+        queryable::written_to_queryable(
+            config,
+            &sink,
+            committed_events,
+            committed_revenue.clone(),
+            ranges.len(),
+        )
+        .await?,
+    );
 
     if with_source {
         let recent = ReconcileFilter {
