@@ -19,6 +19,8 @@ echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== import circles (scripts/import-graph.py)"
+python3 scripts/import-graph.py
 echo "== cargo test"
 log=$(mktemp)
 set +e

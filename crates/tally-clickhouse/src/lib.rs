@@ -15,6 +15,7 @@
 //! - no dedup tokens, transactions or `FINAL` are needed, so it holds on ClickHouse 18.16 and on
 //!   a current server alike.
 
+mod calendar;
 mod fold;
 mod publish;
 mod read_side;

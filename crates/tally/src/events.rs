@@ -717,7 +717,7 @@ mod tests {
                 .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
                 .collect();
             // The job's label (and the dashboard's variable of that name) is not a metric.
-            if name == crate::health::JOB_LABEL {
+            if name == crate::job_scope::JOB_LABEL {
                 continue;
             }
             // Prometheus suffixes of histograms and summaries.
@@ -760,7 +760,7 @@ mod tests {
         // The job is the dashboard's variable, and every panel shows the jobs chosen.
         let variables = parsed["templating"]["list"].as_array().expect("variables");
         assert!(variables.iter().any(|v| v["name"] == "tally_job"));
-        let selector = format!("{}=~\"$tally_job\"", crate::health::JOB_LABEL);
+        let selector = format!("{}=~\"$tally_job\"", crate::job_scope::JOB_LABEL);
         for panel in parsed["panels"].as_array().expect("panels") {
             for target in panel["targets"].as_array().into_iter().flatten() {
                 let expr = target["expr"].as_str().expect("an expression");

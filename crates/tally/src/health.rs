@@ -8,6 +8,8 @@ use anyhow::{Context, Result};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::job_scope::JOB_LABEL;
+
 const FAILED: &str = "stopped: the job ended with an error (see the log)";
 
 /// What `/ready` reports; the worker sets it.
@@ -127,10 +129,6 @@ pub fn route(
         ),
     }
 }
-
-/// The label every series carries with its job's name, so that one dashboard and one set of
-/// alerts serve every job a Prometheus scrapes (`job` itself is Prometheus's scrape job).
-pub const JOB_LABEL: &str = "tally_job";
 
 /// Installs the Prometheus recorder, every series labelled with the job of the thread that
 /// registers it; `fallback` labels the series of no job's thread (a process of one job).

@@ -10,7 +10,9 @@ use metrics::{
     Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString, Unit,
 };
 
-use crate::health::JOB_LABEL;
+/// The label every series carries with its job's name, so that one dashboard and one set of
+/// alerts serve every job a Prometheus scrapes (`job` itself is Prometheus's scrape job).
+pub const JOB_LABEL: &str = "tally_job";
 
 thread_local! {
     static JOB: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };

@@ -13,9 +13,11 @@ use tally::prove;
 
 /// Exactly-once stream processing from Kafka into ClickHouse.
 ///
-/// tally reads JSON orders from a Kafka topic, keeps per-window aggregates in RocksDB,
-/// checkpoints them together with the Kafka offsets, and writes each checkpoint to ClickHouse
-/// as one id-keyed batch, so a crash at any instant neither loses nor double counts.
+/// tally reads records from a Kafka topic (JSON, Avro or Protobuf through a schema registry,
+/// or Debezium change events from PostgreSQL), aggregates them by the windows, filter, keys
+/// and aggregates a job file declares, keeps the windows in RocksDB, checkpoints them together
+/// with the Kafka offsets, and writes each checkpoint to ClickHouse (one server or a replicated
+/// cluster) as one id-keyed batch, so a crash at any instant neither loses nor double counts.
 /// Records it cannot aggregate go to a dead-letter topic with the reason.
 ///
 /// Start with `tally check-config --config config/revenue_agg.toml`, then `tally run` with
@@ -340,9 +342,8 @@ fn real_main(cli: Cli) -> Result<()> {
         } => {
             let cfg = load_config(&config)?;
             let ok = match cfg.declared.clone() {
-                Some(job) if job.changes.is_some() => {
-                    runtime()?.block_on(prove::verify_changes(&cfg, &job, &manifest))?
-                }
+                Some(job) if job.changes.is_some() => runtime()?
+                    .block_on(tally::source::verify::verify_changes(&cfg, &job, &manifest))?,
                 Some(job) => runtime()?.block_on(prove::verify_declared(&cfg, &job, &manifest))?,
                 None => runtime()?.block_on(prove::verify(&cfg, &manifest))?,
             };

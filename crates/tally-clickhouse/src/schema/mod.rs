@@ -467,7 +467,7 @@ impl TableNames {
                 &format!("{lease_db}.repair"),
                 &lease_db,
                 atomic_database,
-                &crate::fold::previous_day(day)
+                &crate::calendar::previous_day(day)
                     .into_iter()
                     .collect::<Vec<_>>(),
                 &[day.to_owned()],

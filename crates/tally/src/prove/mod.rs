@@ -6,15 +6,14 @@ mod probe;
 mod reconcile;
 mod reconcile_declared;
 mod reconcile_every;
+mod rounds;
 mod verify;
-mod verify_changes;
 mod verify_declared;
 
 pub use probe::{ProbeReport, probe};
 pub use reconcile::{ReconcileFilter, Reconciliation, commit_log_gaps};
 pub use reconcile_every::{Round, reconcile_every};
 pub use verify::{KeyedDiff, RowDiff, read_dead_letters, verify};
-pub use verify_changes::{TopicChanges, verify_changes};
 pub(crate) use verify_declared::shown_of;
 pub use verify_declared::verify_declared;
 pub(crate) use verify_declared::{ViewTypes, WindowDiff, Windows, counted};

@@ -11,7 +11,7 @@ use tally_core::declare::Job;
 use tally_core::{OutputRow, WindowAgg};
 
 use super::reconcile::{ReconcileFilter, Reconciliation, Replayed, SourceReplay, replay_committed};
-use super::reconcile_every::RoundRows;
+use super::rounds::RoundRows;
 use super::verify_declared::{RowKey, ViewTypes, WindowDiff, Windows, counted, shown_of};
 use crate::config::Config;
 

@@ -10,6 +10,7 @@ use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
 use tally_core::{Epoch, OutputRow};
 
 use super::reconcile::{ReconcileFilter, Reconciliation, SourceReplay, chain_gaps, revenue_row};
+use super::rounds::RoundRows;
 use crate::config::Config;
 
 /// One round of [`IncrementalReconciler`].
@@ -19,27 +20,6 @@ pub struct Round {
     pub full: bool,
     /// Source records read in this round.
     pub records_read: u64,
-}
-
-/// How `reconcile --every` keys, recomputes and compares the rows of one kind of job:
-/// revenue_agg's, or a declared job's.
-pub(crate) trait RoundRows {
-    type Key: Ord + Clone + Send;
-    type Value: Send;
-    /// A checkpoint's row as the replay keeps it.
-    fn row(&self) -> fn(&OutputRow) -> (Self::Key, Self::Value);
-    /// The first key of windows starting at `ms`.
-    fn first_at(ms: i64) -> Self::Key;
-    fn keeps(filter: &ReconcileFilter, key: &Self::Key) -> bool;
-    /// Compares the recomputed `changed` windows with the view at `cut`, adding to `result`.
-    async fn compare(
-        &self,
-        sink: &ClickHouseSink,
-        cut: &tally_clickhouse::Cut,
-        changed: &BTreeSet<Self::Key>,
-        replay: &SourceReplay<Self::Key, Self::Value>,
-        result: &mut Reconciliation,
-    ) -> Result<()>;
 }
 
 /// revenue_agg's rows: orders and revenue summed over source partitions.

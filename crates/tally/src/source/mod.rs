@@ -1,11 +1,12 @@
 //! A change job's source database: its table aggregated by SQL and compared with the view
-//! (`reconcile --source`), its capture checked (`doctor`), and the workload that changes it
-//! (`loadgen` of a change job).
+//! (`reconcile --source`), its capture checked (`doctor`), the workload that changes it
+//! (`loadgen` of a change job), and `verify` of a change job against that workload.
 
 pub mod capture;
 pub mod consistent;
 pub mod reconcile;
 pub mod sql;
+pub mod verify;
 pub mod workload;
 
 use anyhow::{Context, Result, bail};

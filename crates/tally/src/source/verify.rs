@@ -13,9 +13,9 @@ use anyhow::{Context, Result, bail};
 use tally_clickhouse::ClickHouseSink;
 use tally_core::declare::{Job, Op, Position};
 
-use super::{ReconcileFilter, read_dead_letters};
+use super::workload::WorkloadManifest;
 use crate::config::Config;
-use crate::source::workload::WorkloadManifest;
+use crate::prove::{ReconcileFilter, read_dead_letters};
 
 /// What the topic holds up to the job's committed cut, read with the job's declaration.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -247,7 +247,7 @@ pub async fn verify_changes(config: &Config, job: &Job, manifest_path: &Path) ->
         "the job: {} consumed: {} applied, {} filtered, {} duplicates, {} stale, {} tombstones, {} dead-lettered (late included)",
         c.consumed, c.applied, c.filtered, c.duplicates, c.stale, c.tombstones, c.dead_letters
     );
-    let reconciled = crate::source::reconcile::reconcile_source(
+    let reconciled = super::reconcile::reconcile_source(
         config,
         None,
         &ReconcileFilter {
