@@ -39,7 +39,8 @@
 #       replicas; a job on both replicas), R catch-ups on each set, each summarised (the services'
 #       CPU is the three brokers' and the two replicas'); then, on the cluster under a live load of
 #       5000 records/s, the time from a SIGKILL of the replica written through, and of a broker, to
-#       the commit of the first epoch begun after it
+#       the commit of the first epoch begun after it (checkpoints every second);
+#       --cluster-faults: those fault times alone
 #   scripts/bench.sh --formats [--events N] [--repeat R]
 #       one declared job (config/payments.toml) on the same records in JSON, Avro and Protobuf
 #       (Confluent wire format, schemas in the local registry, changing twice mid-stream):
@@ -63,6 +64,7 @@ while (($#)); do
     --shared) shared=1; shift ;;
     --together) together=1; shift ;;
     --cluster) cluster=1; shift ;;
+    --cluster-faults) cluster=1 mode=faults; shift ;;
     --read) mode=read; shift ;;
     --failover) mode=failover; shift ;;
     --join) mode=join; shift ;;
@@ -315,7 +317,11 @@ use_set() {
     kafka_pid=$(scripts/services.sh pid kafka) clickhouse_pid=$(scripts/services.sh pid clickhouse)
   fi
 }
-if ((cluster)); then use_set single; else scripts/services.sh up >&2; fi
+if ((cluster)); then
+  if [ "$mode" = faults ]; then use_set cluster; else use_set single; fi
+else
+  scripts/services.sh up >&2
+fi
 if [ -n "${TALLY_BENCH_BIN:-}" ]; then
   bin="$TALLY_BENCH_BIN"   # e.g. an earlier build, for before/after figures with the same script
 else
@@ -577,6 +583,8 @@ fault_times() {
   in_flight=$(sed -n 's/^max_epochs_in_flight *= *\([0-9]*\).*/\1/p' "$config"); in_flight=${in_flight:-2}
   export TALLY_KAFKA__SOURCE_TOPIC="${topic}_faults"
   run_env 0 faults
+  # Checkpoints every second, so that the times measure the fault, not the interval.
+  export TALLY_JOB__CHECKPOINT_INTERVAL=1s
   "$bin" loadgen --config "$config" --events 300000 --rate 5000 --partitions "$partitions" --customers "$customers" \
     --seed 3 --manifest "$fdir/manifest.json" >"$fdir/loadgen.log" 2>&1 &
   local loadgen=$!
@@ -609,6 +617,11 @@ fault_times() {
   echo "fault: writes moved to another replica $(grep -c 'writing through another clickhouse replica' "$fdir/worker.log" || true) times" | tee -a "$fdir/times"
 }
 
+if ((cluster)) && [ "$mode" = faults ]; then
+  top=$dir
+  fault_times
+  exit 0
+fi
 if ((cluster)); then
   # Each set's runs together (switching sets restarts every service), the single-node set first.
   top=$dir

@@ -485,8 +485,9 @@ def replicated_scenario(engine, database, check):
                 check.that(True, name)
             except RuntimeError as e:
                 check.that(False, f"{engine.name} rejected {name}: {str(e)[:300]}")
-        elif name == "cluster.sync":
-            engine.query(f"CREATE TABLE IF NOT EXISTS {db}.revenue_agg_data (x UInt8) ENGINE = MergeTree ORDER BY x")
+        elif name.startswith("cluster.sync"):
+            for t in ("revenue_agg_data", "revenue_agg_commits"):
+                engine.query(f"CREATE TABLE IF NOT EXISTS {db}.{t} (x UInt8) ENGINE = MergeTree ORDER BY x")
             try:
                 engine.query(sql)
                 check.that(False, f"{engine.name}: {name} ran on a table that is not replicated")

@@ -155,6 +155,25 @@ impl ClickHouseSink {
             )))
     }
 
+    /// Waits until this replica holds every commit row written before the call, on any replica
+    /// (no-op off a cluster): what a worker reads at its start to find the batches ClickHouse
+    /// holds past its state must not miss one that another replica took.
+    pub async fn sync_commit_log(&self) -> Result<()> {
+        if !self.names.replicated {
+            return Ok(());
+        }
+        let wait = SYNC_WAIT.as_secs();
+        self.client
+            .query(&self.names.sync_commits_sql())
+            .with_setting("receive_timeout", wait.to_string())
+            .execute()
+            .await
+            .map_err(self.err(format!(
+                "waiting up to {wait} s for this replica to fetch every commit row (SYSTEM SYNC REPLICA {})",
+                self.names.commits
+            )))
+    }
+
     /// The oldest window whose versions this replica's read side may still read: its logged
     /// fold frontier, or the start of its published answer if older.
     pub async fn versions_needed_from(&self) -> Result<Frontier> {

@@ -1,5 +1,5 @@
 //! The statements that look at a replicated cluster: its members, each server's replica name,
-//! and a replica's fetch queue.
+//! and a replica's fetch queues.
 
 use super::{TableNames, quote};
 
@@ -29,5 +29,10 @@ impl TableNames {
     /// Waits until the replica has fetched every version logged before the call.
     pub(crate) fn sync_versions_sql(&self) -> String {
         format!("SYSTEM SYNC REPLICA {}", self.data)
+    }
+
+    /// Waits until the replica has fetched every commit row logged before the call.
+    pub(crate) fn sync_commits_sql(&self) -> String {
+        format!("SYSTEM SYNC REPLICA {}", self.commits)
     }
 }

@@ -542,6 +542,7 @@ impl TableNames {
                     member_macro_sql("127.0.0.1:9000", "default", ""),
                 ),
                 ("cluster.sync".to_owned(), self.sync_versions_sql()),
+                ("cluster.sync_commits".to_owned(), self.sync_commits_sql()),
             ]);
         }
         out

@@ -60,12 +60,19 @@ impl BatchSink for ClickHouseBatches {
         Ok(self.through(|sink| async move { sink.is_committed(batch).await })?)
     }
 
+    // Read at a start: on a cluster, the replica first fetches every commit row another one took.
     fn committed_offsets(&self) -> Result<BTreeMap<PartitionId, i64>, Failure> {
-        Ok(self.through(|sink| async move { sink.committed_offsets().await })?)
+        Ok(self.through(|sink| async move {
+            sink.sync_commit_log().await?;
+            sink.committed_offsets().await
+        })?)
     }
 
     fn committed_batches(&self) -> Result<Vec<CommittedBatch>, Failure> {
-        Ok(self.through(|sink| async move { sink.committed_batches().await })?)
+        Ok(self.through(|sink| async move {
+            sink.sync_commit_log().await?;
+            sink.committed_batches().await
+        })?)
     }
 
     fn batch_totals(
