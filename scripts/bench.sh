@@ -611,7 +611,8 @@ fault_times() {
   done
   wait "$loadgen" || true
   sleep 5
-  kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
+  kill -0 "$pid" 2>/dev/null || echo "fault: the worker exited: $(grep -m1 -E 'ERROR|^error' "$fdir/worker.log" | cut -c1-300)" | tee -a "$fdir/times"
+  kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
   trap - EXIT
   "$bin" verify --config "$config" --manifest "$fdir/manifest.json" | grep -E '^verify' | tee -a "$fdir/times"
   echo "fault: writes moved to another replica $(grep -c 'writing through another clickhouse replica' "$fdir/worker.log" || true) times" | tee -a "$fdir/times"
