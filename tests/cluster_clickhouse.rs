@@ -1,7 +1,8 @@
 //! A job on a replicated ClickHouse (`scripts/services.sh up --cluster`: two replicas of one
 //! shard in the cluster `tally`, ZooKeeper, three brokers): its truth is replicated, each replica
 //! serves the view, and readers polling **both** replicas never see a key twice, a key vanish or a
-//! total go down while a replica is killed with SIGKILL (the one written through, then the other),
+//! total go down while a replica is killed with SIGKILL (the one written through, then the other;
+//! the worker killed and started again while the first is down),
 //! ZooKeeper restarts and ZooKeeper is away for 20 s (writes wait, then resume); each replica's
 //! view ends exact, also for a declared Avro job of two workers. Bad cluster settings are refused
 //! naming the key or the table. Ignored by a plain `cargo test`; the test command runs it on the
@@ -144,6 +145,7 @@ async fn every_replica_serves_the_view_exactly_once_through_replica_and_zookeepe
             ("revenue_agg_data", "ReplicatedMergeTree"),
             ("revenue_agg_commits", "ReplicatedMergeTree"),
             ("revenue_agg_partitions", "ReplicatedMergeTree"),
+            ("revenue_agg_job", "ReplicatedMergeTree"),
             ("revenue_agg_live", "MergeTree"),
             ("revenue_agg_final", "MergeTree"),
             ("revenue_agg", "View"),
@@ -173,7 +175,7 @@ async fn every_replica_serves_the_view_exactly_once_through_replica_and_zookeepe
     let committed = job.log().len();
     kill_9_service("clickhouse-1");
     let killed = Instant::now();
-    produce_into(&topic, &records[4_000..6_000], &mut manifest).await;
+    produce_into(&topic, &records[4_000..5_000], &mut manifest).await;
     job.wait_for_log(committed, "checkpoint committed", Duration::from_secs(120))
         .await;
     assert!(
@@ -185,6 +187,14 @@ async fn every_replica_serves_the_view_exactly_once_through_replica_and_zookeepe
         "clickhouse-1 killed: the next epoch committed through clickhouse-2 {:?} later",
         killed.elapsed()
     );
+    wait_exact_at(REPLICAS[1], &job, &manifest, Duration::from_secs(120)).await;
+    // A worker starting while the first replica is down starts through the other.
+    worker.0.kill().unwrap();
+    worker.0.wait().unwrap();
+    let restarted = job.log().len();
+    worker = job.spawn(&[]);
+    job.wait_until_consuming(restarted).await;
+    produce_into(&topic, &records[5_000..6_000], &mut manifest).await;
     wait_exact_at(REPLICAS[1], &job, &manifest, Duration::from_secs(120)).await;
     services(&["up", "clickhouse-1"]);
     wait_exact_at(REPLICAS[0], &job, &manifest, Duration::from_secs(180)).await;

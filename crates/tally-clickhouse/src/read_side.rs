@@ -239,8 +239,10 @@ impl ClickHouseSink {
     /// table exists but its row is not written yet.
     pub async fn recorded_identity(&self, identity: &str) -> Result<Option<String>> {
         let table = self.names.identity();
+        // On a cluster replicated, so that every replica holds the first worker's row.
         let create = format!(
-            "CREATE TABLE {table} ENGINE = MergeTree ORDER BY at AS SELECT {} AS identity, now() AS at",
+            "CREATE TABLE {table} ENGINE = {} ORDER BY at AS SELECT {} AS identity, now() AS at",
+            self.names.truth_engine(&table),
             quote(identity)
         );
         if let Err(e) = self.exec(&create).await {
@@ -258,8 +260,18 @@ impl ClickHouseSink {
 
     /// Drops the identity recorded beside the tables (`tally retire`).
     pub async fn forget_identity(&self) -> Result<()> {
-        self.exec(&format!("DROP TABLE IF EXISTS {}", self.names.identity()))
-            .await
+        // On a current server a replicated table's coordinator path outlives a plain DROP by
+        // minutes, and the next job's identity could not be recorded under it meanwhile.
+        let sync = if self.names.replicated && self.atomic_database().await? {
+            " SYNC"
+        } else {
+            ""
+        };
+        self.exec(&format!(
+            "DROP TABLE IF EXISTS {}{sync}",
+            self.names.identity()
+        ))
+        .await
     }
 
     /// Runs one read-side statement under `lease`: tagged with its query id (so that a later

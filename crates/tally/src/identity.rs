@@ -268,7 +268,8 @@ pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) ->
             // First: a TLS or SASL failure is named here, and no retry cures it.
             tally_kafka::check_connection(&config.kafka_settings(), Duration::from_secs(10))?;
             check_registry(config).await?;
-            let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+            // On a cluster, any replica that answers: the identity is replicated there.
+            let sink = first_replica(config).await?;
             sink.ensure_schema().await?;
             check_tables(config, &sink).await
         };
@@ -300,6 +301,22 @@ pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) ->
     }
 }
 
+/// The first server of `clickhouse.url` that answers (a replica of a cluster may be down).
+async fn first_replica(config: &Config) -> Result<ClickHouseSink> {
+    let mut last = None;
+    for settings in config.replica_settings() {
+        match ClickHouseSink::connect(&settings).await {
+            Ok(sink) => return Ok(sink),
+            Err(e @ tally_clickhouse::SinkError::Server { .. }) => last = Some(e),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(last.map_or_else(
+        || anyhow::anyhow!("clickhouse.url names no server"),
+        Into::into,
+    ))
+}
+
 /// `tally retire`: frees the job's name and resources in the registry and beside its tables.
 pub async fn retire(config: &Config) -> Result<()> {
     let kafka = config.kafka_settings();
@@ -308,12 +325,18 @@ pub async fn retire(config: &Config) -> Result<()> {
         .await?;
     tally_kafka::registry::record(&kafka, &topic, &config.job.name, None).await?;
     println!("retired job {} in {topic}", config.job.name);
-    let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
-    sink.forget_identity().await?;
-    println!(
-        "dropped {} (the job's tables and topics stay; drop them when no reader needs them)",
-        sink.names().identity()
-    );
+    // A table of each replica, replicated or not: dropped on every one.
+    for settings in config.replica_settings() {
+        let sink = ClickHouseSink::connect(&settings)
+            .await
+            .with_context(|| format!("retiring job {} on {}", config.job.name, settings.url))?;
+        sink.forget_identity().await?;
+        println!(
+            "dropped {} on {} (the job's tables and topics stay; drop them when no reader needs them)",
+            sink.names().identity(),
+            settings.url
+        );
+    }
     Ok(())
 }
 

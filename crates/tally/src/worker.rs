@@ -89,12 +89,24 @@ impl Worker {
                     && let Ok(other) =
                         rt.block_on(tally_clickhouse::ClickHouseSink::connect(&settings))
                 {
-                    rt.block_on(other.ensure_schema())?;
+                    match rt.block_on(other.ensure_schema()) {
+                        Ok(()) => {}
+                        // Unreachable meanwhile: its read side creates them once it answers.
+                        Err(e @ tally_clickhouse::SinkError::Server { .. }) => {
+                            tracing::warn!(replica = %settings.url, error = %e, "could not create the job's tables on this replica yet");
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
                 }
             }
         }
-        rt.block_on(sink.ensure_schema())?;
-        if !rt.block_on(sink.pushes_predicates_into_views())? {
+        // ClickHouse restarting between the connection and these is waited out, not fatal.
+        wait_for("clickhouse", &shutdown, || {
+            Ok(rt.block_on(sink.ensure_schema())?)
+        })?;
+        if !wait_for("clickhouse", &shutdown, || {
+            Ok(rt.block_on(sink.pushes_predicates_into_views())?)
+        })? {
             tracing::warn!(
                 view = %sink.names().view_q(),
                 "this server does not push WHERE clauses into views (enable_optimize_predicate_expression=0): \
@@ -130,7 +142,9 @@ impl Worker {
         tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
         // Registered before any record is consumed: folding waits for each partition's
         // watermark, and one added to the topic since the job began joins at the job's.
-        let added = rt.block_on(sink.register_partitions(&partitions))?;
+        let added = wait_for("clickhouse", &shutdown, || {
+            Ok(rt.block_on(sink.register_partitions(&partitions))?)
+        })?;
         let joining = {
             let meta = store.meta();
             let fresh_added = partitions.iter().any(|p| {
@@ -139,7 +153,9 @@ impl Worker {
                     && meta.as_ref().is_none_or(|m| !m.partitions.contains_key(p))
             });
             if fresh_added {
-                rt.block_on(sink.joining_watermark())?
+                wait_for("clickhouse", &shutdown, || {
+                    Ok(rt.block_on(sink.joining_watermark())?)
+                })?
             } else {
                 None
             }
