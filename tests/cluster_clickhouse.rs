@@ -145,7 +145,6 @@ async fn every_replica_serves_the_view_exactly_once_through_replica_and_zookeepe
             ("revenue_agg_data", "ReplicatedMergeTree"),
             ("revenue_agg_commits", "ReplicatedMergeTree"),
             ("revenue_agg_partitions", "ReplicatedMergeTree"),
-            ("revenue_agg_job", "ReplicatedMergeTree"),
             ("revenue_agg_live", "MergeTree"),
             ("revenue_agg_final", "MergeTree"),
             ("revenue_agg", "View"),
