@@ -140,38 +140,49 @@ impl ClickHouseSink {
     /// emptied once): a batch whose commit row this replica showed before has all its rows
     /// here then, as the writer inserted them before that row. No-op off a cluster.
     pub(crate) async fn sync_versions(&self) -> Result<()> {
-        if !self.names.replicated {
-            return Ok(());
-        }
-        let wait = SYNC_WAIT.as_secs();
-        self.client
-            .query(&self.names.sync_versions_sql())
-            .with_setting("receive_timeout", wait.to_string())
-            .execute()
-            .await
-            .map_err(self.err(format!(
-                "waiting up to {wait} s for this replica to fetch the versions its commit log shows (SYSTEM SYNC REPLICA {})",
-                self.names.data
-            )))
+        self.sync(
+            &self.names.sync_versions_sql(),
+            "the versions its commit log shows",
+        )
+        .await
     }
 
     /// Waits until this replica holds every commit row written before the call, on any replica
     /// (no-op off a cluster): what a worker reads at its start to find the batches ClickHouse
     /// holds past its state must not miss one that another replica took.
     pub async fn sync_commit_log(&self) -> Result<()> {
+        self.sync(&self.names.sync_commits_sql(), "every commit row")
+            .await
+    }
+
+    /// Runs a `SYSTEM SYNC REPLICA` (`sql`) bounded by [`SYNC_WAIT`]; no-op off a cluster.
+    async fn sync(&self, sql: &str, what: &str) -> Result<()> {
         if !self.names.replicated {
             return Ok(());
         }
         let wait = SYNC_WAIT.as_secs();
         self.client
-            .query(&self.names.sync_commits_sql())
+            .query(sql)
             .with_setting("receive_timeout", wait.to_string())
             .execute()
             .await
             .map_err(self.err(format!(
-                "waiting up to {wait} s for this replica to fetch every commit row (SYSTEM SYNC REPLICA {})",
-                self.names.commits
+                "waiting up to {wait} s for this replica to fetch {what} ({sql})"
             )))
+    }
+
+    /// The first server of `settings` that answers (a replica of a cluster may be down); a
+    /// refusal no other server would cure (a password, a certificate) is returned at once.
+    pub async fn connect_first(settings: &[SinkSettings]) -> Result<ClickHouseSink> {
+        let mut last = None;
+        for s in settings {
+            match ClickHouseSink::connect(s).await {
+                Ok(sink) => return Ok(sink),
+                Err(e @ SinkError::Server { .. }) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| SinkError::Refused("clickhouse.url names no server".into())))
     }
 
     /// The oldest window whose versions this replica's read side may still read: its logged

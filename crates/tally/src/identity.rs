@@ -269,7 +269,7 @@ pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) ->
             tally_kafka::check_connection(&config.kafka_settings(), Duration::from_secs(10))?;
             check_registry(config).await?;
             // On a cluster, any replica that answers: the identity is replicated there.
-            let sink = first_replica(config).await?;
+            let sink = ClickHouseSink::connect_first(&config.replica_settings()).await?;
             sink.ensure_schema().await?;
             check_tables(config, &sink).await
         };
@@ -299,22 +299,6 @@ pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) ->
         }
         backoff = (backoff * 2).min(Duration::from_secs(10));
     }
-}
-
-/// The first server of `clickhouse.url` that answers (a replica of a cluster may be down).
-async fn first_replica(config: &Config) -> Result<ClickHouseSink> {
-    let mut last = None;
-    for settings in config.replica_settings() {
-        match ClickHouseSink::connect(&settings).await {
-            Ok(sink) => return Ok(sink),
-            Err(e @ tally_clickhouse::SinkError::Server { .. }) => last = Some(e),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(last.map_or_else(
-        || anyhow::anyhow!("clickhouse.url names no server"),
-        Into::into,
-    ))
 }
 
 /// `tally retire`: frees the job's name and resources in the registry and beside its tables.

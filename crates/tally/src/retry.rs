@@ -124,17 +124,7 @@ pub fn connect_clickhouse(
 ) -> anyhow::Result<ClickHouseSink> {
     let replicas = config.replica_settings();
     wait_for("clickhouse", shutdown, || {
-        let mut last = None;
-        for settings in &replicas {
-            match rt.block_on(ClickHouseSink::connect(settings)) {
-                Ok(sink) => return Ok(sink),
-                Err(e @ tally_clickhouse::SinkError::Server { .. }) => last = Some(e),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(last
-            .map(Failure::from)
-            .unwrap_or_else(|| Failure::permanent(anyhow!("clickhouse.url names no server"))))
+        Ok(rt.block_on(ClickHouseSink::connect_first(&replicas))?)
     })
 }
 
