@@ -116,6 +116,11 @@ pub fn read_committed_range(
                     done.insert(p);
                 }
             }
+            // librdkafka reconnects by itself: a broker away or a leader moving is waited out
+            // up to `idle` (CI once lost a doctor run to a moment with every connection down).
+            Some(Err(e)) if is_passing(&e) => {
+                tracing::warn!(topic, error = %e, "kafka reader waits for the brokers");
+            }
             Some(Err(e)) => {
                 return Err(Error::Kafka {
                     context: format!("reading {topic}"),
@@ -125,6 +130,23 @@ pub fn read_committed_range(
         }
     }
     Ok(())
+}
+
+/// Whether a read error passes once librdkafka reconnects or finds the new leader.
+fn is_passing(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::AllBrokersDown
+                | RDKafkaErrorCode::BrokerTransportFailure
+                | RDKafkaErrorCode::Resolve
+                | RDKafkaErrorCode::OperationTimedOut
+                | RDKafkaErrorCode::RequestTimedOut
+                | RDKafkaErrorCode::NetworkException
+                | RDKafkaErrorCode::LeaderNotAvailable
+                | RDKafkaErrorCode::NotLeaderForPartition
+        )
+    )
 }
 
 /// A client for metadata and watermarks, and the metadata of `topic`, which must exist.
@@ -165,4 +187,30 @@ pub fn topic_extent(
         out.insert(p.id(), wm);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_away_is_waited_out_and_a_missing_topic_or_refusal_is_not() {
+        let consumption = KafkaError::MessageConsumption;
+        assert!(is_passing(&consumption(RDKafkaErrorCode::AllBrokersDown)));
+        assert!(is_passing(&consumption(
+            RDKafkaErrorCode::NotLeaderForPartition
+        )));
+        assert!(is_passing(&KafkaError::Global(
+            RDKafkaErrorCode::BrokerTransportFailure
+        )));
+        assert!(!is_passing(&consumption(
+            RDKafkaErrorCode::UnknownTopicOrPartition
+        )));
+        assert!(!is_passing(&consumption(
+            RDKafkaErrorCode::TopicAuthorizationFailed
+        )));
+        assert!(!is_passing(&consumption(
+            RDKafkaErrorCode::OffsetOutOfRange
+        )));
+    }
 }
