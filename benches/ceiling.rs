@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use tally::config::Config;
 use tally_kafka::Source;
+use tally_runtime::config::Config;
 
 fn main() -> Result<()> {
     let mut config_path = None;

@@ -9,9 +9,9 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tally::config::Config;
-use tally::loadgen::{DeclaredGenerator, FramedWriter, LoadSpec};
 use tally_core::declare::{Evaluation, Format, Job, Schemas};
+use tally_runtime::config::Config;
+use tally_tools::loadgen::{DeclaredGenerator, FramedWriter, LoadSpec};
 
 const N: usize = 10_000;
 

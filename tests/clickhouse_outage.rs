@@ -12,7 +12,7 @@ use common::*;
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| tally::memory::status_kib(&s, "VmRSS:").ok())
+        .and_then(|s| tally_runtime::memory::status_kib(&s, "VmRSS:").ok())
         .map_or(0, |kib| kib as u64)
 }
 
@@ -21,7 +21,7 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(21, 2, 23_000);
-    let mut manifest = tally::loadgen::Manifest::default();
+    let mut manifest = tally_tools::loadgen::Manifest::default();
     produce_into(&topic, &records[..3_000], &mut manifest).await;
     let job = Job::new(&topic, "");
     let before = job.log().len();

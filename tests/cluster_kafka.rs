@@ -12,7 +12,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tally::loadgen::Manifest;
+use tally_tools::loadgen::Manifest;
 
 const CLUSTER_BROKERS: &str = "127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094";
 
@@ -57,7 +57,7 @@ async fn a_job_on_three_brokers_waits_out_broker_losses_and_stays_exact() {
     assert_view_eq(&view, &manifest.rows, &job.log());
 
     // Every topic tally created has the cluster's replication.
-    let config = tally::config::Config::load(&job.config).unwrap();
+    let config = tally_runtime::config::Config::load(&job.config).unwrap();
     for t in [
         topic.clone(),
         config.dlq_topic(),

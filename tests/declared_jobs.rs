@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tally::loadgen::Manifest;
+use tally_tools::loadgen::Manifest;
 
 /// The `[aggregation]` section of the shipped job file, as it is written.
 fn shipped_declaration() -> String {
@@ -141,7 +141,7 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     println!("{file} reconcile: {line}");
     assert!(ok && text.contains("reconcile: OK"), "{text}");
 
-    let m = tally::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    let m = tally_tools::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
     // Its rounds read every record once, one full round then the new input, and every
     // window they recomputed matches the view.
     let mut text = String::new();
@@ -182,10 +182,10 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     // And verify does fail: one window counted once more in a copy of the manifest is found.
     let mut wrong = m.clone();
     let first = &mut wrong.windows[0].2[0];
-    let tally::loadgen::Running::Count(n) = *first else {
+    let tally_tools::loadgen::Running::Count(n) = *first else {
         panic!("the first column counts: {first:?}")
     };
-    *first = tally::loadgen::Running::Count(n + 1);
+    *first = tally_tools::loadgen::Running::Count(n + 1);
     let wrong_path = job.dir.path().join("wrong.json");
     wrong.save(&wrong_path).unwrap();
     let (ok, text) = tally(&[

@@ -50,7 +50,7 @@ async fn a_framed_job_is_exact_after_a_kill_9(format: &str) {
     let line = verify_exact_then_stop(&job, &mut worker.0, &manifest).await;
     println!("payments ({format}) after a kill -9 and two schema changes: {line}");
 
-    let m = tally::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    let m = tally_tools::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
     assert_eq!(assert_accounting(&job, m.produced), 2);
     assert_fates(&job, &m);
     // Every fault of the wire format and of the schemas reached the dead-letter topic with its
@@ -116,7 +116,7 @@ async fn check_config_names_a_field_the_latest_schema_lacks() {
     let job = Job::shipped("payments.toml", &topic);
     let subject = format!("{topic}-value");
     let schema = r#"{"type":"record","name":"P","fields":[{"name":"payment_id","type":"string"}]}"#;
-    let registry = tally::schemas::Registry::new(&tally::config::RegistryConfig {
+    let registry = tally_runtime::schemas::Registry::new(&tally_runtime::config::RegistryConfig {
         url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
         ..Default::default()
     })
@@ -231,7 +231,7 @@ async fn the_registry_takes_the_evolutions_formats_md_says() {
         evolutions.len(),
         "one row per evolution: {table:?}"
     );
-    let registry = tally::schemas::Registry::new(&tally::config::RegistryConfig {
+    let registry = tally_runtime::schemas::Registry::new(&tally_runtime::config::RegistryConfig {
         url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
         ..Default::default()
     })

@@ -11,7 +11,7 @@ use common::*;
 use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use tally::loadgen::Manifest;
+use tally_tools::loadgen::Manifest;
 
 const CATCH_UP: Duration = Duration::from_secs(90);
 
@@ -118,12 +118,12 @@ fn order(
     partition: i32,
     id: &str,
     t_ms: i64,
-    kind: tally::loadgen::Kind,
-) -> tally::loadgen::GeneratedRecord {
+    kind: tally_tools::loadgen::Kind,
+) -> tally_tools::loadgen::GeneratedRecord {
     let value = format!(
         r#"{{"event_id":"{id}","customer_id":"cust-new","currency":"EUR","amount":"1.5","event_time":{t_ms}}}"#
     );
-    let contributes = (kind == tally::loadgen::Kind::Valid).then(|| {
+    let contributes = (kind == tally_tools::loadgen::Kind::Valid).then(|| {
         (
             t_ms.div_euclid(60_000) * 60_000,
             "cust-new".to_owned(),
@@ -131,7 +131,7 @@ fn order(
             15_000,
         )
     });
-    tally::loadgen::GeneratedRecord {
+    tally_tools::loadgen::GeneratedRecord {
         partition,
         key: b"cust-new".to_vec(),
         value: value.into_bytes(),
@@ -145,7 +145,7 @@ fn order(
 /// events are aggregated. View and dead-letter topic equal the truth.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_added_partition_s_events_in_windows_already_folded_are_late_not_lost() {
-    use tally::loadgen::Kind;
+    use tally_tools::loadgen::Kind;
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     // One event per second and partition: 25 minutes of event time, most windows final.

@@ -162,7 +162,7 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
     );
     let batches = sink.committed_batches().await.unwrap();
     assert_eq!(batches.len(), 5);
-    assert!(tally::prove::commit_log_gaps(&batches).is_empty());
+    assert!(tally_tools::prove::commit_log_gaps(&batches).is_empty());
     assert_eq!(
         sink.committed_offsets().await.unwrap(),
         BTreeMap::from([(0, 25), (1, 15), (2, 9)])
@@ -180,7 +180,7 @@ async fn writers_with_their_own_epochs_share_a_job_and_a_partition_moves_between
     let stale = [row(1, 1, "c3", 99, "99")];
     write(&sink, &lease, &batch(3, &[(1, 8, 11)], &[2], &stale)).await;
     assert_eq!(sink.read_view().await.unwrap(), want);
-    let gaps = tally::prove::commit_log_gaps(&sink.committed_batches().await.unwrap());
+    let gaps = tally_tools::prove::commit_log_gaps(&sink.committed_batches().await.unwrap());
     assert!(
         gaps.iter()
             .any(|g| g.contains("two batches start partition 1 at offset 8")),

@@ -13,8 +13,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
-use tally::loadgen::{GeneratedRecord, Generator, LoadSpec, Manifest};
 use tally_core::{OperatorConfig, WindowSpec};
+use tally_tools::loadgen::{GeneratedRecord, Generator, LoadSpec, Manifest};
 
 pub mod capture;
 
@@ -898,7 +898,7 @@ pub async fn verify_exact_then_stop(job: &Job, worker: &mut Child, manifest: &st
 
 /// Every record's fate in the job's checkpoint (aggregated, filtered, duplicate, late,
 /// dead-lettered) is the one the declared manifest gave it.
-pub fn assert_fates(job: &Job, m: &tally::loadgen::DeclaredManifest) {
+pub fn assert_fates(job: &Job, m: &tally_tools::loadgen::DeclaredManifest) {
     let store =
         tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
             .unwrap();

@@ -7,9 +7,9 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 
-use tally::config::{Config, Millis};
-use tally::loadgen::LoadSpec;
-use tally::prove;
+use tally_runtime::config::{Config, Millis};
+use tally_tools::loadgen::LoadSpec;
+use tally_tools::prove;
 
 /// Exactly-once stream processing from Kafka into ClickHouse.
 ///
@@ -342,8 +342,9 @@ fn real_main(cli: Cli) -> Result<()> {
         } => {
             let cfg = load_config(&config)?;
             let ok = match cfg.declared.clone() {
-                Some(job) if job.changes.is_some() => runtime()?
-                    .block_on(tally::source::verify::verify_changes(&cfg, &job, &manifest))?,
+                Some(job) if job.changes.is_some() => runtime()?.block_on(
+                    tally_tools::database::verify::verify_changes(&cfg, &job, &manifest),
+                )?,
                 Some(job) => runtime()?.block_on(prove::verify_declared(&cfg, &job, &manifest))?,
                 None => runtime()?.block_on(prove::verify(&cfg, &manifest))?,
             };
@@ -357,15 +358,19 @@ fn real_main(cli: Cli) -> Result<()> {
         } => {
             let cfg = load_config(&config)?;
             let since = parse_duration(&since, "--since")?;
-            let rows = runtime()?.block_on(tally::doctor::diagnose(&cfg, since))?;
-            tally::doctor::print(&rows, json);
-            exit_unless(!rows.iter().any(|r| r.status == tally::doctor::Status::Fail))
+            let rows = runtime()?.block_on(tally_tools::doctor::diagnose(&cfg, since))?;
+            tally_tools::doctor::print(&rows, json);
+            exit_unless(
+                !rows
+                    .iter()
+                    .any(|r| r.status == tally_tools::doctor::Status::Fail),
+            )
         }
         Command::Fold { config } => {
-            runtime()?.block_on(tally::read_side::fold_now(&load_config(&config)?))
+            runtime()?.block_on(tally_runtime::read_side::fold_now(&load_config(&config)?))
         }
         Command::Retire { config } => {
-            runtime()?.block_on(tally::identity::retire(&load_config(&config)?))
+            runtime()?.block_on(tally_runtime::identity::retire(&load_config(&config)?))
         }
         Command::Probe {
             config,
@@ -423,11 +428,11 @@ fn parse_duration(text: &str, flag: &str) -> Result<std::time::Duration> {
 /// `tally run`: each job file's jobs, until a stop.
 fn run(paths: &[PathBuf]) -> Result<()> {
     // The files are checked against each other before the process takes their shared settings.
-    let jobs = tally::process::load_jobs(paths, |file| Ok(Config::load(file)?))?;
+    let jobs = tally_runtime::process::load_jobs(paths, |file| Ok(Config::load(file)?))?;
     for cfg in &jobs {
         use_state_memory(cfg)?;
     }
-    tally::process::run(jobs, Arc::new(AtomicBool::new(false)))
+    tally_runtime::process::run(jobs, Arc::new(AtomicBool::new(false)))
 }
 
 fn loadgen(args: LoadgenArgs) -> Result<()> {
@@ -458,7 +463,7 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         max_record_bytes: cfg.job.max_record_bytes,
     };
     if cfg.declared.as_ref().is_some_and(|j| j.changes.is_some()) {
-        let spec = tally::source::workload::WorkloadSpec {
+        let spec = tally_tools::database::workload::WorkloadSpec {
             seed: args.seed,
             initial_rows: args.initial_rows,
             changes: events,
@@ -468,10 +473,14 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
             snapshots: args.snapshots,
             full_identity: args.full_identity,
         };
-        runtime()?.block_on(tally::source::workload::run(&cfg, &spec, &args.manifest))?;
+        runtime()?.block_on(tally_tools::database::workload::run(
+            &cfg,
+            &spec,
+            &args.manifest,
+        ))?;
         return Ok(());
     }
-    let opts = tally::loadgen::LoadOptions {
+    let opts = tally_tools::loadgen::LoadOptions {
         events,
         rate: args.rate,
         partitions: args.partitions,
@@ -479,9 +488,9 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         manifest: args.manifest,
     };
     if cfg.declared.is_some() {
-        runtime()?.block_on(tally::loadgen::produce_declared(&cfg, opts))?;
+        runtime()?.block_on(tally_tools::loadgen::produce_declared(&cfg, opts))?;
     } else {
-        runtime()?.block_on(tally::loadgen::produce(&cfg, opts))?;
+        runtime()?.block_on(tally_tools::loadgen::produce(&cfg, opts))?;
     }
     Ok(())
 }
@@ -507,14 +516,14 @@ fn reconcile(args: ReconcileArgs) -> Result<()> {
         let wait = parse_duration(&args.wait, "--wait")?;
         return match args.every {
             None => {
-                let r = rt.block_on(tally::source::reconcile::reconcile_source(
+                let r = rt.block_on(tally_tools::database::reconcile::reconcile_source(
                     &cfg, url, &filter, wait, true,
                 ))?;
                 exit_unless(!r.fails(args.strict))
             }
             Some(every) => {
                 let every = parse_duration(&every, "--every")?;
-                rt.block_on(tally::source::reconcile::reconcile_source_every(
+                rt.block_on(tally_tools::database::reconcile::reconcile_source_every(
                     &cfg, url, &filter, every, wait,
                 ))
             }
@@ -544,7 +553,7 @@ fn probe(cfg: &Config, interval: &str, duration: Option<&str>) -> Result<()> {
         .transpose()?;
     let stop = Arc::new(AtomicBool::new(false));
     let report = runtime()?.block_on(async {
-        tokio::spawn(tally::process::stop_on_signal(stop.clone()));
+        tokio::spawn(tally_runtime::process::stop_on_signal(stop.clone()));
         prove::probe(cfg, interval, duration, &stop).await
     })?;
     println!(
@@ -600,8 +609,8 @@ fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
         (_, Some(k)) => cfg.for_task(k),
     };
     let rt = runtime()?;
-    let marks = tally::marks::job_commit_marks(&cfg)?;
-    let done = tally::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
+    let marks = tally_runtime::marks::job_commit_marks(&cfg)?;
+    let done = tally_runtime::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
     println!(
         "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
         done.epoch,
@@ -627,12 +636,12 @@ fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
 /// Each job file of `paths` checked and described; several are also checked against each
 /// other as one process would run them.
 fn check_config(paths: &[PathBuf]) -> Result<()> {
-    let files = tally::process::job_files(paths)?;
+    let files = tally_runtime::process::job_files(paths)?;
     for file in &files {
         check_job_file(file)?;
     }
     if files.len() > 1 {
-        tally::process::load_jobs(&files, |file| Ok(Config::load(file)?))?;
+        tally_runtime::process::load_jobs(&files, |file| Ok(Config::load(file)?))?;
         println!("{} jobs can run in one process", files.len());
     }
     Ok(())
@@ -648,10 +657,11 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         println!("{}: ok", path.display());
         return Ok(());
     };
-    print!("{}", tally::declaration::describe(&job));
+    print!("{}", tally_runtime::declaration::describe(&job));
     if job.format.is_framed() {
-        let registry = tally::schemas::Registry::new(&cfg.registry)?;
-        let cache = tally::schemas::SchemaCache::new(registry, std::sync::Arc::new(job.clone()))?;
+        let registry = tally_runtime::schemas::Registry::new(&cfg.registry)?;
+        let cache =
+            tally_runtime::schemas::SchemaCache::new(registry, std::sync::Arc::new(job.clone()))?;
         let subject = cfg.registry_subject();
         match cache.check_latest(&subject)? {
             None => println!(
@@ -667,13 +677,13 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
             ),
         }
     }
-    match tally::declaration::built_in_fields(&job) {
+    match tally_runtime::declaration::built_in_fields(&job) {
         Ok(_) => println!("runs on the built-in revenue_agg decoder"),
         Err(_) => println!("runs as declared"),
     }
     // What loadgen makes of the same declaration, so that the two never disagree unsaid.
     if job.changes.is_none() {
-        match tally::loadgen::filter_tests(&job) {
+        match tally_tools::loadgen::filter_tests(&job) {
             Ok(_) => {
                 println!("loadgen generates its records by construction (tally loadgen --config)")
             }

@@ -11,7 +11,7 @@ use tally_core::{Epoch, OutputRow};
 
 use super::reconcile::{ReconcileFilter, Reconciliation, SourceReplay, chain_gaps, revenue_row};
 use super::rounds::RoundRows;
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 /// One round of [`IncrementalReconciler`].
 pub struct Round {
@@ -177,9 +177,9 @@ pub async fn reconcile_every(
     every: Duration,
     full_every: u64,
 ) -> Result<()> {
-    let readiness = Arc::new(crate::health::Readiness::default());
+    let readiness = Arc::new(tally_runtime::health::Readiness::default());
     readiness.set_restored();
-    crate::health::serve(
+    tally_runtime::health::serve(
         &config.metrics.address,
         vec![(config.job.name.clone(), readiness)],
     )

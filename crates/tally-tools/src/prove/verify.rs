@@ -12,8 +12,8 @@ use tally_core::PoisonReason;
 use tally_core::amount::format_units_i128;
 use tally_kafka::{HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION};
 
-use crate::config::Config;
 use crate::loadgen::Manifest;
+use tally_runtime::config::Config;
 
 /// Orders counted more than once, and orders missing, summed over keys.
 fn miscounted(

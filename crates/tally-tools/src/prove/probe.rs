@@ -8,7 +8,7 @@ use anyhow::Result;
 use tally_clickhouse::ClickHouseSink;
 use tally_core::declare::Function;
 
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 /// One read of the view as the probe checks it: (window start ms, group-by values) → records
 /// counted there (revenue_agg's orders, a declared job's first `count` column, else 0).

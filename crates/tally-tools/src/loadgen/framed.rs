@@ -17,8 +17,8 @@ use std::sync::Arc;
 use tally_core::declare::{FieldKind, Format, Job, Schemas, Value, WriterSchema, format_decimal};
 use tally_core::{Poison, PoisonReason};
 
-use crate::config::Config;
-use crate::schemas::{Registry, schema_type};
+use tally_runtime::config::Config;
+use tally_runtime::schemas::{Registry, schema_type};
 
 /// A field the first and second schemas have and the third removes.
 const NOTE: &str = "loadgen_note";

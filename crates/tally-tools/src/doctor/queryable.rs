@@ -8,7 +8,7 @@ use anyhow::Result;
 use tally_clickhouse::{ClickHouseSink, CommittedBatch, Cut};
 
 use super::{Row, Status, declared_view, describe_read_side, revenue_view, row};
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 pub(super) const HOP: &str = "Written → Queryable";
 const INVARIANT: &str =

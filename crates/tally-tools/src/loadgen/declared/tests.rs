@@ -147,7 +147,7 @@ fn the_shipped_examples_ground_truth_matches_the_operator() {
     ] {
         let path = format!("{}/../../config/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
-        let config = crate::config::Config::parse(file, &text, &[]).unwrap();
+        let config = tally_runtime::config::Config::parse(file, &text, &[]).unwrap();
         let job = config.declared.clone().expect("declared");
         assert_ground_truth(&job, config.operator(), reasons);
     }

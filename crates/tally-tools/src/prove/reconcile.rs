@@ -10,7 +10,7 @@ use tally_core::amount::format_units_i128;
 use tally_core::{CheckpointBarrier, Epoch, MemStore, OutputRow, WindowOperator};
 
 use super::verify::RowDiff;
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 /// The job's operator run again, in memory, over committed offset ranges of the source topic:
 /// what the sink should hold, per window key and source partition. `tally reconcile` reads the
@@ -211,7 +211,10 @@ pub(crate) async fn committed(config: &Config, sink: &ClickHouseSink) -> Result<
     // A commit log that claims offsets the topic never had is corrupt: say so, and read only
     // what exists rather than wait for records that will never come.
     let extent = tally_kafka::topic_extent(&settings, &config.kafka.source_topic)?;
-    if matches!(config.job.start_from, crate::config::StartFrom::Earliest) {
+    if matches!(
+        config.job.start_from,
+        tally_runtime::config::StartFrom::Earliest
+    ) {
         let starts: BTreeMap<i32, i64> = ranges.iter().map(|(p, (s, _))| (*p, *s)).collect();
         let lows: BTreeMap<i32, i64> = extent.iter().map(|(p, (low, _))| (*p, *low)).collect();
         gaps.extend(missing_first_batches(&starts, &lows));

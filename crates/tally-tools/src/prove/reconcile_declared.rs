@@ -13,7 +13,7 @@ use tally_core::{OutputRow, WindowAgg};
 use super::reconcile::{ReconcileFilter, Reconciliation, Replayed, SourceReplay, replay_committed};
 use super::rounds::RoundRows;
 use super::verify_declared::{RowKey, ViewTypes, WindowDiff, Windows, counted, shown_of};
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 fn declared_row(row: &OutputRow) -> (RowKey, WindowAgg) {
     (

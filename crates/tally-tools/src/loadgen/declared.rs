@@ -20,7 +20,7 @@ use tally_core::{OperatorConfig, PoisonReason};
 
 use super::framed::FramedWriter;
 use super::{Fate, GeneratedRecord, Kind, LoadOptions, LoadSpec, Stream, open_source, produce_all};
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 /// Per field, the filter test loadgen generates it by (at most one), or why it cannot generate
 /// records of `job` by construction (what `check-config` says too).

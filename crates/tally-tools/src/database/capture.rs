@@ -173,7 +173,10 @@ pub struct CaptureCheck {
 }
 
 /// The slot and the connector of `config`'s source against the newest LSN the job committed.
-pub async fn check(config: &crate::config::Config, committed_lsn: u64) -> Result<CaptureCheck> {
+pub async fn check(
+    config: &tally_runtime::config::Config,
+    committed_lsn: u64,
+) -> Result<CaptureCheck> {
     let source = Source::of(config, None)?;
     let mut evidence = Vec::new();
     let (mut fail, mut warn) = (false, false);

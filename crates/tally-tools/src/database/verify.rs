@@ -14,8 +14,8 @@ use tally_clickhouse::ClickHouseSink;
 use tally_core::declare::{Job, Op, Position};
 
 use super::workload::WorkloadManifest;
-use crate::config::Config;
 use crate::prove::{ReconcileFilter, read_dead_letters};
+use tally_runtime::config::Config;
 
 /// What the topic holds up to the job's committed cut, read with the job's declaration.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

@@ -11,9 +11,9 @@ use anyhow::Result;
 use serde::Serialize;
 use tally_clickhouse::ClickHouseSink;
 
-use crate::config::Config;
 use crate::prove::{self, ReconcileFilter};
 use replication::replication_verdict;
+use tally_runtime::config::Config;
 
 /// Every fate a consumed record can have (a change job's `stale` and `tombstones` are 0 for
 /// jobs of events), and the offsets they add up to.
@@ -104,7 +104,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let with_source = changes && config.source.postgres.is_some();
     if with_source {
         let committed_lsn = accounting.iter().map(|b| b.source_lsn).max().unwrap_or(0);
-        rows.push(match crate::source::capture::check(config, committed_lsn).await {
+        rows.push(match crate::database::capture::check(config, committed_lsn).await {
             Ok(c) => row(
                 "Produced → Accepted",
                 "every change the source commits is captured into the topic (the slot keeps the WAL from its confirmed position; the connector runs)",
@@ -200,7 +200,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             &config.kafka.source_topic,
             &config.kafka.consumer_group,
         )?;
-        crate::marks::committed_offsets(&reader, config)?
+        tally_runtime::marks::committed_offsets(&reader, config)?
     };
     let marks: BTreeMap<i32, tally_kafka::CommitMark> = committed
         .iter()
@@ -231,7 +231,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 // near the job's by its catch-ups; never committed by its own writer.
                 let adopted = store.adopted_writer().ok().flatten();
                 let replica = adopted.is_some() && !writers.contains(store.writer_id());
-                match crate::marks::foreign_mark(&marks, &store) {
+                match tally_runtime::marks::foreign_mark(&marks, &store) {
                     Ok(None) => {}
                     Ok(Some(_)) if replica => {}
                     Ok(Some((p, mark))) => broken.push(format!(
@@ -388,7 +388,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             "the numbers readers see equal the same aggregation run on the source table";
         let wait = Duration::from_secs(30);
         rows.push(
-            match crate::source::reconcile::reconcile_source(config, None, &recent, wait, false)
+            match crate::database::reconcile::reconcile_source(config, None, &recent, wait, false)
                 .await
             {
                 Ok(r) => row(
@@ -730,11 +730,11 @@ async fn restorable(config: &Config) -> Row {
             };
             config.job.state_dir = scratch.path().join("state");
             let rt = tokio::runtime::Handle::current();
-            let marks = crate::marks::job_commit_marks(&config)?;
+            let marks = tally_runtime::marks::job_commit_marks(&config)?;
             if marks.is_empty() {
                 return Ok(None);
             }
-            let restored = crate::restore::restore(&config, &rt, &marks, None, false)?;
+            let restored = tally_runtime::restore::restore(&config, &rt, &marks, None, false)?;
             Ok(Some(format!(
                 "{}epoch {} of writer {} ({} records, {} ms)",
                 task.map_or(String::new(), |t| format!("task {t}: ")),

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tally_core::amount::format_units_i128;
 use tally_core::{OperatorConfig, PoisonReason};
 
-use crate::config::Config;
+use tally_runtime::config::Config;
 
 mod declared;
 mod framed;

@@ -20,8 +20,8 @@ use tally_core::time::format_ms;
 use tokio_postgres::Client;
 
 use super::Source;
-use crate::config::Config;
 use crate::loadgen::{filtered_value, key_value, random_value};
+use tally_runtime::config::Config;
 
 /// What to do to the table.
 #[derive(Debug, Clone)]

@@ -12,8 +12,8 @@ pub mod workload;
 use anyhow::{Context, Result, bail};
 use tokio_postgres::{Client, NoTls};
 
-use crate::config::{Config, is_table_name};
 use sql::Column;
+use tally_runtime::config::{Config, is_table_name};
 
 /// Where a change job's rows live: the database URL (without its password) and the table.
 #[derive(Debug, Clone)]

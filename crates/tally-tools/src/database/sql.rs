@@ -387,7 +387,7 @@ mod tests {
     }
 
     fn orders() -> Job {
-        let config = crate::config::Config::parse(
+        let config = tally_runtime::config::Config::parse(
             "orders.toml",
             include_str!("../../../../config/orders.toml"),
             &[],

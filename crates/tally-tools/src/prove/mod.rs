@@ -22,7 +22,7 @@ pub(crate) use verify_declared::{ViewTypes, WindowDiff, Windows, counted};
 /// them with the view at that epoch, by revenue_agg's columns or by its declaration; `print`
 /// reports on stdout.
 pub async fn reconcile(
-    config: &crate::config::Config,
+    config: &tally_runtime::config::Config,
     filter: &ReconcileFilter,
     print: bool,
 ) -> anyhow::Result<Reconciliation> {

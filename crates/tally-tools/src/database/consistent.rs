@@ -20,8 +20,8 @@ use tally_clickhouse::{BatchAccounting, ClickHouseSink, Cut};
 use tally_core::declare::{Evaluation, Job, lsn_text};
 
 use super::Source;
-use crate::config::Config;
 use crate::prove::ViewTypes;
+use tally_runtime::config::Config;
 
 /// A PostgreSQL snapshot (`pg_current_snapshot()`): which transactions it holds.
 #[derive(Debug, Clone, PartialEq, Eq)]

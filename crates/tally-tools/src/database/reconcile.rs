@@ -18,8 +18,8 @@ use tally_core::declare::{Function, Job, lsn_text};
 use super::Source;
 use super::consistent::{self, Snapshot};
 use super::sql::{self, Aggregation, Column};
-use crate::config::Config;
 use crate::prove::{ReconcileFilter, Reconciliation, ViewTypes, WindowDiff, Windows, shown_of};
+use tally_runtime::config::Config;
 
 /// What one reconciliation against the source table found.
 #[derive(Debug, Default)]
@@ -419,9 +419,9 @@ pub async fn reconcile_source_every(
     every: Duration,
     wait: Duration,
 ) -> Result<()> {
-    let readiness = std::sync::Arc::new(crate::health::Readiness::default());
+    let readiness = std::sync::Arc::new(tally_runtime::health::Readiness::default());
     readiness.set_restored();
-    crate::health::serve(
+    tally_runtime::health::serve(
         &config.metrics.address,
         vec![(config.job.name.clone(), readiness)],
     )

@@ -11,8 +11,8 @@ use tally_core::declare::{FieldKind, Function, Job, parse_decimal};
 use tally_core::{WindowAgg, Word};
 
 use super::verify::{DeadLetterDiff, KeyedDiff, read_dead_letters};
-use crate::config::Config;
 use crate::loadgen::{DeclaredManifest, Shown};
+use tally_runtime::config::Config;
 
 /// A view row's window start (ms) and group-by values.
 pub(crate) type RowKey = (i64, Vec<String>);

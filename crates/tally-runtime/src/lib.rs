@@ -1,0 +1,30 @@
+//! The tally job runtime: what `tally run` does, and nothing of the tools that check it.
+//!
+//! The pipeline, in the order a record goes: [`consume`] (records into the operator, epochs cut
+//! at barriers) → [`persist`] (the pre-commit) → [`commit`] (the Kafka transaction and the
+//! ClickHouse batch) → [`read_side`] (publish and fold), wired by [`worker`] and run, one task or
+//! several, by [`tasks`] under the job's [`lease`].
+
+mod background;
+pub mod commit;
+pub mod config;
+pub mod consume;
+pub mod declaration;
+pub mod events;
+pub mod fault;
+pub mod health;
+pub mod identity;
+pub mod job_scope;
+pub mod lease;
+pub mod marks;
+pub mod memory;
+pub mod partitions;
+pub mod persist;
+pub mod process;
+pub mod read_side;
+pub mod restore;
+pub mod retry;
+pub mod schemas;
+mod standby;
+pub mod tasks;
+pub mod worker;
