@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use tally_kafka::Source;
+use tally_kafka::SourceConsumer;
 use tally_runtime::config::Config;
 
 fn main() -> Result<()> {
@@ -30,7 +30,8 @@ fn main() -> Result<()> {
         config.kafka.consumer_group,
         std::process::id()
     );
-    let source = Source::connect(&config.kafka_settings(), &config.kafka.source_topic, &group)?;
+    let source =
+        SourceConsumer::connect(&config.kafka_settings(), &config.kafka.source_topic, &group)?;
     let mut ends = BTreeMap::new();
     let mut starts = BTreeMap::new();
     for p in source.partitions()? {

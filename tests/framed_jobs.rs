@@ -116,11 +116,12 @@ async fn check_config_names_a_field_the_latest_schema_lacks() {
     let job = Job::shipped("payments.toml", &topic);
     let subject = format!("{topic}-value");
     let schema = r#"{"type":"record","name":"P","fields":[{"name":"payment_id","type":"string"}]}"#;
-    let registry = tally_runtime::schemas::Registry::new(&tally_runtime::config::RegistryConfig {
-        url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    let registry =
+        tally_runtime::schemas::SchemaRegistry::new(&tally_runtime::config::SchemaRegistryConfig {
+            url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
+            ..Default::default()
+        })
+        .unwrap();
     registry.register(&subject, schema, "AVRO").await.unwrap();
     let (ok, text) = tally_command(&job, "check-config", &[]);
     assert!(!ok, "{text}");
@@ -231,11 +232,12 @@ async fn the_registry_takes_the_evolutions_formats_md_says() {
         evolutions.len(),
         "one row per evolution: {table:?}"
     );
-    let registry = tally_runtime::schemas::Registry::new(&tally_runtime::config::RegistryConfig {
-        url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
-        ..Default::default()
-    })
-    .unwrap();
+    let registry =
+        tally_runtime::schemas::SchemaRegistry::new(&tally_runtime::config::SchemaRegistryConfig {
+            url: Some("http://127.0.0.1:8081/apis/ccompat/v7".into()),
+            ..Default::default()
+        })
+        .unwrap();
     let mut checked = 0;
     for (name, avro_after, proto_after) in &evolutions {
         let row = table

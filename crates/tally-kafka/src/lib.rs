@@ -2,9 +2,9 @@
 //! from the group), the transactional producer that writes each epoch's dead letters and changelog
 //! records and commits the group's offsets, the changelog reader, and topic administration.
 
+mod consumer;
+pub mod job_registry;
 mod reader;
-pub mod registry;
-mod source;
 mod transaction;
 
 use std::collections::BTreeMap;
@@ -15,10 +15,11 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicRe
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
-pub use reader::{read_committed_range, topic_extent};
-pub use source::{
-    GroupMember, GroupMembers, Source, SourceRecord, StartFrom, assigned_partitions, record_of,
+pub use consumer::{
+    GroupMember, GroupMembers, SourceConsumer, SourceRecord, StartFrom, assigned_partitions,
+    record_of,
 };
+pub use reader::{read_committed_range, topic_extent};
 pub use transaction::{
     CommitMark, EpochCommit, EpochProducer, EpochTopics, HEADER_ERROR, HEADER_REASON,
     HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TIMESTAMP, HEADER_SOURCE_TOPIC,

@@ -14,7 +14,7 @@ use tally_core::seen_filter::{FilterBuilder, id_hash};
 use tally_core::{
     CheckpointBarrier, Epoch, EpochCut, PartitionId, SeenIdFilter, WindowOperator, WithInFlight,
 };
-use tally_kafka::{Source, StartFrom};
+use tally_kafka::{SourceConsumer, StartFrom};
 use tally_state::StateStore;
 
 use crate::config::{self, Config};
@@ -181,7 +181,7 @@ pub struct Consumer {
     config: Config,
     shutdown: Arc<AtomicBool>,
     store: Arc<StateStore>,
-    source: Source,
+    source: SourceConsumer,
     partitions: Vec<PartitionId>,
     /// Partitions added to the source topic after the job began (registered so).
     added: std::collections::BTreeSet<PartitionId>,
@@ -201,7 +201,7 @@ impl Consumer {
         config: Config,
         shutdown: Arc<AtomicBool>,
         store: Arc<StateStore>,
-        source: Source,
+        source: SourceConsumer,
         partitions: Vec<PartitionId>,
         (added, joining): (std::collections::BTreeSet<PartitionId>, Option<i64>),
         readiness: Arc<Readiness>,

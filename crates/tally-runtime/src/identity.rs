@@ -169,7 +169,7 @@ fn first_claimant<'a>(
 /// The registry's current records (the newest per job, retired ones left out), in the order
 /// of their first record.
 fn current(
-    registrations: &[tally_kafka::registry::Registration],
+    registrations: &[tally_kafka::job_registry::Registration],
 ) -> Result<Vec<(i64, JobIdentity)>> {
     let mut first: BTreeMap<&str, i64> = BTreeMap::new();
     let mut newest: BTreeMap<&str, Option<&[u8]>> = BTreeMap::new();
@@ -197,13 +197,17 @@ fn current(
 pub async fn check_registry(config: &Config) -> Result<()> {
     let kafka = config.kafka_settings();
     let topic = config.registry_topic();
-    tally_kafka::registry::ensure_registry(&kafka, &topic, config.kafka.topic_replication_factor)
-        .await?;
+    tally_kafka::job_registry::ensure_job_registry(
+        &kafka,
+        &topic,
+        config.kafka.topic_replication_factor,
+    )
+    .await?;
     let mine = JobIdentity::of(config);
     let place = format!("Kafka topic {topic}");
     let mut recorded_now = false;
     loop {
-        let recorded = current(&tally_kafka::registry::registrations(&kafka, &topic)?)?;
+        let recorded = current(&tally_kafka::job_registry::registrations(&kafka, &topic)?)?;
         if let Some((key, value, other)) = first_claimant(&recorded, &mine) {
             bail!(IdentityRefused(format!(
                 "job {}: {key} {value:?} belongs to job {} (recorded in {place} first): two jobs cannot share it \
@@ -220,7 +224,7 @@ pub async fn check_registry(config: &Config) -> Result<()> {
             bail!("job {}: recorded in {topic}, but not read back", mine.job);
         }
         let value = serde_json::to_vec(&mine).context("encoding the job's identity")?;
-        tally_kafka::registry::record(&kafka, &topic, &mine.job, Some(&value)).await?;
+        tally_kafka::job_registry::record(&kafka, &topic, &mine.job, Some(&value)).await?;
         tracing::info!(job = %mine.job, topic = %topic, "recorded the job in the registry of jobs");
         // Read back: a job that claimed one of these resources just before wins.
         recorded_now = true;
@@ -305,9 +309,13 @@ pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) ->
 pub async fn retire(config: &Config) -> Result<()> {
     let kafka = config.kafka_settings();
     let topic = config.registry_topic();
-    tally_kafka::registry::ensure_registry(&kafka, &topic, config.kafka.topic_replication_factor)
-        .await?;
-    tally_kafka::registry::record(&kafka, &topic, &config.job.name, None).await?;
+    tally_kafka::job_registry::ensure_job_registry(
+        &kafka,
+        &topic,
+        config.kafka.topic_replication_factor,
+    )
+    .await?;
+    tally_kafka::job_registry::record(&kafka, &topic, &config.job.name, None).await?;
     println!("retired job {} in {topic}", config.job.name);
     // A table of each replica, replicated or not: dropped on every one.
     for settings in config.replica_settings() {
@@ -327,7 +335,7 @@ pub async fn retire(config: &Config) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_kafka::registry::Registration;
+    use tally_kafka::job_registry::Registration;
 
     fn identity(job: &str, rules: &[(&str, &str)]) -> JobIdentity {
         JobIdentity {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use tally_kafka::{EpochProducer, EpochTopics, Source, UnfencedProducer};
+use tally_kafka::{EpochProducer, EpochTopics, SourceConsumer, UnfencedProducer};
 use tokio::runtime::Handle;
 
 use crate::background::Background;
@@ -33,7 +33,7 @@ pub struct LostLease(pub String);
 /// The lease of a running job: the group member that holds it, polled on a thread of its own
 /// until dropped. Losing it sets the worker's shutdown flag.
 pub struct Lease {
-    member: Arc<Source>,
+    member: Arc<SourceConsumer>,
     /// The producer whose `init_transactions` fenced the previous holder: the worker's first
     /// transaction uses it rather than initialising another.
     producer: Option<EpochProducer>,
@@ -43,7 +43,7 @@ pub struct Lease {
 
 impl Lease {
     /// The group member: its committed offsets and group metadata are the job's.
-    pub fn member(&self) -> &Arc<Source> {
+    pub fn member(&self) -> &Arc<SourceConsumer> {
         &self.member
     }
 
@@ -80,7 +80,7 @@ pub(crate) fn join_group(
     rt: &Handle,
     shutdown: &AtomicBool,
     lease_partitions: i32,
-) -> Result<Arc<Source>> {
+) -> Result<Arc<SourceConsumer>> {
     let kafka = config.kafka_settings();
     let lease_topic = config.lease_topic();
     wait_for("kafka", shutdown, || {
@@ -98,7 +98,7 @@ pub(crate) fn join_group(
             &[],
         ))?)
     })?;
-    Ok(Arc::new(Source::join(
+    Ok(Arc::new(SourceConsumer::join(
         &kafka,
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
@@ -194,7 +194,7 @@ pub(crate) fn fence_and_make_current(
     })?;
     // Read through a client that fetches nothing: the member's requests queue behind its
     // long-polling fetch of the lease topic.
-    let reader = Source::connect(
+    let reader = SourceConsumer::connect(
         &kafka,
         &config.kafka.source_topic,
         &config.kafka.consumer_group,

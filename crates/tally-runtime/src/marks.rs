@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Result;
 use tally_core::{Epoch, PartitionId};
-use tally_kafka::{CommitMark, Source};
+use tally_kafka::{CommitMark, SourceConsumer};
 use tally_state::{StateError, StateStore};
 
 use crate::config::Config;
@@ -83,7 +83,7 @@ pub fn newest_epoch(marks: &BTreeMap<PartitionId, CommitMark>) -> Option<Epoch> 
 
 /// [`commit_marks`] through a client of its own.
 pub fn job_commit_marks(config: &Config) -> Result<BTreeMap<PartitionId, CommitMark>> {
-    let reader = Source::connect(
+    let reader = SourceConsumer::connect(
         &config.kafka_settings(),
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
@@ -93,7 +93,10 @@ pub fn job_commit_marks(config: &Config) -> Result<BTreeMap<PartitionId, CommitM
 
 /// The group's committed offsets of the source partitions `config` runs, each with the mark of
 /// its transaction.
-pub fn commit_marks(member: &Source, config: &Config) -> Result<BTreeMap<PartitionId, CommitMark>> {
+pub fn commit_marks(
+    member: &SourceConsumer,
+    config: &Config,
+) -> Result<BTreeMap<PartitionId, CommitMark>> {
     Ok(marks_of(committed_offsets(member, config)?))
 }
 
@@ -109,7 +112,7 @@ pub fn marks_of(
 
 /// [`commit_marks`] with each partition's committed offset.
 pub fn committed_offsets(
-    member: &Source,
+    member: &SourceConsumer,
     config: &Config,
 ) -> Result<BTreeMap<PartitionId, (i64, CommitMark)>, tally_kafka::Error> {
     let partitions: Vec<PartitionId> = member

@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, Receiver};
 use anyhow::Result;
 use tally_clickhouse::ClickHouseSink;
 use tally_core::PartitionId;
-use tally_kafka::{KafkaSettings, Source, StartFrom};
+use tally_kafka::{KafkaSettings, SourceConsumer, StartFrom};
 use tokio::runtime::Handle;
 
 use crate::background::Background;
@@ -77,7 +77,7 @@ pub(crate) fn start_partition_discovery(
     if every.is_zero() {
         return Ok(None);
     }
-    let client = Source::connect(
+    let client = SourceConsumer::connect(
         &config.kafka_settings(),
         &config.kafka.source_topic,
         &config.kafka.consumer_group,

@@ -22,7 +22,7 @@ use tally_clickhouse::{
     ClickHouseSink, FoldStep, PublishStep, ReadLease, ReadSideHolder, SinkError,
 };
 use tally_core::Epoch;
-use tally_kafka::Source;
+use tally_kafka::SourceConsumer;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
@@ -341,7 +341,7 @@ impl Agent {
         }
         // The source's partition count, asked of Kafka before each fold step: folding waits
         // for a watermark from every partition (the registry in ClickHouse counts them too).
-        let partitions = Source::connect(
+        let partitions = SourceConsumer::connect(
             &self.config.kafka_settings(),
             &self.config.kafka.source_topic,
             &self.config.kafka.consumer_group,
@@ -442,7 +442,7 @@ impl Agent {
         &self,
         sink: &ClickHouseSink,
         lease: &ReadLease,
-        partitions: Option<&Source>,
+        partitions: Option<&SourceConsumer>,
         signal: &mut watch::Receiver<Signal>,
     ) -> Held {
         ReadSideChanged::Claimed {

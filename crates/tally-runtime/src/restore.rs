@@ -13,7 +13,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use rdkafka::Message;
 use tally_clickhouse::ClickHouseSink;
 use tally_core::{Epoch, PartitionId};
-use tally_kafka::{CommitMark, Source};
+use tally_kafka::{CommitMark, SourceConsumer};
 use tally_state::StateStore;
 use tally_state::replay::{Replay, ReplayError};
 use tokio::runtime::Handle;
@@ -282,7 +282,7 @@ fn replay_and_finish(
 pub fn make_state_current(
     config: &Config,
     rt: &Handle,
-    reader: &Source,
+    reader: &SourceConsumer,
     stop: &AtomicBool,
     taking_over: bool,
 ) -> Result<()> {

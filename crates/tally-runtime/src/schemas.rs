@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tally_clickhouse::Secret;
 use tally_core::declare::{Format, Job, Schemas, WriterSchema, schema_id};
 use tally_core::{PartitionId, Poison, PoisonReason, Record};
-use tally_kafka::Source;
+use tally_kafka::SourceConsumer;
 
 type Https = hyper_rustls::HttpsConnector<HttpConnector>;
 
@@ -27,7 +27,7 @@ type Https = hyper_rustls::HttpsConnector<HttpConnector>;
 /// Confluent-compatible API.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RegistryConfig {
+pub struct SchemaRegistryConfig {
     /// `http(s)://host:port` of Confluent's registry, or Apicurio's
     /// `http(s)://host:port/apis/ccompat/v7`.
     #[serde(default)]
@@ -49,7 +49,7 @@ pub struct RegistryConfig {
 /// Why a request to the registry got no answer (it is down, or unreachable), or what it
 /// answered instead of the schema.
 #[derive(Debug, thiserror::Error)]
-pub enum RegistryError {
+pub enum SchemaRegistryError {
     #[error("schema registry {url}: {reason}")]
     Unreachable { url: String, reason: String },
     #[error("schema registry {url}: {path} answered {status}: {body}")]
@@ -77,23 +77,23 @@ impl Fetched {
 }
 
 /// The registry's HTTP API.
-pub struct Registry {
+pub struct SchemaRegistry {
     base: String,
     authorization: Option<String>,
     client: HyperClient<Https, Full<Bytes>>,
 }
 
-impl std::fmt::Debug for Registry {
+impl std::fmt::Debug for SchemaRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry")
+        f.debug_struct("SchemaRegistry")
             .field("url", &self.base)
             .field("basic_auth", &self.authorization.is_some())
             .finish()
     }
 }
 
-impl Registry {
-    pub fn new(config: &RegistryConfig) -> Result<Registry> {
+impl SchemaRegistry {
+    pub fn new(config: &SchemaRegistryConfig) -> Result<SchemaRegistry> {
         let Some(url) = &config.url else {
             bail!(
                 "registry.url: not set; a job of Avro or Protobuf records reads its writer schemas from a schema registry"
@@ -108,7 +108,7 @@ impl Registry {
                 .encode(format!("{user}:{}", config.password.expose()));
             format!("Basic {token}")
         });
-        Ok(Registry {
+        Ok(SchemaRegistry {
             base: url.trim_end_matches('/').to_owned(),
             authorization,
             client: HyperClient::builder(TokioExecutor::new()).build(connector),
@@ -124,9 +124,9 @@ impl Registry {
         method: &str,
         path: &str,
         body: Option<String>,
-    ) -> Result<(u16, String), RegistryError> {
+    ) -> Result<(u16, String), SchemaRegistryError> {
         let url = format!("{}{path}", self.base);
-        let unreachable = |reason: String| RegistryError::Unreachable {
+        let unreachable = |reason: String| SchemaRegistryError::Unreachable {
             url: self.base.clone(),
             reason,
         };
@@ -175,8 +175,8 @@ impl Registry {
         method: &str,
         path: &str,
         body: Option<String>,
-    ) -> Result<Option<T>, RegistryError> {
-        let refused = |status: u16, body: String| RegistryError::Refused {
+    ) -> Result<Option<T>, SchemaRegistryError> {
+        let refused = |status: u16, body: String| SchemaRegistryError::Refused {
             url: self.base.clone(),
             path: path.to_owned(),
             status,
@@ -192,12 +192,15 @@ impl Registry {
     }
 
     /// Schema `id`; `None` when the registry does not know it.
-    pub async fn schema(&self, id: u32) -> Result<Option<Fetched>, RegistryError> {
+    pub async fn schema(&self, id: u32) -> Result<Option<Fetched>, SchemaRegistryError> {
         self.json("GET", &format!("/schemas/ids/{id}"), None).await
     }
 
     /// The newest schema of `subject` and its id; `None` when the subject has none.
-    pub async fn latest(&self, subject: &str) -> Result<Option<(u32, Fetched)>, RegistryError> {
+    pub async fn latest(
+        &self,
+        subject: &str,
+    ) -> Result<Option<(u32, Fetched)>, SchemaRegistryError> {
         #[derive(Deserialize)]
         struct Version {
             id: u32,
@@ -211,7 +214,11 @@ impl Registry {
 
     /// Sets `subject`'s compatibility level (`BACKWARD`, `NONE`, ...): which new schemas the
     /// registry takes under it.
-    pub async fn set_compatibility(&self, subject: &str, level: &str) -> Result<(), RegistryError> {
+    pub async fn set_compatibility(
+        &self,
+        subject: &str,
+        level: &str,
+    ) -> Result<(), SchemaRegistryError> {
         let body = serde_json::json!({ "compatibility": level }).to_string();
         let _: Option<serde_json::Value> = self
             .json("PUT", &format!("/config/{subject}"), Some(body))
@@ -225,7 +232,7 @@ impl Registry {
         subject: &str,
         schema: &str,
         kind: &str,
-    ) -> Result<u32, RegistryError> {
+    ) -> Result<u32, SchemaRegistryError> {
         #[derive(Deserialize)]
         struct Id {
             id: u32,
@@ -233,12 +240,13 @@ impl Registry {
         let path = format!("/subjects/{subject}/versions");
         let body = serde_json::json!({"schema": schema, "schemaType": kind}).to_string();
         let id: Option<Id> = self.json("POST", &path, Some(body)).await?;
-        id.map(|i| i.id).ok_or_else(|| RegistryError::Refused {
-            url: self.base.clone(),
-            path,
-            status: 404,
-            body: "no such subject".into(),
-        })
+        id.map(|i| i.id)
+            .ok_or_else(|| SchemaRegistryError::Refused {
+                url: self.base.clone(),
+                path,
+                status: 404,
+                body: "no such subject".into(),
+            })
     }
 }
 
@@ -260,7 +268,7 @@ enum Entry {
 
 /// Writer schemas by id, compiled for one job, fetched once each.
 pub struct SchemaCache {
-    registry: Registry,
+    registry: SchemaRegistry,
     job: Arc<Job>,
     entries: RwLock<HashMap<u32, Entry>>,
     /// Ids being fetched in the background.
@@ -286,7 +294,7 @@ fn backoff(attempt: u32) -> Duration {
 }
 
 impl SchemaCache {
-    pub fn new(registry: Registry, job: Arc<Job>) -> Result<SchemaCache> {
+    pub fn new(registry: SchemaRegistry, job: Arc<Job>) -> Result<SchemaCache> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .thread_name("tally-registry")
@@ -301,7 +309,7 @@ impl SchemaCache {
         })
     }
 
-    pub fn registry(&self) -> &Registry {
+    pub fn registry(&self) -> &SchemaRegistry {
         &self.registry
     }
 
@@ -319,7 +327,7 @@ impl SchemaCache {
     }
 
     /// What the registry answers for `id`, compiled; `None` while it cannot be reached.
-    async fn resolve(&self, id: u32) -> Result<Entry, RegistryError> {
+    async fn resolve(&self, id: u32) -> Result<Entry, SchemaRegistryError> {
         let fetched = self.registry.schema(id).await?;
         Ok(match fetched {
             None => Entry::Refused(Poison::new(
@@ -368,7 +376,7 @@ impl SchemaCache {
                     .spawn(|| self.runtime.block_on(self.resolve(id)))
                     .join()
                     .unwrap_or_else(|_| {
-                        Err(RegistryError::Unreachable {
+                        Err(SchemaRegistryError::Unreachable {
                             url: self.registry.url().to_owned(),
                             reason: "the request's thread ended".into(),
                         })
@@ -491,7 +499,7 @@ impl SchemaWaits {
     /// Whether `record` must wait: its partition waits already, or the registry has not
     /// answered for its schema id (the partition then waits, and the id is fetched in the
     /// background). A record that is not in the wire format does not wait: it is poison.
-    pub fn holds(&mut self, source: &Source, record: &Record<'_>) -> Result<bool> {
+    pub fn holds(&mut self, source: &SourceConsumer, record: &Record<'_>) -> Result<bool> {
         if self.waiting.contains_key(&record.partition) {
             return Ok(true);
         }
@@ -522,7 +530,7 @@ impl SchemaWaits {
     /// (`next_offsets`: every partition's next unprocessed record).
     pub fn release(
         &mut self,
-        source: &Source,
+        source: &SourceConsumer,
         next_offsets: impl FnOnce() -> std::collections::BTreeMap<PartitionId, i64>,
     ) -> Result<()> {
         if self.waiting.is_empty() {
@@ -557,7 +565,7 @@ impl SchemaWaits {
     }
 
     /// Pauses the waiting partitions again (after the source is assigned anew).
-    pub fn pause_waiting(&self, source: &Source) -> Result<()> {
+    pub fn pause_waiting(&self, source: &SourceConsumer) -> Result<()> {
         if self.waiting.is_empty() {
             return Ok(());
         }
@@ -570,10 +578,10 @@ impl SchemaWaits {
 mod tests {
     use super::*;
 
-    fn config(url: &str) -> RegistryConfig {
-        RegistryConfig {
+    fn config(url: &str) -> SchemaRegistryConfig {
+        SchemaRegistryConfig {
             url: Some(url.into()),
-            ..RegistryConfig::default()
+            ..SchemaRegistryConfig::default()
         }
     }
 
@@ -583,7 +591,7 @@ mod tests {
         let mut with_user = config("https://registry.example:8081/apis/ccompat/v7/");
         with_user.user = Some("tally".into());
         with_user.password = tally_clickhouse::Secret::new("tally-secret");
-        let registry = Registry::new(&with_user).unwrap();
+        let registry = SchemaRegistry::new(&with_user).unwrap();
         assert_eq!(
             registry.authorization.as_deref(),
             Some("Basic dGFsbHk6dGFsbHktc2VjcmV0")
@@ -594,7 +602,7 @@ mod tests {
         );
         assert!(!format!("{registry:?}").contains("secret"));
         assert!(
-            Registry::new(&config("http://127.0.0.1:8081"))
+            SchemaRegistry::new(&config("http://127.0.0.1:8081"))
                 .unwrap()
                 .authorization
                 .is_none()
@@ -605,12 +613,12 @@ mod tests {
     fn a_ca_file_that_cannot_be_read_is_named() {
         let mut bad = config("https://127.0.0.1:8081");
         bad.ca_file = Some("/nonexistent/ca.pem".into());
-        let e = Registry::new(&bad).unwrap_err().to_string();
+        let e = SchemaRegistry::new(&bad).unwrap_err().to_string();
         assert!(
             e.contains("registry.ca_file") && e.contains("/nonexistent/ca.pem"),
             "{e}"
         );
-        let e = Registry::new(&RegistryConfig::default())
+        let e = SchemaRegistry::new(&SchemaRegistryConfig::default())
             .unwrap_err()
             .to_string();
         assert!(e.contains("registry.url"), "{e}");

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use tally_kafka::Source;
+use tally_kafka::SourceConsumer;
 use tokio::runtime::Handle;
 
 use crate::background::Background;
@@ -30,7 +30,7 @@ pub(crate) fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<
     let warm = Arc::new(AtomicBool::new(false));
     let (config, rt, rounds_done) = (config.clone(), rt.clone(), warm.clone());
     let thread = Background::spawn("tally-standby", stop.clone(), move || {
-        let reader = match Source::connect(
+        let reader = match SourceConsumer::connect(
             &config.kafka_settings(),
             &config.kafka.source_topic,
             &config.kafka.consumer_group,
@@ -100,7 +100,7 @@ pub(crate) fn warm_up_before_joining(
     config: &Config,
     rt: &Handle,
     shutdown: &AtomicBool,
-    reader: &Source,
+    reader: &SourceConsumer,
     me: &str,
 ) -> Result<BTreeMap<u32, WarmStandby>> {
     let mut standbys = BTreeMap::new();
@@ -109,7 +109,7 @@ pub(crate) fn warm_up_before_joining(
     }
     let group = &config.kafka.consumer_group;
     // Kafka down or slow: decided by joining, which waits for it.
-    let others_running = |reader: &Source| {
+    let others_running = |reader: &SourceConsumer| {
         reader
             .group_members(group, Duration::from_secs(5))
             .ok()

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use tally_kafka::Source;
+use tally_kafka::SourceConsumer;
 use tokio::runtime::Handle;
 
 use crate::config::Config;
@@ -93,7 +93,7 @@ fn share(
     // The group's description (who is in it, who holds which task) is read through a client of
     // its own: the member's requests queue behind its long-polling fetch.
     let me = crate::lease::instance_id(config)?;
-    let describer = Source::connect(
+    let describer = SourceConsumer::connect(
         &config.kafka_settings(),
         &config.kafka.source_topic,
         &config.kafka.consumer_group,
@@ -277,7 +277,7 @@ fn share(
 /// close librdkafka never finishes (as in its #4041) must not keep a stopped worker from
 /// exiting. Not finished in time, it is left behind: the group drops a member that went
 /// silent after its session timeout.
-fn leave_group(member: Arc<Source>, within: Duration) {
+fn leave_group(member: Arc<SourceConsumer>, within: Duration) {
     let (closed, wait) = std::sync::mpsc::channel();
     let spawned = crate::job_scope::spawn(
         std::thread::Builder::new().name("tally-leave".into()),
@@ -299,7 +299,7 @@ fn leave_group(member: Arc<Source>, within: Duration) {
 fn start_task(
     config: &Config,
     rt: &Handle,
-    member: &Arc<Source>,
+    member: &Arc<SourceConsumer>,
     task: u32,
     signals: crate::read_side::CommitSignals,
 ) -> Result<RunningTask> {

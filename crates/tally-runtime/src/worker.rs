@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 use tally_core::{Epoch, PartitionId};
-use tally_kafka::{EpochProducer, Source};
+use tally_kafka::{EpochProducer, SourceConsumer};
 use tally_state::StateStore;
 use tokio::runtime::Handle;
 
@@ -51,7 +51,7 @@ impl Worker {
         rt: Handle,
         shutdown: Arc<AtomicBool>,
         readiness: Arc<Readiness>,
-        member: Arc<Source>,
+        member: Arc<SourceConsumer>,
         fenced: Option<EpochProducer>,
         signals: CommitSignals,
     ) -> Result<Worker> {
@@ -113,7 +113,7 @@ impl Worker {
                  every query on the view reads all of it; set enable_optimize_predicate_expression=1 in the readers' profile"
             );
         }
-        let source = Source::connect(
+        let source = SourceConsumer::connect(
             &kafka,
             &config.kafka.source_topic,
             &config.kafka.consumer_group,

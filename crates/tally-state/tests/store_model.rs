@@ -41,7 +41,7 @@ enum Op {
         cutoff: i64,
     },
     /// A change job's row: its position and, unless deleted, its contribution.
-    Source {
+    SourceConsumer {
         p: i32,
         row: u8,
         lsn: u64,
@@ -88,7 +88,7 @@ fn op() -> impl Strategy<Value = Op> {
             0u64..1_000_000,
             proptest::option::of((-5i64..5_000, 0u8..5, 0u64..9))
         )
-            .prop_map(|(p, row, lsn, contribution)| Op::Source {
+            .prop_map(|(p, row, lsn, contribution)| Op::SourceConsumer {
                 p,
                 row,
                 lsn,
@@ -132,7 +132,7 @@ fn checkpoint(epoch: u64, ops: &[Op]) -> Checkpoint {
             Op::Close { p, cutoff } => cp.close_windows_before.push((*p, *cutoff)),
             Op::Expire { p, cutoff } => cp.expire_seen_before.push((*p, *cutoff)),
             // One entry per row per epoch, as the operator emits it: the last change's.
-            Op::Source {
+            Op::SourceConsumer {
                 p,
                 row,
                 lsn,

@@ -659,7 +659,7 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
     };
     print!("{}", tally_runtime::declaration::describe(&job));
     if job.format.is_framed() {
-        let registry = tally_runtime::schemas::Registry::new(&cfg.registry)?;
+        let registry = tally_runtime::schemas::SchemaRegistry::new(&cfg.registry)?;
         let cache =
             tally_runtime::schemas::SchemaCache::new(registry, std::sync::Arc::new(job.clone()))?;
         let subject = cfg.registry_subject();

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use tally_core::PartitionId;
 use tally_kafka::{
-    CommitMark, EpochCommit, EpochProducer, KafkaSettings, RecordDeleter, Source, UnfencedProducer,
+    CommitMark, EpochCommit, EpochProducer, KafkaSettings, RecordDeleter, SourceConsumer,
+    UnfencedProducer,
 };
 use tokio::runtime::Handle;
 
@@ -30,11 +31,11 @@ pub struct KafkaTransactions {
     fencing: Option<EpochProducer>,
     /// This worker's member of the job's group (it holds the job's lease): it gives the group
     /// metadata for the transactions.
-    group: Arc<Source>,
+    group: Arc<SourceConsumer>,
     /// A client of the group that fetches nothing, for committed offsets and the changelog's
     /// end: a request on the member's connection waits behind its long-polling fetch (up to
     /// 500 ms each).
-    offsets: Source,
+    offsets: SourceConsumer,
     truncator: ChangelogTruncator,
 }
 
@@ -42,7 +43,7 @@ impl KafkaTransactions {
     pub fn new(
         config: &Config,
         rt: Handle,
-        group: Arc<Source>,
+        group: Arc<SourceConsumer>,
         fencing: Option<EpochProducer>,
     ) -> Result<KafkaTransactions> {
         let kafka = config.kafka_settings();
@@ -51,7 +52,7 @@ impl KafkaTransactions {
             producer: None,
             fencing,
             group,
-            offsets: Source::connect(
+            offsets: SourceConsumer::connect(
                 &kafka,
                 &config.kafka.source_topic,
                 &config.kafka.consumer_group,

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use tally_clickhouse::Secret;
 use tally_core::{FieldMapping, OperatorConfig, PartitionId, WindowSpec};
 
-pub use crate::schemas::RegistryConfig;
+pub use crate::schemas::SchemaRegistryConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -131,10 +131,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// A change job's source database and capture (`reconcile --source`, `doctor`, loadgen).
     #[serde(default)]
-    pub source: SourceConfig,
+    pub source: SourceDatabaseConfig,
     /// The schema registry of a job reading Avro or Protobuf.
     #[serde(default)]
-    pub registry: RegistryConfig,
+    pub registry: SchemaRegistryConfig,
     /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
     #[serde(skip_serializing)]
     pub aggregation: Option<tally_core::declare::Declaration>,
@@ -404,7 +404,7 @@ impl Default for MetricsConfig {
 /// optional; the tools that need one name it.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct SourceConfig {
+pub struct SourceDatabaseConfig {
     /// The PostgreSQL database, `postgres://user@host:port/database` (no password: see
     /// `password`).
     #[serde(default)]
@@ -429,7 +429,7 @@ pub struct SourceConfig {
     pub signal_table: Option<String>,
 }
 
-impl SourceConfig {
+impl SourceDatabaseConfig {
     fn is_empty(&self) -> bool {
         self.postgres.is_none()
             && self.password.is_empty()
@@ -512,7 +512,7 @@ impl Config {
             }
         }
         if let Some(job) = config.declared.clone().filter(|j| j.format.is_framed()) {
-            let cache = crate::schemas::Registry::new(&config.registry)
+            let cache = crate::schemas::SchemaRegistry::new(&config.registry)
                 .and_then(|registry| crate::schemas::SchemaCache::new(registry, job))
                 .map_err(|e| ConfigError::Key {
                     file: file.to_owned(),

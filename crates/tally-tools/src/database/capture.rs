@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use tally_core::declare::lsn_text;
 
-use super::Source;
+use super::SourceDatabase;
 
 /// The slot as PostgreSQL reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +30,7 @@ impl Slot {
 }
 
 /// Reads replication slot `name`; `None` if it does not exist.
-pub async fn slot(source: &Source, name: &str) -> Result<Option<Slot>> {
+pub async fn slot(source: &SourceDatabase, name: &str) -> Result<Option<Slot>> {
     let client = source.connect().await?;
     let row = client
         .query_opt(
@@ -177,7 +177,7 @@ pub async fn check(
     config: &tally_runtime::config::Config,
     committed_lsn: u64,
 ) -> Result<CaptureCheck> {
-    let source = Source::of(config, None)?;
+    let source = SourceDatabase::of(config, None)?;
     let mut evidence = Vec::new();
     let (mut fail, mut warn) = (false, false);
     match &config.source.slot {

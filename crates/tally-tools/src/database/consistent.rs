@@ -19,7 +19,7 @@ use anyhow::{Context, Result, bail};
 use tally_clickhouse::{BatchAccounting, ClickHouseSink, Cut};
 use tally_core::declare::{Evaluation, Job, lsn_text};
 
-use super::Source;
+use super::SourceDatabase;
 use crate::prove::ViewTypes;
 use tally_runtime::config::Config;
 
@@ -86,7 +86,7 @@ pub struct Reached {
 /// the topic up to where it ended then. `Ok(Err(why))` when it did not within `wait`.
 pub async fn reach(
     config: &Config,
-    source: &Source,
+    source: &SourceDatabase,
     sink: &ClickHouseSink,
     lsn: u64,
     wait: Duration,
@@ -164,7 +164,7 @@ pub async fn reach(
 
 /// Writes a `log` signal into the connector's signal table (and takes the row out again, in
 /// the same transaction): a change the connector reads, and confirms, after the snapshot.
-async fn mark(source: &Source, signal_table: &str) -> Result<()> {
+async fn mark(source: &SourceDatabase, signal_table: &str) -> Result<()> {
     let client = source.connect().await?;
     let id = format!(
         "tally-reconcile-{}-{}",

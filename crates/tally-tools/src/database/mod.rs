@@ -17,15 +17,15 @@ use tally_runtime::config::{Config, is_table_name};
 
 /// Where a change job's rows live: the database URL (without its password) and the table.
 #[derive(Debug, Clone)]
-pub struct Source {
+pub struct SourceDatabase {
     url: String,
     password: String,
     pub table: String,
 }
 
-impl Source {
+impl SourceDatabase {
     /// The job's source, the URL `url` overriding `source.postgres`.
-    pub fn of(config: &Config, url: Option<&str>) -> Result<Source> {
+    pub fn of(config: &Config, url: Option<&str>) -> Result<SourceDatabase> {
         if config.declared.as_ref().is_none_or(|j| j.changes.is_none()) {
             bail!(
                 "job {}: only a job of change events (aggregation.format = \"debezium-json\") has a source table",
@@ -37,7 +37,7 @@ impl Source {
                 "source.postgres: not set; name the database (postgres://user@host:port/database) there or with --source"
             )
         };
-        Ok(Source {
+        Ok(SourceDatabase {
             url: url.to_owned(),
             password: config.source.password.expose().to_owned(),
             table: table_of(config)?,

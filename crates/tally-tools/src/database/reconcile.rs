@@ -15,7 +15,7 @@ use tally_clickhouse::{ClickHouseSink, Cut};
 use tally_core::WindowAgg;
 use tally_core::declare::{Function, Job, lsn_text};
 
-use super::Source;
+use super::SourceDatabase;
 use super::consistent::{self, Snapshot};
 use super::sql::{self, Aggregation, Column};
 use crate::prove::{ReconcileFilter, Reconciliation, ViewTypes, WindowDiff, Windows, shown_of};
@@ -68,7 +68,7 @@ struct TableSnapshot {
 }
 
 impl TableSnapshot {
-    async fn open(source: &Source) -> Result<TableSnapshot> {
+    async fn open(source: &SourceDatabase) -> Result<TableSnapshot> {
         let client = source.connect().await?;
         let columns = source.columns(&client).await?;
         client
@@ -141,7 +141,7 @@ impl TableSnapshot {
     }
 }
 
-fn fit(source: &Source, result: Result<Aggregation, Vec<String>>) -> Result<Aggregation> {
+fn fit(source: &SourceDatabase, result: Result<Aggregation, Vec<String>>) -> Result<Aggregation> {
     result.map_err(|problems| {
         anyhow::anyhow!(
             "source table {} does not fit the declaration: {}",
@@ -217,7 +217,7 @@ pub async fn reconcile_source(
             config.job.name
         );
     };
-    let source = Source::of(config, url)?;
+    let source = SourceDatabase::of(config, url)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let types = ViewTypes::of(config, &job)?;
     // The job's cut first, then the source: every change the cut holds, the snapshot holds.
@@ -341,7 +341,7 @@ pub async fn reconcile_source(
 }
 
 fn print_report(
-    source: &Source,
+    source: &SourceDatabase,
     result: &SourceReconciliation,
     settled_diff: &WindowDiff,
     open_diff: &WindowDiff,

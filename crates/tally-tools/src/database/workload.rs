@@ -19,7 +19,7 @@ use tally_core::declare::{FieldKind, Job, TimeUnit, Value, format_decimal};
 use tally_core::time::format_ms;
 use tokio_postgres::Client;
 
-use super::Source;
+use super::SourceDatabase;
 use crate::loadgen::{filtered_value, key_value, random_value};
 use tally_runtime::config::Config;
 
@@ -365,7 +365,7 @@ impl Workload<'_> {
 /// A connection that outlives a restart of the database: a transaction cut off by it is made
 /// again unless PostgreSQL says it committed (`txid_status`), so that each is made once.
 struct Writer<'a> {
-    source: &'a Source,
+    source: &'a SourceDatabase,
     client: Client,
 }
 
@@ -457,7 +457,7 @@ pub async fn run(
         bail!("loadgen: job {} is not declared", config.job.name);
     };
     let pk_index = integer_key(job)?;
-    let source = Source::of(config, None)?;
+    let source = SourceDatabase::of(config, None)?;
     let client = source.connect().await?;
     prepare(&client, config, job, &source.table, spec).await?;
     let pk = column(job, pk_index)?;

@@ -195,7 +195,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     // Persisted → Processed: the checkpoint accounts for every offset consumed, once, and one
     // writer (state directory) commits the job.
     let committed = {
-        let reader = tally_kafka::Source::connect(
+        let reader = tally_kafka::SourceConsumer::connect(
             &kafka,
             &config.kafka.source_topic,
             &config.kafka.consumer_group,

@@ -18,7 +18,7 @@ use tally_core::declare::{FieldKind, Format, Job, Schemas, Value, WriterSchema, 
 use tally_core::{Poison, PoisonReason};
 
 use tally_runtime::config::Config;
-use tally_runtime::schemas::{Registry, schema_type};
+use tally_runtime::schemas::{SchemaRegistry, schema_type};
 
 /// A field the first and second schemas have and the third removes.
 const NOTE: &str = "loadgen_note";
@@ -54,7 +54,7 @@ enum Ty {
 
 /// Where a leaf's value comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
+enum Origin {
     Field(usize),
     Note,
     Channel,
@@ -66,7 +66,7 @@ enum Member {
         name: String,
         number: u32,
         ty: Ty,
-        source: Source,
+        source: Origin,
     },
     Record {
         name: String,
@@ -157,7 +157,7 @@ fn members(job: &Job, stage: Stage, retype: &[(usize, Ty)]) -> Result<Vec<Member
             name: leaf.clone(),
             number,
             ty,
-            source: Source::Field(i),
+            source: Origin::Field(i),
         });
     }
     if stage != Stage::Removed {
@@ -165,7 +165,7 @@ fn members(job: &Job, stage: Stage, retype: &[(usize, Ty)]) -> Result<Vec<Member
             name: NOTE.into(),
             number: 100,
             ty: Ty::Str,
-            source: Source::Note,
+            source: Origin::Note,
         });
     }
     if stage != Stage::First {
@@ -173,7 +173,7 @@ fn members(job: &Job, stage: Stage, retype: &[(usize, Ty)]) -> Result<Vec<Member
             name: CHANNEL.into(),
             number: 101,
             ty: Ty::Str,
-            source: Source::Channel,
+            source: Origin::Channel,
         });
     }
     Ok(root)
@@ -207,7 +207,7 @@ fn avro_record(name: &str, members: &[Member], stage: Stage) -> serde_json::Valu
                 name, ty, source, ..
             } => {
                 let mut union = vec![json!("null"), avro_type(*ty)];
-                if *source == Source::Note && stage == Stage::Added {
+                if *source == Origin::Note && stage == Stage::Added {
                     union.push(json!("long"));
                 }
                 json!({"name": name, "type": union, "default": null})
@@ -376,7 +376,7 @@ impl FramedWriter {
     /// subject, the poison schemas under subjects of their own (so that the job's subject
     /// keeps only compatible changes).
     pub async fn register(config: &Config, job: &Job, events: u64) -> Result<FramedWriter> {
-        let registry = Registry::new(&config.registry)?;
+        let registry = SchemaRegistry::new(&config.registry)?;
         let subject = config.registry_subject();
         let kind = schema_type(job.format);
         let shapes = FramedWriter::shapes(job)?;
@@ -592,15 +592,15 @@ impl FramedWriter {
 }
 
 fn value_of<'a>(
-    source: Source,
+    source: Origin,
     values: &'a [Option<Value>],
     note: &'a Value,
     channel: &'a Value,
 ) -> Option<&'a Value> {
     match source {
-        Source::Field(i) => values.get(i).and_then(Option::as_ref),
-        Source::Note => Some(note),
-        Source::Channel => Some(channel),
+        Origin::Field(i) => values.get(i).and_then(Option::as_ref),
+        Origin::Note => Some(note),
+        Origin::Channel => Some(channel),
     }
 }
 

@@ -23,8 +23,8 @@ pub enum StartFrom {
     Latest,
 }
 
-pub struct Source {
-    /// `None` only while the source is dropped ([`Drop for Source`](Source#impl-Drop-for-Source)).
+pub struct SourceConsumer {
+    /// `None` only while the source is dropped ([`Drop for SourceConsumer`](SourceConsumer#impl-Drop-for-SourceConsumer)).
     consumer: Option<BaseConsumer<MemberContext>>,
     topic: String,
     group: String,
@@ -95,7 +95,7 @@ impl rdkafka::consumer::ConsumerContext for MemberContext {
     /// rdkafka's default asks librdkafka for the rebalance protocol on every rebalance, and
     /// that call never returns if it comes after the consumer began to close (librdkafka
     /// #4041): a worker stopping while Kafka restarted hung in dropping its member. A member is
-    /// always cooperative (`Source::join`), so the assignment changes incrementally without
+    /// always cooperative (`SourceConsumer::join`), so the assignment changes incrementally without
     /// asking.
     fn rebalance(
         &self,
@@ -172,7 +172,7 @@ pub fn record_of<'a>(message: &'a BorrowedMessage<'_>) -> Record<'a> {
 /// handle is terminating (seen when a worker standing by was stopped just as the lease moved to
 /// it). A member is static, so its close sends nothing the group needs: the close runs on a
 /// thread of its own and is abandoned, with a warning, after [`CLOSE_TIMEOUT`].
-impl Drop for Source {
+impl Drop for SourceConsumer {
     fn drop(&mut self) {
         let Some(consumer) = self.consumer.take() else {
             return;
@@ -198,8 +198,12 @@ impl Drop for Source {
     }
 }
 
-impl Source {
-    pub fn connect(settings: &KafkaSettings, topic: &str, group_id: &str) -> Result<Source> {
+impl SourceConsumer {
+    pub fn connect(
+        settings: &KafkaSettings,
+        topic: &str,
+        group_id: &str,
+    ) -> Result<SourceConsumer> {
         let mut config = settings.client_config();
         config
             .set("group.id", group_id)
@@ -224,7 +228,7 @@ impl Source {
         let consumer: BaseConsumer<MemberContext> = config
             .create_with_context(MemberContext::default())
             .map_err(kafka("creating consumer"))?;
-        Ok(Source {
+        Ok(SourceConsumer {
             consumer: Some(consumer),
             topic: topic.to_owned(),
             group: group_id.to_owned(),
@@ -236,7 +240,7 @@ impl Source {
     /// partition): the member assigned it holds the job's lease. The assignment is sticky, so
     /// members that join later do not take it. Static membership (`instance_id`, the state
     /// directory's writer id) gives a restarted worker its lease back without waiting for its
-    /// old session to time out. The consumer must be polled ([`Source::poll_membership`]).
+    /// old session to time out. The consumer must be polled ([`SourceConsumer::poll_membership`]).
     /// It reads `source_topic`'s committed offsets and gives the group metadata for the
     /// transactions, which fences a member whose generation is stale (KIP-447).
     pub fn join(
@@ -246,12 +250,12 @@ impl Source {
         lease_topic: &str,
         instance_id: &str,
         session_timeout: Duration,
-    ) -> Result<Source> {
+    ) -> Result<SourceConsumer> {
         let mut config = settings.client_config();
         config
             .set("group.id", group_id)
             .set("group.instance.id", instance_id)
-            // Names the member in the group's description (`Source::group_members`).
+            // Names the member in the group's description (`SourceConsumer::group_members`).
             .set("client.id", instance_id)
             .set("isolation.level", "read_committed")
             .set("enable.auto.commit", "false")
@@ -272,7 +276,7 @@ impl Source {
         consumer
             .subscribe(&[lease_topic])
             .map_err(kafka(format!("subscribing to {lease_topic}")))?;
-        Ok(Source {
+        Ok(SourceConsumer {
             consumer: Some(consumer),
             topic: source_topic.to_owned(),
             group: group_id.to_owned(),
@@ -434,7 +438,7 @@ impl Source {
             .map_err(kafka(format!("assigning partitions of {}", self.topic)))
     }
 
-    /// Stops fetching `partitions` until [`Source::resume`] (records already fetched may still
+    /// Stops fetching `partitions` until [`SourceConsumer::resume`] (records already fetched may still
     /// arrive: the caller skips them).
     pub fn pause(&self, partitions: &[PartitionId]) -> Result<()> {
         self.consumer()

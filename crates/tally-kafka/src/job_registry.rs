@@ -24,7 +24,7 @@ pub struct Registration {
 }
 
 /// Creates the registry topic unless it exists.
-pub async fn ensure_registry(
+pub async fn ensure_job_registry(
     settings: &KafkaSettings,
     topic: &str,
     replication: Option<i32>,
