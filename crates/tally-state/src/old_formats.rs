@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::{CheckpointMeta, EpochStatus};
+use crate::checkpoint::{CheckpointMeta, EpochStatus};
 use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 use tally_core::{

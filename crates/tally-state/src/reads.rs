@@ -4,7 +4,9 @@
 use rocksdb::{Direction, IteratorMode};
 use tally_core::{PartitionId, SourceRow, StateReader, WindowAgg, WindowKey};
 
-use crate::{CF_SEEN_ID, CF_SOURCE_ROWS, CF_WINDOWS, StateError, StateStore, keys};
+use crate::format::{CF_SEEN_ID, CF_SOURCE_ROWS, CF_WINDOWS};
+use crate::keys;
+use crate::store::{StateError, StateStore};
 
 impl StateStore {
     /// Calls `f(id, event_time)` for every dedup entry of `partition` not yet expired, in id

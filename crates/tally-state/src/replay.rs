@@ -10,7 +10,8 @@ use tally_core::{Checkpoint, Epoch, Offset, OutputRow, PartitionId};
 use crate::changelog::{
     ChainCheck, ChangelogError, ChangelogRecord, EpochLiveness, Liveness, RestorePoints,
 };
-use crate::{EpochStatus, StateError, StateStore};
+use crate::checkpoint::EpochStatus;
+use crate::store::{StateError, StateStore};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {

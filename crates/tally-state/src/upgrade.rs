@@ -3,32 +3,12 @@
 //! state directory and changelog carry on after an upgrade.
 
 use crate::changelog::{LivenessV1, RestorePoints};
+use crate::checkpoint::CheckpointMeta;
+use crate::format::*;
 use crate::old_formats::*;
-use crate::{
-    CF_META, CF_PENDING, CF_SEEN_TIME_V1, CheckpointMeta, KEY_CHECKPOINT, KEY_FORMAT,
-    KEY_RESTORE_POINTS, StateError, StateStore,
-};
+use crate::store::{StateError, StateStore};
 use rocksdb::{IteratorMode, WriteBatch, WriteOptions};
 use tally_core::{Checkpoint, OutputRow, PartitionCheckpoint, WindowKey};
-
-/// Version of the on-disk layout. Bump on any change to keys or encodings.
-/// 6: a change job's rows (their own column family), and the accounting counts stale changes
-/// and tombstones and keeps the newest source position; version 5 had neither, and an open
-/// rewrites the checkpoint, the pending outputs and the restore points that hold it.
-/// 5: the accounting counts filtered records; version 4 had no such count, and an open rewrites
-/// the checkpoint and pending outputs that hold it (everything else is the same).
-/// 4: a pending epoch's rows carry values of any shape (tagged words); version 3 encoded them as
-/// (orders, revenue), which an open rewrites (the windows' values keep their bytes: `values.rs`).
-/// 3: a pending epoch's rows carry group keys of any number of parts; version 2 encoded them as
-/// (customer, currency), which an open rewrites (window keys and everything else are the same).
-/// 2: dedup ids expire in compaction; version 1 also kept them in a time index, which an open
-/// drops (the id entries are the same).
-pub const FORMAT_VERSION: u32 = 6;
-pub(crate) const FORMAT_FILTERED: u32 = 5;
-pub(crate) const FORMAT_ANY_VALUES: u32 = 4;
-pub(crate) const FORMAT_ORDER_VALUES: u32 = 3;
-pub(crate) const FORMAT_ORDER_KEYS: u32 = 2;
-pub(crate) const FORMAT_WITH_TIME_INDEX: u32 = 1;
 
 impl StateStore {
     pub(crate) fn check_format(&mut self) -> Result<(), StateError> {
@@ -140,9 +120,9 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::EpochStatus;
-    use crate::bincode_config;
     use crate::changelog::Liveness;
+    use crate::checkpoint::EpochStatus;
+    use crate::format::bincode_config;
     use serde::Serialize;
     use tally_core::{Amount, Epoch, Watermark, WindowAgg};
 

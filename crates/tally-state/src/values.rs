@@ -8,7 +8,8 @@
 use bincode::config::Configuration;
 use tally_core::{RowShape, WindowAgg, Word, WordKind};
 
-use crate::{CF_META, StateError, StateStore};
+use crate::format::CF_META;
+use crate::store::{StateError, StateStore};
 
 /// The rows' shape (`RowShape`); absent in a directory written before format 4: revenue_agg's.
 const KEY_ROW_SHAPE: &[u8] = b"row_shape";
