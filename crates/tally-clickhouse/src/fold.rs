@@ -31,9 +31,10 @@
 use serde::Deserialize;
 
 use crate::calendar::day_end_seconds;
+use crate::error::Result;
 use crate::read_side::ReadLease;
 use crate::schema::{self, DATA_PARTITION_SECONDS, Frontier};
-use crate::{ClickHouseSink, Result};
+use crate::sink::ClickHouseSink;
 
 /// How long a view must have been installed before the versions below its frontier are dropped:
 /// a SELECT that resolved an older view has long opened the parts it reads by then.
@@ -380,7 +381,7 @@ impl ClickHouseSink {
         rows.into_iter()
             .map(|r| {
                 let count = r.rows.parse().map_err(|e| {
-                    crate::SinkError::Schema(format!(
+                    crate::error::SinkError::Schema(format!(
                         "listing partitions of {qualified}: rows {:?}: {e}",
                         r.rows
                     ))

@@ -24,9 +24,10 @@
 
 use serde::Deserialize;
 
+use crate::error::Result;
 use crate::read_side::ReadLease;
 use crate::schema::{Cut, Frontier};
-use crate::{ClickHouseSink, Result};
+use crate::sink::ClickHouseSink;
 
 /// Where a fault-injection hook may stop a publish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +143,7 @@ impl ClickHouseSink {
         let stage = lease.publish_stage();
         let [create, truncate, insert] =
             <[String; 3]>::try_from(self.names.stage_snapshot_sql(&stage, from, &cut))
-                .map_err(|_| crate::SinkError::Schema("publish statements".into()))?;
+                .map_err(|_| crate::error::SinkError::Schema("publish statements".into()))?;
         self.exec_fenced(lease, &create).await?;
         self.exec_fenced(lease, &truncate).await?;
         self.exec_fenced_watched(lease, &insert, watch_insert, || {
@@ -167,7 +168,7 @@ impl ClickHouseSink {
         let atomic = self.atomic_database().await?;
         let swap = self.names.swap_live_sql(&stage, lease.database(), atomic);
         let Some((drop_replaced, swap)) = swap.split_last() else {
-            return Err(crate::SinkError::Schema("publish statements".into()));
+            return Err(crate::error::SinkError::Schema("publish statements".into()));
         };
         for sql in swap {
             self.exec_fenced(lease, sql).await?;

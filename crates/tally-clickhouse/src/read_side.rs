@@ -21,8 +21,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::error::{Result, SinkError};
 use crate::schema::{self, TableNames};
-use crate::{ClickHouseSink, Result, SinkError};
+use crate::sink::ClickHouseSink;
 
 /// How long the fence waits for the statements of earlier generations to end once killed.
 const FENCE_WAIT: Duration = Duration::from_secs(30);

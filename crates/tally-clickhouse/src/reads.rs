@@ -4,8 +4,9 @@
 use serde::Deserialize;
 use tally_core::PartitionId;
 
+use crate::error::{Result, SinkError};
 use crate::schema::Cut;
-use crate::{ClickHouseSink, Result, SinkError, seconds};
+use crate::sink::{ClickHouseSink, seconds};
 
 /// One reader-visible row: (window_start_ms, customer, currency) with (orders, revenue units).
 pub type ViewKey = (i64, String, String);

@@ -19,8 +19,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::error::{Result, SinkError};
 use crate::schema::{self, Frontier};
-use crate::{ClickHouseSink, Result, SinkError, SinkSettings};
+use crate::settings::SinkSettings;
+use crate::sink::ClickHouseSink;
 
 /// How long a replica may take to fetch the versions its commit log shows before a publish or
 /// fold on it gives up (and is tried again at the next one; readers keep its last answer).

@@ -5,7 +5,8 @@
 use tally_core::declare::{MAX_DECIMAL_SCALE, MAX_DECIMAL18_UNITS, parse_decimal};
 use tally_core::{OutputRow, Word};
 
-use crate::{Result, Shape, SinkError};
+use crate::error::{Result, SinkError};
+use crate::schema::Shape;
 
 /// The columns every data row starts with, before the keys.
 const FIXED_COLUMNS: [&str; 4] = ["version", "source_partition", "window_start", "window_end"];

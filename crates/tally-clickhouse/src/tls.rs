@@ -12,7 +12,7 @@ use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
-use crate::{Result, SinkError};
+use crate::error::{Result, SinkError};
 
 /// The `clickhouse` crate's defaults: keep TCP alive, and drop idle connections before the
 /// server's 3 s keep-alive timeout does.
@@ -130,21 +130,6 @@ fn find_tls_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'
         return find_tls_error(inner);
     }
     error.source().and_then(find_tls_error)
-}
-
-/// The error and its causes on one line: `client error (Connect)` alone says nothing.
-pub(crate) fn describe(error: &clickhouse::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut next = std::error::Error::source(error);
-    while let Some(cause) = next {
-        let part = cause.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        next = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

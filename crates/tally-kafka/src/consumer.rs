@@ -9,7 +9,8 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset as KOffset, TopicPartitionList};
 use tally_core::{Offset, PartitionId, Record};
 
-use crate::{Error, KafkaSettings, Result, kafka, set_default};
+use crate::error::{Error, Result, kafka};
+use crate::settings::{KafkaSettings, set_default};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -360,7 +361,7 @@ impl SourceConsumer {
             .consumer()
             .fetch_metadata(None, TIMEOUT)
             .map_err(kafka("fetching the cluster's metadata".to_owned()))?;
-        Ok(crate::partition_counts(&metadata))
+        Ok(crate::settings::partition_counts(&metadata))
     }
 
     pub fn partitions(&self) -> Result<Vec<PartitionId>> {

@@ -9,7 +9,9 @@ use std::time::Duration;
 use rdkafka::Message;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::{KafkaSettings, Result, kafka, read_committed_range};
+use crate::error::{Result, kafka};
+use crate::reader::read_committed_range;
+use crate::settings::KafkaSettings;
 
 /// Records are kept per job for ever: compaction keeps the newest of each key.
 pub const REGISTRY_TOPIC_CONFIG: &[(&str, &str)] =

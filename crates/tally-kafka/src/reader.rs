@@ -10,7 +10,8 @@ use rdkafka::message::BorrowedMessage;
 use rdkafka::{Message, Offset as KOffset, TopicPartitionList};
 use tally_core::{Offset, PartitionId};
 
-use crate::{Error, KafkaSettings, Result, kafka};
+use crate::error::{Error, Result, kafka};
+use crate::settings::KafkaSettings;
 
 /// Logs client errors except end-of-partition, which readers ask for and expect.
 struct ReaderContext;

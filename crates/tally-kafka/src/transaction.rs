@@ -14,7 +14,8 @@ use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedPr
 use rdkafka::{Offset as KOffset, TopicPartitionList};
 use tally_core::{DeadLetter, Epoch, Offset, PartitionId};
 
-use crate::{Error, KafkaSettings, Result, kafka, set_default};
+use crate::error::{Error, Result, kafka};
+use crate::settings::{KafkaSettings, set_default};
 
 pub const HEADER_REASON: &str = "tally.reason";
 pub const HEADER_ERROR: &str = "tally.error";

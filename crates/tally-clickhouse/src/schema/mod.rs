@@ -5,7 +5,7 @@ use serde::Deserialize;
 
 use tally_core::PartitionId;
 
-use crate::{Result, SinkError};
+use crate::error::{Result, SinkError};
 
 // Statements that build and read the answer (publish, fold, view), beside the tables' own here.
 mod answer;
