@@ -148,8 +148,9 @@ start_worker() {
     if [ -z "${first_started[$1]:-}" ]; then bin=$upgrade_from; else upgraded=$((upgraded + 1)); fi
     first_started[$1]=1
   fi
-  # tally::events at debug: a line per publish, counted below.
-  RUST_LOG="${RUST_LOG:-info,rdkafka=warn,tally::events=debug}" \
+  # The events at debug (tally::events in releases before the runtime crate): a line per
+  # publish, counted below.
+  RUST_LOG="${RUST_LOG:-info,rdkafka=warn,tally::events=debug,tally_runtime::events=debug}" \
     TALLY_JOB__STATE_DIR="$dir/state-$1" "$bin" run --config "$config" >>"$log" 2>&1 &
   pids[$1]=$!
 }
