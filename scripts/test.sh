@@ -28,7 +28,7 @@ cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$(grep -E '^test result: ' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')
 if [ "$status" -ne 0 ]; then
   echo "cargo test failed"
   echo "tests: $passed passed, $failed failed"
@@ -80,7 +80,7 @@ if [ "$status" -ne 0 ]; then
 fi
 set -e
 passed=$(( passed + $(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}') ))
-failed=$(( failed + $(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}') ))
+failed=$(( failed + $(grep -E '^test result: ' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}') ))
 if [ "$status" -ne 0 ]; then
   echo "cluster tests failed"
   echo "tests: $passed passed, $failed failed"

@@ -4,6 +4,7 @@
 //! committed metadata says whether that transaction committed, and who commits the job.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -28,6 +29,9 @@ const METADATA_PREFIX: &str = "tally:epoch=";
 const WRITER_FIELD: &str = ";writer=";
 const FROM_FIELD: &str = ";from=";
 const TIMEOUT: Duration = Duration::from_secs(60);
+/// How long tally waits for `send_offsets_to_transaction`, which does not keep to its own
+/// timeout while the group's coordinator is away (librdkafka 5456 and 5511).
+const OFFSETS_DEADLINE: Duration = Duration::from_secs(65);
 
 /// What tally writes in the metadata of every offset it commits: the epoch whose transaction
 /// committed it and the writer (state directory) that ran that transaction. After a crash the
@@ -74,10 +78,31 @@ impl CommitMark {
     }
 }
 
+/// Runs `f` on a thread of its own and waits for it at most `deadline`; past it, the thread is
+/// left to finish (or block) alone. For a library call that can block beyond its own timeout.
+fn with_deadline<T: Send + 'static>(
+    name: &str,
+    deadline: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::result::Result<T, String> {
+    let (sender, receiver) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            // The receiver is gone once the deadline passed: nothing waits for the result.
+            let _ = sender.send(f());
+        })
+        .map_err(|e| format!("starting a thread: {e}"))?;
+    receiver
+        .recv_timeout(deadline)
+        .map_err(|_| format!("no answer after {deadline:?}; given up"))
+}
+
 /// The job's transactional producer: one transaction per epoch carries its dead letters, its
 /// changelog records and the group's offsets.
 pub struct EpochProducer {
-    producer: ThreadedProducer<DefaultProducerContext>,
+    /// Shared with a call past its deadline, which is left blocked on it ([`with_deadline`]).
+    producer: Arc<ThreadedProducer<DefaultProducerContext>>,
     topic: String,
     changelog_topic: String,
     source_topic: String,
@@ -135,7 +160,7 @@ impl UnfencedProducer {
             .map_err(kafka("creating the transactional producer"))?;
         Ok(UnfencedProducer {
             unfenced: EpochProducer {
-                producer,
+                producer: Arc::new(producer),
                 topic: topics.dead_letters.to_owned(),
                 changelog_topic: topics.changelog.to_owned(),
                 source_topic: topics.source.to_owned(),
@@ -170,7 +195,7 @@ impl EpochProducer {
     pub fn commit_epoch(
         &self,
         epoch: &EpochCommit<'_>,
-        group: &ConsumerGroupMetadata,
+        group: ConsumerGroupMetadata,
     ) -> Result<()> {
         self.end_epoch(epoch, group, true)
     }
@@ -181,7 +206,7 @@ impl EpochProducer {
     pub fn write_then_abort_epoch(
         &self,
         epoch: &EpochCommit<'_>,
-        group: &ConsumerGroupMetadata,
+        group: ConsumerGroupMetadata,
     ) -> Result<()> {
         self.end_epoch(epoch, group, false)
     }
@@ -189,7 +214,7 @@ impl EpochProducer {
     fn end_epoch(
         &self,
         epoch: &EpochCommit<'_>,
-        group: &ConsumerGroupMetadata,
+        group: ConsumerGroupMetadata,
         commit: bool,
     ) -> Result<()> {
         let result = self.try_commit_epoch(epoch, group, commit);
@@ -209,7 +234,7 @@ impl EpochProducer {
             offsets,
             restore_from,
         }: &EpochCommit<'_>,
-        group: &ConsumerGroupMetadata,
+        group: ConsumerGroupMetadata,
         commit: bool,
     ) -> Result<()> {
         if let Some(needed) = changelog.iter().map(|(p, _)| *p).max() {
@@ -245,11 +270,7 @@ impl EpochProducer {
             .render();
             element.set_metadata(metadata.as_str());
         }
-        self.producer
-            .send_offsets_to_transaction(&tpl, group, TIMEOUT)
-            .map_err(kafka(format!(
-                "sending offsets of epoch {epoch} to the transaction"
-            )))?;
+        self.send_offsets(tpl, group, epoch)?;
         if !commit {
             return self
                 .producer
@@ -262,6 +283,27 @@ impl EpochProducer {
             .map_err(kafka(format!(
                 "committing dead-letter transaction of epoch {epoch}"
             )))
+    }
+
+    /// Sends the epoch's offsets to its transaction, giving up after [`OFFSETS_DEADLINE`]: with
+    /// the group's coordinator killed, the call once blocked a worker for good, past the
+    /// brokers' return (librdkafka 5456: the coordinator request's timeout is never checked).
+    /// A call given up on stays blocked on this producer, which the next one fences; the epoch
+    /// fails as on any transaction error, and the commit path retries with a fresh producer.
+    fn send_offsets(
+        &self,
+        offsets: TopicPartitionList,
+        group: ConsumerGroupMetadata,
+        epoch: Epoch,
+    ) -> Result<()> {
+        let producer = Arc::clone(&self.producer);
+        let context = format!("sending offsets of epoch {epoch} to the transaction");
+        match with_deadline("tally-txn-offsets", OFFSETS_DEADLINE, move || {
+            producer.send_offsets_to_transaction(&offsets, &group, TIMEOUT)
+        }) {
+            Ok(result) => result.map_err(kafka(context)),
+            Err(why) => Err(Error::Other(format!("{context}: {why}"))),
+        }
     }
 
     /// Waits until the broker has acknowledged every record of the transaction. rust-rdkafka's
@@ -374,6 +416,20 @@ impl EpochProducer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_past_its_deadline_is_given_up_and_one_within_it_answers() {
+        assert_eq!(with_deadline("t", Duration::from_secs(5), || 7), Ok(7));
+        let started = std::time::Instant::now();
+        let blocked = with_deadline("t", Duration::from_millis(50), || {
+            std::thread::sleep(Duration::from_secs(3));
+        });
+        assert!(blocked.is_err_and(|e| e.contains("no answer after 50ms")));
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "waited for the call"
+        );
+    }
 
     #[test]
     fn commit_marks_round_trip_and_read_the_older_form() {

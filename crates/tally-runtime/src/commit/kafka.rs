@@ -112,12 +112,12 @@ impl EpochTransactions for KafkaTransactions {
 
     fn commit(&mut self, epoch: &EpochCommit<'_>) -> Result<(), Failure> {
         let group = self.group_metadata()?;
-        Ok(self.producer()?.commit_epoch(epoch, &group)?)
+        Ok(self.producer()?.commit_epoch(epoch, group)?)
     }
 
     fn write_then_abort(&mut self, epoch: &EpochCommit<'_>) -> Result<(), Failure> {
         let group = self.group_metadata()?;
-        Ok(self.producer()?.write_then_abort_epoch(epoch, &group)?)
+        Ok(self.producer()?.write_then_abort_epoch(epoch, group)?)
     }
 
     fn changelog_ends(
