@@ -178,21 +178,13 @@ impl Drop for SourceConsumer {
         let Some(consumer) = self.consumer.take() else {
             return;
         };
-        let (closed, wait) = std::sync::mpsc::channel();
-        let closing = std::thread::Builder::new()
-            .name("tally-close".into())
-            .spawn(move || {
-                drop(consumer);
-                let _ = closed.send(());
-            });
-        if let Err(e) = closing {
-            tracing::warn!(error = %e, "could not start a thread to close the consumer; it is left open");
-            return;
-        }
-        if wait.recv_timeout(CLOSE_TIMEOUT).is_err() {
+        if let Err(error) =
+            crate::deadline::with_deadline("tally-close", CLOSE_TIMEOUT, move || drop(consumer))
+        {
             tracing::warn!(
                 group = %self.group,
                 timeout_s = CLOSE_TIMEOUT.as_secs(),
+                %error,
                 "the consumer did not close in time; going on without it"
             );
         }

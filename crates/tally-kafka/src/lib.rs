@@ -3,6 +3,7 @@
 //! records and commits the group's offsets, the changelog reader, and topic administration.
 
 mod consumer;
+mod deadline;
 mod error;
 pub mod job_registry;
 mod reader;

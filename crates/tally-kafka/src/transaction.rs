@@ -15,6 +15,7 @@ use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedPr
 use rdkafka::{Offset as KOffset, TopicPartitionList};
 use tally_core::{DeadLetter, Epoch, Offset, PartitionId};
 
+use crate::deadline::with_deadline;
 use crate::error::{Error, Result, kafka};
 use crate::settings::{KafkaSettings, set_default};
 
@@ -78,30 +79,10 @@ impl CommitMark {
     }
 }
 
-/// Runs `f` on a thread of its own and waits for it at most `deadline`; past it, the thread is
-/// left to finish (or block) alone. For a library call that can block beyond its own timeout.
-fn with_deadline<T: Send + 'static>(
-    name: &str,
-    deadline: Duration,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> std::result::Result<T, String> {
-    let (sender, receiver) = std::sync::mpsc::sync_channel(1);
-    std::thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || {
-            // The receiver is gone once the deadline passed: nothing waits for the result.
-            let _ = sender.send(f());
-        })
-        .map_err(|e| format!("starting a thread: {e}"))?;
-    receiver
-        .recv_timeout(deadline)
-        .map_err(|_| format!("no answer after {deadline:?}; given up"))
-}
-
 /// The job's transactional producer: one transaction per epoch carries its dead letters, its
 /// changelog records and the group's offsets.
 pub struct EpochProducer {
-    /// Shared with a call past its deadline, which is left blocked on it ([`with_deadline`]).
+    /// Shared with a call past its deadline, which is left blocked on it ([`crate::deadline`]).
     producer: Arc<ThreadedProducer<DefaultProducerContext>>,
     topic: String,
     changelog_topic: String,
@@ -416,20 +397,6 @@ impl EpochProducer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_call_past_its_deadline_is_given_up_and_one_within_it_answers() {
-        assert_eq!(with_deadline("t", Duration::from_secs(5), || 7), Ok(7));
-        let started = std::time::Instant::now();
-        let blocked = with_deadline("t", Duration::from_millis(50), || {
-            std::thread::sleep(Duration::from_secs(3));
-        });
-        assert!(blocked.is_err_and(|e| e.contains("no answer after 50ms")));
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "waited for the call"
-        );
-    }
 
     #[test]
     fn commit_marks_round_trip_and_read_the_older_form() {

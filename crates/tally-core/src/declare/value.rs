@@ -128,6 +128,14 @@ impl Value {
         }
     }
 
+    /// [`Value::key_text`], moving a string rather than copying it.
+    pub fn into_key_text(self, scale: u32) -> CompactString {
+        match self {
+            Value::Str(s) => s,
+            other => other.key_text(scale),
+        }
+    }
+
     /// The value as ClickHouse reads it in a `VALUES` or TSV cell of the field's column.
     pub fn display(&self, scale: u32) -> ValueDisplay<'_> {
         ValueDisplay { value: self, scale }

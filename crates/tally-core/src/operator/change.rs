@@ -3,7 +3,7 @@
 
 use smallvec::SmallVec;
 
-use super::{Outcome, Record, StateReader, WindowOperator, window_bytes, window_value};
+use super::{Outcome, Record, StateReader, WindowOperator, group_key, window_bytes, window_value};
 use crate::declare::{Change, Evaluation, Job, Op};
 use crate::decode::{Poison, PoisonReason};
 use crate::source_row::{Contribution, SourceRow};
@@ -42,7 +42,7 @@ impl WindowOperator {
             Ok(Some(Evaluation::Event(event))) => match job.contribution(&event.inputs) {
                 Ok(value) => Ok(Some(Contribution {
                     event_time_ms: event.event_time_ms,
-                    key: self.group_key(job, event),
+                    key: group_key(job, event.key.clone()),
                     value,
                 })),
                 Err(overflow) => Err(Poison::new(
