@@ -9,7 +9,7 @@ use std::hint::black_box;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use tally_core::declare::{Declaration, Evaluation, Job, Value, WindowRules};
 use tally_core::{
-    CheckpointBarrier, Epoch, FieldMapping, GroupKey, MemStore, OperatorConfig, Record,
+    CheckpointBarrier, Epoch, FieldMapping, GroupKey, MemStore, OperatorConfig, Program, Record,
     RecordDecoder, StateReader, WindowAgg, WindowKey, WindowOperator, WindowSpec,
 };
 use tally_state::StateStore;
@@ -56,7 +56,25 @@ fn decoder() -> RecordDecoder {
 }
 
 fn run<S: StateReader>(store: &S, values: &[Vec<u8>]) -> WindowOperator {
-    let mut op = WindowOperator::restore(rules(), decoder(), Epoch(0), &BTreeMap::new());
+    run_program(store, values, decoder().into())
+}
+
+/// revenue_agg as config/revenue_agg.toml declares it.
+fn revenue_agg() -> Program {
+    let tumbling = WindowRules {
+        size_ms: 60_000,
+        slide_ms: None,
+        allowed_lateness_ms: 60_000,
+        dedup_horizon_ms: 3_600_000,
+    };
+    Program::declared(
+        std::sync::Arc::new(job("revenue_agg.toml", tumbling)),
+        1 << 20,
+    )
+}
+
+fn run_program<S: StateReader>(store: &S, values: &[Vec<u8>], program: Program) -> WindowOperator {
+    let mut op = WindowOperator::restore(rules(), program, Epoch(0), &BTreeMap::new());
     for (i, v) in values.iter().enumerate() {
         let r = Record {
             partition: (i % 4) as i32,
@@ -81,11 +99,18 @@ fn bench(c: &mut Criterion) {
     group.bench_function("process_mem_store", |b| {
         b.iter(|| run(&MemStore::default(), &values))
     });
+    let declared = revenue_agg();
+    group.bench_function("process_mem_store_declared", |b| {
+        b.iter(|| run_program(&MemStore::default(), &values, declared.clone()))
+    });
     let dir = tempfile::tempdir().expect("tempdir");
     let store = StateStore::open(dir.path(), "bench").expect("store");
     // Warm state: one epoch already checkpointed, so lookups hit RocksDB.
     process_and_pre_commit(&store, &values);
     group.bench_function("process_rocksdb_store", |b| b.iter(|| run(&store, &values)));
+    group.bench_function("process_rocksdb_store_declared", |b| {
+        b.iter(|| run_program(&store, &values, declared.clone()))
+    });
     group.bench_function("process_and_pre_commit_rocksdb", |b| {
         b.iter_batched(
             || tempfile::tempdir().expect("tempdir"),

@@ -27,6 +27,7 @@ use std::fmt;
 use compact_str::CompactString;
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use smallvec::SmallVec;
 
 pub use aggregate::{Aggregate, Function, Overflow};
 pub use avro::{AvroDecoder, AvroSchema};
@@ -206,8 +207,9 @@ pub struct ChangeSchema {
 pub struct DeclaredEvent {
     pub event_id: CompactString,
     pub event_time_ms: i64,
-    pub key: Vec<Value>,
-    pub inputs: Vec<Option<Value>>,
+    /// Inline for up to four keys and aggregates: a record allocates nothing for them.
+    pub key: SmallVec<[Value; 4]>,
+    pub inputs: SmallVec<[Option<Value>; 4]>,
 }
 
 /// One record's declared field values as a format read them, by field index: JSON's raw
@@ -264,6 +266,10 @@ pub fn format_duration(ms: i64) -> String {
 
 /// Fields a job may declare before [`Job::evaluate`] keeps its scratch on the heap.
 const SMALL: usize = 16;
+
+/// Fields a job may declare before [`Job::evaluate_fields`] keeps their values on the heap
+/// (each slot is initialised and dropped per record, so fewer than [`SMALL`]).
+const SMALL_VALUES: usize = 8;
 
 impl Job {
     /// Reads one record value: the poison reason when it is not a valid record of the job, else
@@ -326,8 +332,8 @@ impl Job {
         // Then every field in declaration order: a wrong value is named at once, a missing
         // field only if no later field holds a wrong value.
         let (mut small_values, mut large_values);
-        let values: &mut [Option<Value>] = if n <= SMALL {
-            small_values = [const { None }; SMALL];
+        let values: &mut [Option<Value>] = if n <= SMALL_VALUES {
+            small_values = [const { None }; SMALL_VALUES];
             &mut small_values[..n]
         } else {
             large_values = vec![None; n];
@@ -346,32 +352,57 @@ impl Job {
                 Err(p) => return Err(p),
             }
         }
-        let take = |i: usize| values[i].clone();
-        let event_time_ms = match (take(self.event_time), missing) {
+        let event_time_ms = match (&values[self.event_time], missing) {
             (Some(Value::Time(ms)), Some(poison)) => {
                 return Ok(Evaluation::Incomplete {
-                    event_time_ms: ms,
+                    event_time_ms: *ms,
                     poison,
                 });
             }
             (_, Some(poison)) => return Err(poison),
-            (Some(Value::Time(ms)), None) => ms,
+            (Some(Value::Time(ms)), None) => *ms,
             (_, None) => 0,
         };
-        let event_id = match take(self.event_id) {
-            Some(Value::Str(s)) => s,
+        let event_id = match &values[self.event_id] {
+            Some(Value::Str(s)) => s.clone(),
             Some(Value::Int(i)) => CompactString::from(i.to_string()),
             _ => CompactString::default(),
         };
+        // A value is moved out at its last use, copied before it (a field may be a key and an
+        // input, or the input of several aggregates).
+        let inputs_of = |i: usize| {
+            self.aggregates
+                .iter()
+                .filter(|a| a.field == Some(i))
+                .count()
+        };
+        let mut key = SmallVec::new();
+        for &i in &self.keys {
+            let value = match inputs_of(i) {
+                0 => values[i].take(),
+                _ => values[i].clone(),
+            };
+            if let Some(value) = value {
+                key.push(value);
+            }
+        }
+        let mut inputs = SmallVec::new();
+        for (at, a) in self.aggregates.iter().enumerate() {
+            let value = a.field.and_then(|i| {
+                let later = self.aggregates[at + 1..].iter().any(|b| b.field == Some(i));
+                if later {
+                    values[i].clone()
+                } else {
+                    values[i].take()
+                }
+            });
+            inputs.push(value);
+        }
         Ok(Evaluation::Event(DeclaredEvent {
             event_id,
             event_time_ms,
-            key: self.keys.iter().filter_map(|i| take(*i)).collect(),
-            inputs: self
-                .aggregates
-                .iter()
-                .map(|a| a.field.and_then(take))
-                .collect(),
+            key,
+            inputs,
         }))
     }
 

@@ -58,8 +58,12 @@ fn a_field_the_filter_lets_be_absent_is_read_as_absent_not_as_poison() {
         r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":""}"#,
     ] {
         let e = event(&absent, record);
-        assert_eq!(e.key, [Value::Str("ups".into())], "{record}");
-        assert_eq!(e.inputs, [None, Some(Value::Int(3))], "{record}");
+        assert_eq!(e.key.to_vec(), vec![Value::Str("ups".into())], "{record}");
+        assert_eq!(
+            e.inputs.to_vec(),
+            vec![None, Some(Value::Int(3))],
+            "{record}"
+        );
         assert_eq!(
             evaluate(&present, record),
             Ok(Evaluation::Filtered),
@@ -81,7 +85,7 @@ fn a_field_the_filter_lets_be_absent_is_read_as_absent_not_as_poison() {
         &present,
         r#"{"id":"s1","at":1000,"carrier":"ups","weight":3,"signed_by":"ann"}"#,
     );
-    assert_eq!(e.inputs, [None, Some(Value::Int(3))]);
+    assert_eq!(e.inputs.to_vec(), vec![None, Some(Value::Int(3))]);
     // A record passing `present = false` still needs every other field.
     let p = poison_of(
         evaluate(&absent, r#"{"id":"s1","at":1000,"weight":3}"#),

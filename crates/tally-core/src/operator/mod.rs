@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::amount::Amount;
-use crate::declare::{DeclaredEvent, Evaluation, Job, Position, Schemas};
+use crate::declare::{DeclaredEvent, Evaluation, Job, Position, Schemas, Value};
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
 use crate::group_key::GroupKey;
 use crate::seen_filter::{self, SeenIdFilter};
@@ -108,6 +108,84 @@ fn window_value<S: StateReader>(
             true,
         ),
     })
+}
+
+/// The bytes a record's windows newly take in the epoch's state, or the window whose value
+/// would overflow (and the column): then no window changed.
+type Added = Result<usize, (i64, crate::declare::Overflow)>;
+
+/// Adds `inputs` to one window, held in this epoch's changes or read from the state (empty if
+/// neither has it), hashing its key once.
+fn add_to_window<S: StateReader>(
+    epoch_windows: &mut FastMap<WindowKey, WindowAgg>,
+    store: &S,
+    partition: PartitionId,
+    key: WindowKey,
+    job: &Job,
+    inputs: &[Option<Value>],
+) -> Result<Added, S::Error> {
+    let start = key.window_start_ms;
+    let added = match epoch_windows.entry(key) {
+        Entry::Occupied(mut held) => job.add(held.get_mut(), inputs).map(|()| 0),
+        Entry::Vacant(slot) => {
+            let mut value = store
+                .window(partition, slot.key())?
+                .unwrap_or_else(|| job.empty_value());
+            job.add(&mut value, inputs).map(|()| {
+                let bytes = window_bytes(slot.key(), &value);
+                slot.insert(value);
+                bytes
+            })
+        }
+    };
+    Ok(added.map_err(|overflow| (start, overflow)))
+}
+
+/// Adds `inputs` to each of the hopping windows of `(group, event_time_ms)` that `closed`
+/// leaves open: all or none.
+fn add_to_open_windows<S: StateReader>(
+    epoch_windows: &mut FastMap<WindowKey, WindowAgg>,
+    store: &S,
+    partition: PartitionId,
+    (group, event_time_ms): (GroupKey, i64),
+    job: &Job,
+    inputs: &[Option<Value>],
+    closed: impl Fn(i64) -> bool,
+) -> Result<Added, S::Error> {
+    let mut added: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
+    for start in job.windows.starts_of(event_time_ms) {
+        // Closed windows left the state at a checkpoint (and may be folded).
+        if closed(start) {
+            continue;
+        }
+        let key = WindowKey {
+            window_start_ms: start,
+            key: group.clone(),
+        };
+        let (mut value, new) = window_value(epoch_windows, store, partition, &key, job)?;
+        if let Err(overflow) = job.add(&mut value, inputs) {
+            return Ok(Err((start, overflow)));
+        }
+        added.push((key, value, new));
+    }
+    let mut bytes = 0;
+    for (key, value, new) in added {
+        if new {
+            bytes += window_bytes(&key, &value);
+        }
+        epoch_windows.insert(key, value);
+    }
+    Ok(Ok(bytes))
+}
+
+/// The group key of an event's key values, as the view shows them.
+pub(super) fn group_key(job: &Job, values: SmallVec<[Value; 4]>) -> GroupKey {
+    GroupKey::new(
+        job.keys
+            .iter()
+            .zip(values)
+            .map(|(&field, value)| value.into_key_text(job.fields[field].scale)),
+    )
 }
 
 /// One consumed Kafka record, borrowed from the consumer.
@@ -625,20 +703,35 @@ impl WindowOperator {
         watermark: i64,
     ) -> Result<Outcome, S::Error> {
         let cfg = self.config;
-        let group = self.group_key(job, &event);
+        let DeclaredEvent {
+            event_id,
+            event_time_ms,
+            key,
+            inputs,
+        } = event;
+        let group = group_key(job, key);
         let windows = self.dirty_windows.entry(record.partition).or_default();
-        let mut added: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
-        for start in cfg.window.starts_of(event.event_time_ms) {
-            // Closed windows left the state at a checkpoint (and may be folded).
-            if cfg.window_closed(start, watermark) {
-                continue;
-            }
+        let added = if cfg.window.slide_ms == cfg.window.size_ms {
+            // One window, open (the record is not late): looked up once and added to in place.
             let key = WindowKey {
-                window_start_ms: start,
-                key: group.clone(),
+                window_start_ms: cfg.window.start_of(event_time_ms),
+                key: group,
             };
-            let (mut value, new) = window_value(windows, store, record.partition, &key, job)?;
-            if let Err(overflow) = job.add(&mut value, &event.inputs) {
+            add_to_window(windows, store, record.partition, key, job, &inputs)?
+        } else {
+            add_to_open_windows(
+                windows,
+                store,
+                record.partition,
+                (group, event_time_ms),
+                job,
+                &inputs,
+                |start| cfg.window_closed(start, watermark),
+            )?
+        };
+        let added_bytes = match added {
+            Ok(bytes) => bytes,
+            Err((start, overflow)) => {
                 let message = format!(
                     "adding the record to the window starting {} would leave the range of column {}",
                     crate::time::format_ms(start),
@@ -652,31 +745,11 @@ impl WindowOperator {
                     },
                 ));
             }
-            added.push((key, value, new));
-        }
-        for (key, value, new) in added {
-            if new {
-                self.state_bytes += window_bytes(&key, &value);
-            }
-            windows.insert(key, value);
-        }
-        self.remember(
-            record.partition,
-            event.event_id,
-            event.event_time_ms,
-            id_hash,
-        );
+        };
+        self.state_bytes += added_bytes;
+        self.remember(record.partition, event_id, event_time_ms, id_hash);
         self.count(record.partition, |a| a.aggregated += 1);
         Ok(Outcome::Aggregated)
-    }
-
-    fn group_key(&self, job: &Job, event: &DeclaredEvent) -> GroupKey {
-        GroupKey::new(
-            job.keys
-                .iter()
-                .zip(&event.key)
-                .map(|(&field, value)| value.key_text(job.fields[field].scale)),
-        )
     }
 
     /// Records an aggregated event's id for dedup.

@@ -273,7 +273,7 @@ impl Generator {
                     .nth(self.poison_turn % kinds)
                     .unwrap_or(PoisonReason::InvalidJson);
                 self.poison_turn += 1;
-                let value = self.poison(reason, &customer);
+                let value = self.poison(reason, &customer, partition);
                 return record(customer.into_bytes(), value, Kind::Poison(reason));
             }
             Fate::Late | Fate::Filtered | Fate::Valid => {}
@@ -299,9 +299,11 @@ impl Generator {
         }
     }
 
-    fn poison(&mut self, reason: PoisonReason, customer: &str) -> Vec<u8> {
+    /// A record of `reason` for `partition`, its event time its partition's clock: never late, so
+    /// that the reason is the record's only fault.
+    fn poison(&mut self, reason: PoisonReason, customer: &str, partition: i32) -> Vec<u8> {
         let id = format!("poison-{}-{}", self.spec.seed, self.poison_turn);
-        let t = self.stream.now(0);
+        let t = self.stream.now(partition);
         match reason {
             PoisonReason::InvalidUtf8 => b"{\"event_id\":\"\xff\xfe\"}".to_vec(),
             // Not generated for events (poison_reasons): broken JSON stands for it.

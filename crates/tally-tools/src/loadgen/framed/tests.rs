@@ -113,12 +113,12 @@ fn every_stage_of_the_stream_reads_back_as_written() {
         assert_eq!(event.event_id, "7000000000123", "{format}");
         assert_eq!(event.event_time_ms, 1_790_000_123_456, "{format}");
         assert_eq!(
-            event.key,
+            event.key.to_vec(),
             vec![Value::Str("c-0042".into()), Value::Str("NZ".into())],
             "{format}"
         );
         assert_eq!(
-            event.inputs,
+            event.inputs.to_vec(),
             vec![
                 None,
                 Some(Value::Decimal(-12_345)),
