@@ -19,10 +19,6 @@ impl GroupKey {
         GroupKey(parts.into_iter().collect())
     }
 
-    pub fn from_parts(parts: SmallVec<[CompactString; 2]>) -> GroupKey {
-        GroupKey(parts)
-    }
-
     pub fn parts(&self) -> &[CompactString] {
         &self.0
     }

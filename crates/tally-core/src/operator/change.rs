@@ -3,7 +3,8 @@
 
 use smallvec::SmallVec;
 
-use super::{Outcome, Record, StateReader, WindowOperator, group_key, window_bytes, window_value};
+use super::windows::{group_key, window_value};
+use super::{Outcome, Record, StateReader, WindowOperator, window_bytes};
 use crate::declare::{Change, Evaluation, Job, Op};
 use crate::decode::{Poison, PoisonReason};
 use crate::source_row::{Contribution, SourceRow};

@@ -13,12 +13,10 @@ use std::sync::Arc;
 
 use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
 
 use crate::amount::Amount;
-use crate::declare::{DeclaredEvent, Evaluation, Job, Position, Schemas, Value};
+use crate::declare::{DeclaredEvent, Evaluation, Job, Position, Schemas};
 use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
-use crate::group_key::GroupKey;
 use crate::seen_filter::{self, SeenIdFilter};
 use crate::source_row::SourceRow;
 use crate::types::{
@@ -88,104 +86,6 @@ impl OperatorConfig {
             .saturating_add(self.allowed_lateness_ms)
             <= watermark
     }
-}
-
-/// A window's value as this epoch's changes, then the state, hold it (empty if neither does),
-/// and whether this epoch has not changed it yet.
-fn window_value<S: StateReader>(
-    epoch_windows: &FastMap<WindowKey, WindowAgg>,
-    store: &S,
-    partition: PartitionId,
-    key: &WindowKey,
-    job: &Job,
-) -> Result<(WindowAgg, bool), S::Error> {
-    Ok(match epoch_windows.get(key) {
-        Some(held) => (held.clone(), false),
-        None => (
-            store
-                .window(partition, key)?
-                .unwrap_or_else(|| job.empty_value()),
-            true,
-        ),
-    })
-}
-
-/// The bytes a record's windows newly take in the epoch's state, or the window whose value
-/// would overflow (and the column): then no window changed.
-type Added = Result<usize, (i64, crate::declare::Overflow)>;
-
-/// Adds `inputs` to one window, held in this epoch's changes or read from the state (empty if
-/// neither has it), hashing its key once.
-fn add_to_window<S: StateReader>(
-    epoch_windows: &mut FastMap<WindowKey, WindowAgg>,
-    store: &S,
-    partition: PartitionId,
-    key: WindowKey,
-    job: &Job,
-    inputs: &[Option<Value>],
-) -> Result<Added, S::Error> {
-    let start = key.window_start_ms;
-    let added = match epoch_windows.entry(key) {
-        Entry::Occupied(mut held) => job.add(held.get_mut(), inputs).map(|()| 0),
-        Entry::Vacant(slot) => {
-            let mut value = store
-                .window(partition, slot.key())?
-                .unwrap_or_else(|| job.empty_value());
-            job.add(&mut value, inputs).map(|()| {
-                let bytes = window_bytes(slot.key(), &value);
-                slot.insert(value);
-                bytes
-            })
-        }
-    };
-    Ok(added.map_err(|overflow| (start, overflow)))
-}
-
-/// Adds `inputs` to each of the hopping windows of `(group, event_time_ms)` that `closed`
-/// leaves open: all or none.
-fn add_to_open_windows<S: StateReader>(
-    epoch_windows: &mut FastMap<WindowKey, WindowAgg>,
-    store: &S,
-    partition: PartitionId,
-    (group, event_time_ms): (GroupKey, i64),
-    job: &Job,
-    inputs: &[Option<Value>],
-    closed: impl Fn(i64) -> bool,
-) -> Result<Added, S::Error> {
-    let mut added: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
-    for start in job.windows.starts_of(event_time_ms) {
-        // Closed windows left the state at a checkpoint (and may be folded).
-        if closed(start) {
-            continue;
-        }
-        let key = WindowKey {
-            window_start_ms: start,
-            key: group.clone(),
-        };
-        let (mut value, new) = window_value(epoch_windows, store, partition, &key, job)?;
-        if let Err(overflow) = job.add(&mut value, inputs) {
-            return Ok(Err((start, overflow)));
-        }
-        added.push((key, value, new));
-    }
-    let mut bytes = 0;
-    for (key, value, new) in added {
-        if new {
-            bytes += window_bytes(&key, &value);
-        }
-        epoch_windows.insert(key, value);
-    }
-    Ok(Ok(bytes))
-}
-
-/// The group key of an event's key values, as the view shows them.
-pub(super) fn group_key(job: &Job, values: SmallVec<[Value; 4]>) -> GroupKey {
-    GroupKey::new(
-        job.keys
-            .iter()
-            .zip(values)
-            .map(|(&field, value)| value.into_key_text(job.fields[field].scale)),
-    )
 }
 
 /// One consumed Kafka record, borrowed from the consumer.
@@ -719,14 +619,18 @@ impl WindowOperator {
             };
             add_to_window(windows, store, record.partition, key, job, &inputs)?
         } else {
-            add_to_open_windows(
+            // Closed windows left the state at a checkpoint (and may be folded).
+            let open = cfg
+                .window
+                .starts_of(event_time_ms)
+                .filter(|&start| !cfg.window_closed(start, watermark));
+            add_to_windows(
                 windows,
                 store,
                 record.partition,
-                (group, event_time_ms),
+                (group, open),
                 job,
                 &inputs,
-                |start| cfg.window_closed(start, watermark),
             )?
         };
         let added_bytes = match added {
@@ -910,6 +814,9 @@ impl WindowOperator {
 
 mod change;
 mod cut;
+mod windows;
+
+use windows::{add_to_window, add_to_windows, group_key};
 
 pub use cut::{EpochCut, WithInFlight};
 
