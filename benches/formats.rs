@@ -35,7 +35,7 @@ type Records = (Arc<Job>, Vec<Vec<u8>>, Option<Arc<dyn Schemas>>);
 
 fn records(format: &str) -> Records {
     let config = config(format);
-    let job = config.declared.clone().expect("a declared job");
+    let job = config.declared.clone();
     let spec = LoadSpec {
         seed: 1,
         partitions: 1,

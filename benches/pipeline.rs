@@ -1,6 +1,6 @@
-//! Throughput of the per-record hot path: decode alone, and decode + dedup + window update against
-//! the in-memory model and the RocksDB store, then the checkpoint write; and reading records by
-//! declaration (`[aggregation]`) against the built-in decoder.
+//! Throughput of the per-record hot path of revenue_agg (as declared): decode alone, and decode +
+//! dedup + window update against the in-memory model and the RocksDB store, then the checkpoint
+//! write; and reading records of other declarations (`[aggregation]`).
 #![allow(clippy::expect_used)] // a benchmark that cannot set up should stop at once
 
 use std::collections::{BTreeMap, HashMap};
@@ -10,7 +10,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use tally_core::declare::{Declaration, Evaluation, Job, Value, WindowRules};
 use tally_core::{
     CheckpointBarrier, Epoch, FieldMapping, GroupKey, MemStore, OperatorConfig, Program, Record,
-    RecordDecoder, StateReader, WindowAgg, WindowKey, WindowOperator, WindowSpec,
+    StateReader, WindowAgg, WindowKey, WindowOperator, WindowSpec,
 };
 use tally_state::StateStore;
 
@@ -51,30 +51,13 @@ fn rules() -> OperatorConfig {
     }
 }
 
-fn decoder() -> RecordDecoder {
-    RecordDecoder::new(FieldMapping::default(), 1 << 20)
+/// revenue_agg as config/revenue_agg.toml declares it.
+fn revenue_agg() -> Program {
+    Program::revenue_agg(&FieldMapping::default(), &rules(), 1 << 20).expect("revenue_agg")
 }
 
 fn run<S: StateReader>(store: &S, values: &[Vec<u8>]) -> WindowOperator {
-    run_program(store, values, decoder().into())
-}
-
-/// revenue_agg as config/revenue_agg.toml declares it.
-fn revenue_agg() -> Program {
-    let tumbling = WindowRules {
-        size_ms: 60_000,
-        slide_ms: None,
-        allowed_lateness_ms: 60_000,
-        dedup_horizon_ms: 3_600_000,
-    };
-    Program::declared(
-        std::sync::Arc::new(job("revenue_agg.toml", tumbling)),
-        1 << 20,
-    )
-}
-
-fn run_program<S: StateReader>(store: &S, values: &[Vec<u8>], program: Program) -> WindowOperator {
-    let mut op = WindowOperator::restore(rules(), program, Epoch(0), &BTreeMap::new());
+    let mut op = WindowOperator::restore(rules(), revenue_agg(), Epoch(0), &BTreeMap::new());
     for (i, v) in values.iter().enumerate() {
         let r = Record {
             partition: (i % 4) as i32,
@@ -92,25 +75,23 @@ fn bench(c: &mut Criterion) {
     let values = records();
     let mut group = c.benchmark_group("hot_path");
     group.throughput(Throughput::Elements(N as u64));
-    let d = decoder();
+    let job = revenue_agg().job;
     group.bench_function("decode", |b| {
-        b.iter(|| values.iter().filter(|v| d.decode(Some(v)).is_ok()).count())
+        b.iter(|| {
+            values
+                .iter()
+                .filter(|v| matches!(job.evaluate(Some(v), 1 << 20), Ok(Evaluation::Event(_))))
+                .count()
+        })
     });
     group.bench_function("process_mem_store", |b| {
         b.iter(|| run(&MemStore::default(), &values))
-    });
-    let declared = revenue_agg();
-    group.bench_function("process_mem_store_declared", |b| {
-        b.iter(|| run_program(&MemStore::default(), &values, declared.clone()))
     });
     let dir = tempfile::tempdir().expect("tempdir");
     let store = StateStore::open(dir.path(), "bench").expect("store");
     // Warm state: one epoch already checkpointed, so lookups hit RocksDB.
     process_and_pre_commit(&store, &values);
     group.bench_function("process_rocksdb_store", |b| b.iter(|| run(&store, &values)));
-    group.bench_function("process_rocksdb_store_declared", |b| {
-        b.iter(|| run_program(&store, &values, declared.clone()))
-    });
     group.bench_function("process_and_pre_commit_rocksdb", |b| {
         b.iter_batched(
             || tempfile::tempdir().expect("tempdir"),
@@ -157,21 +138,12 @@ fn job(file: &str, rules: WindowRules) -> Job {
     declaration.resolve(rules).expect("valid")
 }
 
-/// Reading records by declaration: the declared revenue_agg against the built-in decoder on the
-/// same records, and a hopping job's evaluation with its windows per record.
+/// Reading records by declaration: revenue_agg, and a hopping job's evaluation with its
+/// windows per record.
 fn declared(c: &mut Criterion) {
     let values = records();
-    let built_in = decoder();
     let mut group = c.benchmark_group("declare");
     group.throughput(Throughput::Elements(N as u64));
-    group.bench_function("revenue_agg_built_in", |b| {
-        b.iter(|| {
-            values
-                .iter()
-                .filter(|v| built_in.decode(Some(v)).is_ok())
-                .count()
-        })
-    });
     let tumbling = WindowRules {
         size_ms: 60_000,
         slide_ms: None,

@@ -19,6 +19,10 @@ impl GroupKey {
         GroupKey(parts.into_iter().collect())
     }
 
+    pub fn from_parts(parts: SmallVec<[CompactString; 2]>) -> GroupKey {
+        GroupKey(parts)
+    }
+
     pub fn parts(&self) -> &[CompactString] {
         &self.0
     }

@@ -1,4 +1,4 @@
-//! Pure processing logic for tally: decoding, event-time windows, watermarks, deduplication and
+//! Pure processing logic for tally: jobs by declaration, event-time windows, watermarks, deduplication and
 //! per-partition accounting. Nothing in this crate performs I/O; state is read through
 //! [`StateReader`] and every change is handed out as a [`Checkpoint`] at a barrier.
 
@@ -16,7 +16,8 @@ pub mod window;
 pub mod window_agg;
 
 pub use amount::{Amount, AmountError};
-pub use decode::{FieldMapping, OrderEvent, Poison, PoisonReason, RecordDecoder};
+pub use declare::FieldMapping;
+pub use decode::{Poison, PoisonReason};
 pub use group_key::GroupKey;
 pub use mem::MemStore;
 pub use operator::{

@@ -7,10 +7,9 @@
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
-use tally_core::decode::FieldMapping;
+use tally_core::FieldMapping;
 use tally_core::{
-    CheckpointBarrier, Epoch, MemStore, OperatorConfig, Record, RecordDecoder, WindowOperator,
-    WindowSpec,
+    CheckpointBarrier, Epoch, MemStore, OperatorConfig, Program, Record, WindowOperator, WindowSpec,
 };
 
 const VALID: &str = r#"{"event_id":"e-1","customer_id":"c-7","currency":"EUR","amount":"12.3400","event_time":1790000000000}"#;
@@ -106,19 +105,19 @@ proptest! {
     fn every_record_is_an_event_or_a_dead_letter_and_the_accounting_balances(
         values in prop::collection::vec(input(), 1..20)
     ) {
-        let decoder = RecordDecoder::new(FieldMapping::default(), 4096);
         let config = OperatorConfig {
             window: WindowSpec::tumbling(60_000),
             out_of_orderness_ms: 5_000,
             allowed_lateness_ms: 60_000,
             dedup_horizon_ms: 3_600_000,
         };
-        let mut op = WindowOperator::restore(config, decoder.clone(), Epoch(0), &BTreeMap::new());
+        let program = Program::revenue_agg(&FieldMapping::default(), &config, 4096).expect("revenue_agg");
+        let mut op = WindowOperator::restore(config, program.clone(), Epoch(0), &BTreeMap::new());
         op.add_partition(0, 0);
         let store = MemStore::default();
         for (offset, value) in values.iter().enumerate() {
             // The decoder alone: an event, or poison with a reason and a message.
-            if let Err(poison) = decoder.decode(value.as_deref()) {
+            if let Err(poison) = program.job.evaluate(value.as_deref(), 4096) {
                 prop_assert!(!poison.message.is_empty());
             }
             let record = Record {

@@ -5,12 +5,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use tally_core::decode::FieldMapping;
+use tally_core::FieldMapping;
 use tally_core::seen_filter::id_hash;
 use tally_core::{
     Accounting, Checkpoint, CheckpointBarrier, EpochCut, MemStore, OperatorConfig, PartitionId,
-    Record, RecordDecoder, SeenIdFilter, WindowAgg, WindowKey, WindowOperator, WindowSpec,
-    WithInFlight,
+    Program, Record, SeenIdFilter, WindowAgg, WindowKey, WindowOperator, WindowSpec, WithInFlight,
 };
 
 const CONFIG: OperatorConfig = OperatorConfig {
@@ -103,8 +102,8 @@ struct Run {
     snapshots: Vec<(MemStore, Outputs)>,
 }
 
-fn decoder() -> RecordDecoder {
-    RecordDecoder::new(FieldMapping::default(), 512)
+fn decoder() -> Program {
+    Program::revenue_agg(&FieldMapping::default(), &CONFIG, 512).expect("revenue_agg")
 }
 
 /// How a restored operator's dedup id filter is completed.

@@ -45,7 +45,6 @@ impl JobIdentity {
         let mut base = config.clone();
         base.job.task = None;
         let w = &config.window;
-        let f = &config.fields;
         let mut rules: BTreeMap<String, String> = [
             ("job.tasks", config.job.tasks.to_string()),
             (
@@ -61,11 +60,6 @@ impl JobIdentity {
             ("window.out_of_orderness", w.out_of_orderness.to_string()),
             ("window.allowed_lateness", w.allowed_lateness.to_string()),
             ("window.dedup_horizon", w.dedup_horizon.to_string()),
-            ("fields.event_id", f.event_id.clone()),
-            ("fields.customer_id", f.customer_id.clone()),
-            ("fields.currency", f.currency.clone()),
-            ("fields.amount", f.amount.clone()),
-            ("fields.event_time", f.event_time.clone()),
             (
                 "clickhouse.table",
                 format!("{}.{}", config.clickhouse.database, config.clickhouse.table),
@@ -74,10 +68,26 @@ impl JobIdentity {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
-        // Only a job run as declared has these: the identities recorded before stay equal.
-        if let Some(job) = &config.declared {
-            rules.insert("window.slide".into(), w.slide.unwrap_or(w.size).to_string());
-            rules.insert("aggregation".into(), crate::declaration::describe(job));
+        // revenue_agg's rules are recorded by its fields' names, as before declarations, so
+        // that its deployments keep their identity; any other job's by its declaration.
+        match config.revenue_agg_fields() {
+            Some(f) => rules.extend(
+                [
+                    ("fields.event_id", f.event_id),
+                    ("fields.customer_id", f.customer_id),
+                    ("fields.currency", f.currency),
+                    ("fields.amount", f.amount),
+                    ("fields.event_time", f.event_time),
+                ]
+                .map(|(k, v)| (k.to_owned(), v)),
+            ),
+            None => {
+                rules.insert("window.slide".into(), w.slide.unwrap_or(w.size).to_string());
+                rules.insert(
+                    "aggregation".into(),
+                    crate::declaration::describe(&config.declared),
+                );
+            }
         }
         JobIdentity {
             job: config.job.name.clone(),

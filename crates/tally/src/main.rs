@@ -88,7 +88,7 @@ fn real_main(cli: Cli) -> Result<()> {
             wait: None,
         } => {
             let cfg = load_config(&config)?;
-            let ok = match cfg.declared.clone() {
+            let ok = match cfg.tools_declaration().cloned() {
                 Some(job) if job.changes.is_some() => runtime()?.block_on(
                     tally_tools::database::verify::verify_changes(&cfg, &job, &manifest),
                 )?,
@@ -209,7 +209,7 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         step_ms: args.step_ms,
         max_record_bytes: cfg.job.max_record_bytes,
     };
-    if cfg.declared.as_ref().is_some_and(|j| j.changes.is_some()) {
+    if cfg.declared.changes.is_some() {
         let spec = tally_tools::database::workload::WorkloadSpec {
             seed: args.seed,
             initial_rows: args.initial_rows,
@@ -234,7 +234,7 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         spec,
         manifest: args.manifest,
     };
-    if cfg.declared.is_some() {
+    if cfg.tools_declaration().is_some() {
         runtime()?.block_on(tally_tools::loadgen::produce_declared(&cfg, opts))?;
     } else {
         runtime()?.block_on(tally_tools::loadgen::produce(&cfg, opts))?;
@@ -324,10 +324,8 @@ fn schema(args: &SchemaArgs) -> Result<()> {
     }
     let mut names =
         tally_clickhouse::TableNames::new(&args.database, &args.table)?.replicated(args.replicated);
-    if let Some(path) = &args.config
-        && let (_, Some(job)) = Config::load_declared(path)?
-    {
-        names = names.with_shape(tally_clickhouse::Shape::of(&job));
+    if let Some(path) = &args.config {
+        names = names.with_shape(Config::load(path)?.sink_shape());
     }
     let catalog = names.statement_catalog(
         tally_clickhouse::Frontier { seconds: args.from },
@@ -395,15 +393,12 @@ fn check_config(paths: &[PathBuf]) -> Result<()> {
 }
 
 fn check_job_file(path: &std::path::Path) -> Result<()> {
-    let (cfg, job) = Config::load_declared(path)?;
+    let cfg = Config::load(path)?;
+    let job = cfg.declared.as_ref().clone();
     let settings = cfg
         .effective_toml()
         .map_err(|e| anyhow::anyhow!("{}: cannot show the settings: {e}", path.display()))?;
     println!("# {}, every default filled in\n{settings}", path.display());
-    let Some(job) = job else {
-        println!("{}: ok", path.display());
-        return Ok(());
-    };
     print!("{}", tally_runtime::declaration::describe(&job));
     if job.format.is_framed() {
         let registry = tally_runtime::schemas::SchemaRegistry::new(&cfg.registry)?;
@@ -424,10 +419,7 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
             ),
         }
     }
-    match tally_runtime::declaration::built_in_fields(&job) {
-        Ok(_) => println!("runs on the built-in revenue_agg decoder"),
-        Err(_) => println!("runs as declared"),
-    }
+    println!("runs as declared");
     // What loadgen makes of the same declaration, so that the two never disagree unsaid.
     if job.changes.is_none() {
         match tally_tools::loadgen::filter_tests(&job) {

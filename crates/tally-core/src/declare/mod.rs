@@ -12,7 +12,11 @@ mod filter;
 mod framed;
 mod protobuf;
 mod resolve;
+mod revenue_agg;
 mod value;
+
+#[cfg(test)]
+pub(crate) mod built_in_oracle;
 
 #[cfg(test)]
 mod framed_tests;
@@ -24,7 +28,7 @@ pub(crate) mod tests;
 use std::collections::BTreeSet;
 use std::fmt;
 
-use compact_str::CompactString;
+use compact_str::{CompactString, ToCompactString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use smallvec::SmallVec;
@@ -36,6 +40,7 @@ pub use extract::{Cell, FieldReader, PathTree, StringFormat, TimeUnit};
 pub use filter::{Condition, ConditionDecl, Test};
 pub use framed::{Schemas, WriterSchema, message_indexes, schema_id};
 pub use protobuf::ProtobufDecoder;
+pub use revenue_agg::{FieldMapping, revenue_agg};
 pub use value::{
     FieldKind, FieldType, MAX_DECIMAL_SCALE, MAX_DECIMAL18_UNITS, Value, format_decimal,
     parse_decimal,
@@ -363,9 +368,16 @@ impl Job {
             (Some(Value::Time(ms)), None) => *ms,
             (_, None) => 0,
         };
-        let event_id = match &values[self.event_id] {
+        // The id is moved out unless a key or an aggregate reads the same field.
+        let id_used = self.keys.contains(&self.event_id)
+            || self
+                .aggregates
+                .iter()
+                .any(|a| a.field == Some(self.event_id));
+        let event_id = match &mut values[self.event_id] {
+            Some(Value::Str(s)) if !id_used => std::mem::take(s),
             Some(Value::Str(s)) => s.clone(),
-            Some(Value::Int(i)) => CompactString::from(i.to_string()),
+            Some(Value::Int(i)) => i.to_compact_string(),
             _ => CompactString::default(),
         };
         // A value is moved out at its last use, copied before it (a field may be a key and an
@@ -439,6 +451,20 @@ impl Job {
         }
         *value = next;
         Ok(())
+    }
+
+    /// What an event adds to the commit log's sum (`revenue_sum`, revenue_agg's revenue): the
+    /// input of the job's first exact sum, in units of its field's scale; 0 without one.
+    pub fn counted_units(&self, inputs: &[Option<Value>]) -> i128 {
+        let first_sum = self
+            .aggregates
+            .iter()
+            .zip(inputs)
+            .find(|(a, _)| a.function == Function::Sum && a.word_kinds() == [WordKind::Exact]);
+        match first_sum {
+            Some((_, Some(Value::Int(units) | Value::Decimal(units)))) => i128::from(*units),
+            _ => 0,
+        }
     }
 
     /// What one event adds to each of its windows: its inputs added to an empty value.

@@ -3,7 +3,8 @@
 
 use super::tests::{TUMBLING, event, job, mistakes, poison_of};
 use super::*;
-use crate::decode::{FieldMapping, RecordDecoder};
+use crate::declare::FieldMapping;
+use crate::declare::built_in_oracle::RecordDecoder;
 
 /// Shipments per carrier, with an optional `signed_by`: `present` is set by the test.
 fn shipments(present: bool) -> Job {

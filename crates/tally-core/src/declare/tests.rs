@@ -1,7 +1,9 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::decode::{FieldMapping, PoisonReason, RecordDecoder};
+use crate::declare::FieldMapping;
+use crate::declare::built_in_oracle::RecordDecoder;
+use crate::decode::PoisonReason;
 use crate::window_agg::{WindowAgg, Word};
 
 pub(crate) const REVENUE_AGG: &str = r#"

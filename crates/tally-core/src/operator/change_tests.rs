@@ -10,6 +10,7 @@ use super::*;
 use crate::declare::WindowRules;
 use crate::declare::tests::{ORDERS_CHANGES, job};
 use crate::mem::MemStore;
+use crate::window_agg::Word;
 
 const HOUR_MS: i64 = 3_600_000;
 const T0: i64 = 1_796_000_000_000 - 1_796_000_000_000 % HOUR_MS;

@@ -7,23 +7,23 @@
 //! made durable in one atomic write. Every decision is a function of each partition's record
 //! sequence alone, so where barriers fall never changes the final results.
 
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 
-use crate::amount::Amount;
-use crate::declare::{DeclaredEvent, Evaluation, Job, Position, Schemas};
-use crate::decode::{OrderEvent, Poison, PoisonReason, RecordDecoder};
+use crate::declare::{
+    DeclarationError, DeclaredEvent, Evaluation, FieldMapping, Job, Position, Schemas, WindowRules,
+};
+use crate::decode::{Poison, PoisonReason};
 use crate::seen_filter::{self, SeenIdFilter};
 use crate::source_row::SourceRow;
 use crate::types::{
     Accounting, CheckpointBarrier, DeadLetter, Epoch, Offset, OutputRow, PartitionId, WindowKey,
 };
 use crate::window::{Watermark, WindowSpec};
-use crate::window_agg::{WindowAgg, Word};
+use crate::window_agg::WindowAgg;
 
 /// The maps every record touches: a fast hash, seeded per process.
 type FastMap<K, V> = HashMap<K, V, foldhash::quality::RandomState>;
@@ -98,40 +98,41 @@ pub struct Record<'a> {
     pub value: Option<&'a [u8]>,
 }
 
-/// What the operator reads records as.
+/// What the operator reads records as: a declared job (revenue_agg's is
+/// [`crate::declare::revenue_agg`]).
 #[derive(Debug, Clone)]
-pub enum Program {
-    /// revenue_agg's decoder, written for its shape (the fastest path: BENCHMARKS.md).
-    BuiltIn(RecordDecoder),
-    /// Any declared job; one reading Avro or Protobuf takes its writer schemas from `schemas`.
-    Declared {
-        job: Arc<Job>,
-        max_record_bytes: usize,
-        schemas: Option<Arc<dyn Schemas>>,
-    },
+pub struct Program {
+    pub job: Arc<Job>,
+    pub max_record_bytes: usize,
+    /// A job reading Avro or Protobuf takes its writer schemas from here.
+    pub schemas: Option<Arc<dyn Schemas>>,
 }
 
 impl Program {
     /// A declared job of JSON events or changes (no schema registry).
     pub fn declared(job: Arc<Job>, max_record_bytes: usize) -> Program {
-        Program::Declared {
+        Program {
             job,
             max_record_bytes,
             schemas: None,
         }
     }
-}
 
-impl From<RecordDecoder> for Program {
-    fn from(decoder: RecordDecoder) -> Program {
-        Program::BuiltIn(decoder)
+    /// revenue_agg, its fields read from the keys `fields` names, in windows of `rules`.
+    pub fn revenue_agg(
+        fields: &FieldMapping,
+        rules: &OperatorConfig,
+        max_record_bytes: usize,
+    ) -> Result<Program, DeclarationError> {
+        let w = rules.window;
+        let job = crate::declare::revenue_agg(fields).resolve(WindowRules {
+            size_ms: w.size_ms,
+            slide_ms: (w.slide_ms != w.size_ms).then_some(w.slide_ms),
+            allowed_lateness_ms: rules.allowed_lateness_ms,
+            dedup_horizon_ms: rules.dedup_horizon_ms,
+        })?;
+        Ok(Program::declared(Arc::new(job), max_record_bytes))
     }
-}
-
-/// A valid record as the program read it.
-enum Input {
-    Order(OrderEvent),
-    Declared(Arc<Job>, DeclaredEvent),
 }
 
 /// What happened to a record.
@@ -450,154 +451,67 @@ impl WindowOperator {
         state.epoch.consumed += 1;
         state.totals.consumed += 1;
 
-        if let Program::Declared {
-            job,
-            max_record_bytes,
-            ..
-        } = &self.program
-            && job.changes.is_some()
-        {
-            let job = Arc::clone(job);
-            let max_record_bytes = *max_record_bytes;
+        let program = &self.program;
+        if program.job.changes.is_some() {
+            let job = Arc::clone(&program.job);
+            let max_record_bytes = program.max_record_bytes;
             return self.process_change(store, record, &job, max_record_bytes);
         }
-        let read = match &self.program {
-            Program::BuiltIn(decoder) => decoder.decode(record.value).map(Input::Order),
-            Program::Declared {
-                job,
-                max_record_bytes,
-                schemas,
-            } => match job.read(record.value, *max_record_bytes, schemas.as_deref()) {
-                Ok(Evaluation::Event(event)) => Ok(Input::Declared(Arc::clone(job), event)),
-                Ok(Evaluation::Filtered) => {
-                    state.epoch.filtered += 1;
-                    state.totals.filtered += 1;
-                    return Ok(Outcome::Filtered);
-                }
-                // Late before a missing field; a record it names does not move the watermark.
-                Ok(Evaluation::Incomplete {
-                    event_time_ms,
-                    poison,
-                }) => {
-                    let watermark = state
-                        .watermark
-                        .current(cfg.out_of_orderness_ms)
-                        .unwrap_or(i64::MIN);
-                    Err(cfg.late(event_time_ms, watermark).unwrap_or(poison))
-                }
-                Err(poison) => Err(poison),
-            },
-        };
-        let input = match read {
-            Ok(input) => input,
+        // The job is borrowed, not cloned, on this path: an Arc's two atomic operations per
+        // record showed in the profile.
+        let read = program.job.read(
+            record.value,
+            program.max_record_bytes,
+            program.schemas.as_deref(),
+        );
+        let event = match read {
+            Ok(Evaluation::Event(event)) => event,
+            Ok(Evaluation::Filtered) => {
+                state.epoch.filtered += 1;
+                state.totals.filtered += 1;
+                return Ok(Outcome::Filtered);
+            }
+            // Late before a missing field; a record it names does not move the watermark.
+            Ok(Evaluation::Incomplete {
+                event_time_ms,
+                poison,
+            }) => {
+                let watermark = state
+                    .watermark
+                    .current(cfg.out_of_orderness_ms)
+                    .unwrap_or(i64::MIN);
+                let poison = cfg.late(event_time_ms, watermark).unwrap_or(poison);
+                return Ok(self.dead_letter(record, poison));
+            }
             Err(poison) => return Ok(self.dead_letter(record, poison)),
         };
-        let (event_id, event_time_ms) = match &input {
-            Input::Order(e) => (e.event_id.as_str(), e.event_time_ms),
-            Input::Declared(_, e) => (e.event_id.as_str(), e.event_time_ms),
-        };
-        state.watermark.observe(event_time_ms);
+        state.watermark.observe(event.event_time_ms);
         let watermark = state
             .watermark
             .current(cfg.out_of_orderness_ms)
             .unwrap_or(i64::MIN);
 
-        let id_hash = seen_filter::id_hash(event_id.as_bytes());
-        if let Some(seen_at) = self.seen_event_time(store, record.partition, event_id, id_hash)?
+        let id_hash = seen_filter::id_hash(event.event_id.as_bytes());
+        if let Some(seen_at) =
+            self.seen_event_time(store, record.partition, &event.event_id, id_hash)?
             && seen_at.saturating_add(cfg.dedup_horizon_ms) > watermark
         {
             self.count(record.partition, |a| a.duplicates += 1);
             return Ok(Outcome::Duplicate);
         }
 
-        if let Some(late) = cfg.late(event_time_ms, watermark) {
+        if let Some(late) = cfg.late(event.event_time_ms, watermark) {
             return Ok(self.dead_letter(record, late));
         }
-
-        match input {
-            Input::Order(event) => self.aggregate(store, record, event, id_hash),
-            Input::Declared(job, event) => {
-                self.aggregate_declared(store, record, &job, event, id_hash, watermark)
-            }
-        }
+        self.aggregate(store, record, event, id_hash, watermark)
     }
 
+    /// Adds an event to each of its windows the watermark has not closed (all or none: an
+    /// overflow in one leaves every window as it was and dead-letters the record).
     fn aggregate<S: StateReader>(
         &mut self,
         store: &S,
         record: Record<'_>,
-        event: OrderEvent,
-        id_hash: u64,
-    ) -> Result<Outcome, S::Error> {
-        let key = WindowKey::of_orders(
-            self.config.window.start_of(event.event_time_ms),
-            event.customer_id,
-            event.currency,
-        );
-        // In place, and only if both fit: an overflow leaves the window as it was.
-        let add = |value: &mut WindowAgg| -> Result<(), Amount> {
-            let [Word::Count(orders), Word::Exact(revenue)] = value.words_mut() else {
-                return Err(Amount(0));
-            };
-            let added = Amount(*revenue)
-                .checked_add_decimal18(event.amount)
-                .zip(orders.checked_add(1));
-            let (new_revenue, new_orders) = added.ok_or(Amount(*revenue))?;
-            (*revenue, *orders) = (new_revenue.0, new_orders);
-            Ok(())
-        };
-        // One hash of the key per record: the entry is looked up once and filled in place.
-        let added = match self
-            .dirty_windows
-            .entry(record.partition)
-            .or_default()
-            .entry(key)
-        {
-            Entry::Occupied(mut held) => add(held.get_mut()),
-            Entry::Vacant(slot) => {
-                let mut current = store
-                    .window(record.partition, slot.key())?
-                    .unwrap_or_else(|| WindowAgg::of_orders(0, Amount(0)));
-                add(&mut current).map(|()| {
-                    self.state_bytes += window_bytes(slot.key(), &current);
-                    slot.insert(current);
-                })
-            }
-        };
-        if let Err(current) = added {
-            let message = format!(
-                "adding {} to window revenue {current} would exceed Decimal(18,4)",
-                event.amount
-            );
-            return Ok(self.dead_letter(
-                record,
-                Poison {
-                    reason: PoisonReason::TooLarge,
-                    message,
-                },
-            ));
-        }
-        self.remember(
-            record.partition,
-            event.event_id,
-            event.event_time_ms,
-            id_hash,
-        );
-        let amount: Amount = event.amount;
-        self.count(record.partition, |a| {
-            a.aggregated += 1;
-            a.revenue_units += i128::from(amount.units());
-        });
-        Ok(Outcome::Aggregated)
-    }
-
-    /// Adds a declared job's event to each of its windows the watermark has not closed (all
-    /// or none: an overflow in one leaves every window as it was and dead-letters the record).
-    fn aggregate_declared<S: StateReader>(
-        &mut self,
-        store: &S,
-        record: Record<'_>,
-        job: &Job,
         event: DeclaredEvent,
         id_hash: u64,
         watermark: i64,
@@ -609,7 +523,9 @@ impl WindowOperator {
             key,
             inputs,
         } = event;
+        let job = &self.program.job;
         let group = group_key(job, key);
+        let units = job.counted_units(&inputs);
         let windows = self.dirty_windows.entry(record.partition).or_default();
         let added = if cfg.window.slide_ms == cfg.window.size_ms {
             // One window, open (the record is not late): looked up once and added to in place.
@@ -652,7 +568,10 @@ impl WindowOperator {
         };
         self.state_bytes += added_bytes;
         self.remember(record.partition, event_id, event_time_ms, id_hash);
-        self.count(record.partition, |a| a.aggregated += 1);
+        self.count(record.partition, |a| {
+            a.aggregated += 1;
+            a.revenue_units += units;
+        });
         Ok(Outcome::Aggregated)
     }
 

@@ -1,5 +1,6 @@
 use super::*;
-use crate::decode::FieldMapping;
+use crate::amount::Amount;
+use crate::declare::FieldMapping;
 use crate::mem::MemStore;
 
 fn operator() -> WindowOperator {
@@ -11,7 +12,7 @@ fn operator() -> WindowOperator {
     };
     WindowOperator::restore(
         config,
-        RecordDecoder::new(FieldMapping::default(), 4096),
+        Program::revenue_agg(&FieldMapping::default(), &config, 4096).expect("revenue_agg"),
         Epoch(0),
         &BTreeMap::new(),
     )
@@ -95,7 +96,7 @@ fn new_ids_skip_the_store_once_the_filter_is_complete() {
     // Restored from the store: every lookup goes to the store until the filter is adopted.
     let mut op = WindowOperator::restore(
         op.config,
-        RecordDecoder::new(FieldMapping::default(), 4096),
+        Program::revenue_agg(&FieldMapping::default(), &op.config, 4096).expect("revenue_agg"),
         store.inner.epoch,
         &store.inner.partitions,
     );
@@ -239,7 +240,7 @@ fn dedup_entries_expire_by_event_time() {
     };
     let mut op = WindowOperator::restore(
         config,
-        RecordDecoder::new(FieldMapping::default(), 4096),
+        Program::revenue_agg(&FieldMapping::default(), &config, 4096).expect("revenue_agg"),
         Epoch(0),
         &BTreeMap::new(),
     );

@@ -96,10 +96,9 @@ pub(super) fn add_to_windows<S: StateReader>(
 
 /// The group key of an event's key values, as the view shows them.
 pub(super) fn group_key(job: &Job, values: SmallVec<[Value; 4]>) -> GroupKey {
-    GroupKey::new(
-        job.keys
-            .iter()
-            .zip(values)
-            .map(|(&field, value)| value.into_key_text(job.fields[field].scale)),
-    )
+    let mut parts = SmallVec::with_capacity(values.len());
+    for (value, &field) in values.into_iter().zip(&job.keys) {
+        parts.push(value.into_key_text(job.fields[field].scale));
+    }
+    GroupKey::from_parts(parts)
 }

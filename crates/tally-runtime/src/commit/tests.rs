@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tally_core::{CheckpointBarrier, Epoch, Record, RecordDecoder, WindowOperator};
+use tally_core::{CheckpointBarrier, Epoch, Record, WindowOperator};
 use tally_state::{EpochStatus, StateStore};
 
 use super::fakes::{FakeClickHouse, FakeKafka};
@@ -50,7 +50,7 @@ impl Rig {
         let store = Arc::new(StateStore::open(dir.path(), "unit@orders").expect("store"));
         let mut op = WindowOperator::restore(
             config.operator(),
-            RecordDecoder::new(config.field_mapping(), 4096),
+            config.program(),
             Epoch(0),
             &BTreeMap::new(),
         );

@@ -138,6 +138,14 @@ pub fn remake(
     let committed = clickhouse
         .is_committed(&ours)
         .map_err(Failure::into_error)?;
+    // Releases before one engine recorded no sum for a declared job's batch.
+    let recorded = recorded.map(|r| match r.revenue_units {
+        0 => tally_clickhouse::BatchTotals {
+            revenue_units: made.revenue_units,
+            ..r
+        },
+        _ => r,
+    });
     if recorded.as_ref() != Some(&made) || !committed {
         bail!(
             "made again from the source, epoch {} is {made:?}, but ClickHouse recorded {recorded:?}",

@@ -117,34 +117,44 @@ pub enum StartFrom {
     Latest,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// A job's settings, parsed and checked (see [`Config::parse`]).
+#[derive(Debug, Clone, Serialize)]
 pub struct Config {
     pub job: JobConfig,
     pub kafka: KafkaConfig,
-    #[serde(default)]
-    pub fields: FieldsConfig,
-    #[serde(default)]
     pub window: WindowConfig,
     pub clickhouse: ClickHouseConfig,
-    #[serde(default)]
     pub metrics: MetricsConfig,
     /// A change job's source database and capture (`reconcile --source`, `doctor`, loadgen).
-    #[serde(default)]
     pub source: SourceDatabaseConfig,
     /// The schema registry of a job reading Avro or Protobuf.
-    #[serde(default)]
     pub registry: SchemaRegistryConfig,
-    /// The job declared: typed fields, filter, keys and aggregates (see `declaration.rs`).
-    #[serde(skip_serializing)]
-    pub aggregation: Option<tally_core::declare::Declaration>,
-    /// The declared job, when it is not revenue_agg's shape (which the built-in decoder runs,
-    /// named by [`Config::fields`]).
+    /// What the job computes: its `[aggregation]`, or revenue_agg's under the names of a
+    /// `[fields]` section (the job files of the releases before declarations).
     #[serde(skip)]
-    pub declared: Option<std::sync::Arc<tally_core::declare::Job>>,
+    pub declared: std::sync::Arc<tally_core::declare::Job>,
     /// A job of Avro or Protobuf records: its writer schemas, from the registry, by id.
     #[serde(skip)]
     pub schemas: Option<std::sync::Arc<crate::schemas::SchemaCache>>,
+}
+
+/// The job file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    job: JobConfig,
+    kafka: KafkaConfig,
+    fields: Option<FieldsConfig>,
+    #[serde(default)]
+    window: WindowConfig,
+    clickhouse: ClickHouseConfig,
+    #[serde(default)]
+    metrics: MetricsConfig,
+    #[serde(default)]
+    source: SourceDatabaseConfig,
+    #[serde(default)]
+    registry: SchemaRegistryConfig,
+    aggregation: Option<tally_core::declare::Declaration>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -257,6 +267,7 @@ pub struct KafkaConfig {
     pub client: BTreeMap<String, String>,
 }
 
+/// `[fields]`: the keys revenue_agg reads, in a job file of the releases before declarations.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FieldsConfig {
@@ -281,6 +292,18 @@ impl From<FieldMapping> for FieldsConfig {
             currency: m.currency,
             amount: m.amount,
             event_time: m.event_time,
+        }
+    }
+}
+
+impl From<FieldsConfig> for FieldMapping {
+    fn from(f: FieldsConfig) -> Self {
+        FieldMapping {
+            event_id: f.event_id,
+            customer_id: f.customer_id,
+            currency: f.currency,
+            amount: f.amount,
+            event_time: f.event_time,
         }
     }
 }
@@ -463,15 +486,6 @@ impl Config {
         Config::parse(&file, &text, env)
     }
 
-    /// Loads a job file with its declaration resolved (for `check-config` and `schema`).
-    pub fn load_declared(
-        path: &Path,
-    ) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
-        let vars: Vec<(String, String)> = std::env::vars().collect();
-        let (file, text) = read(path)?;
-        Config::parse_declared(&file, &text, &vars)
-    }
-
     /// The subject the topic's values are registered under: `registry.subject`, or Confluent's
     /// TopicNameStrategy, `<topic>-value`.
     pub fn registry_subject(&self) -> String {
@@ -482,14 +496,10 @@ impl Config {
     }
 
     /// The settings as the job runs them, every default filled in, as TOML (`check-config`).
-    /// Passwords show as `***`; `[aggregation]` is left to `describe`, and `[fields]` (the
-    /// built-in decoder's names) shows only for a job without one.
+    /// Passwords show as `***`; the declaration is left to `describe`.
     pub fn effective_toml(&self) -> Result<String, String> {
         let mut value = toml::Value::try_from(self).map_err(|e| e.to_string())?;
         if let toml::Value::Table(sections) = &mut value {
-            if self.aggregation.is_some() {
-                sections.remove("fields");
-            }
             for (_, section) in sections.iter_mut() {
                 if let toml::Value::Table(keys) = section {
                     keys.retain(|_, v| !matches!(v, toml::Value::Table(t) if t.is_empty()));
@@ -500,41 +510,13 @@ impl Config {
         toml::to_string(&value).map_err(|e| e.to_string())
     }
 
-    /// Parses and checks a job file. A declaration of revenue_agg's shape runs on the built-in
-    /// decoder under the field names it declares, so that a deployment that named them in
-    /// `[fields]` keeps its identity, state and tables; any other runs as declared.
+    /// Parses and checks a job file, its declaration resolved: its `[aggregation]`, or
+    /// revenue_agg's (under the names of its `[fields]`, if any) for a file without one.
     pub fn parse(file: &str, text: &str, env: &[(String, String)]) -> Result<Config, ConfigError> {
-        let (mut config, job) = Config::parse_declared(file, text, env)?;
-        if let Some(job) = job {
-            match crate::declaration::built_in_fields(&job) {
-                Ok(fields) => config.fields = FieldsConfig::from(fields),
-                Err(_) => config.declared = Some(std::sync::Arc::new(job)),
-            }
-        }
-        if let Some(job) = config.declared.clone().filter(|j| j.format.is_framed()) {
-            let cache = crate::schemas::SchemaRegistry::new(&config.registry)
-                .and_then(|registry| crate::schemas::SchemaCache::new(registry, job))
-                .map_err(|e| ConfigError::Key {
-                    file: file.to_owned(),
-                    key: "registry".into(),
-                    message: format!("{e:#}"),
-                })?;
-            config.schemas = Some(std::sync::Arc::new(cache));
-        }
-        Ok(config)
-    }
-
-    /// Parses and checks a job file, its declaration (if any) resolved.
-    pub fn parse_declared(
-        file: &str,
-        text: &str,
-        env: &[(String, String)],
-    ) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             file: file.to_owned(),
             message: e.to_string(),
         })?;
-        let has_fields = table.contains_key("fields");
         let mut from_env = BTreeMap::new();
         for (name, value) in env {
             let Some(rest) = name.strip_prefix("TALLY_") else {
@@ -554,8 +536,8 @@ impl Config {
             })?;
             from_env.insert(path.join("."), name.clone());
         }
-        let config: Config =
-            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+        let parsed: ConfigFile = serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| {
                 let key = e.path().to_string();
                 let key = match from_env.get(&key) {
                     Some(var) => format!("{key} (from {var})"),
@@ -567,34 +549,33 @@ impl Config {
                     message: e.into_inner().to_string(),
                 }
             })?;
-        config
-            .validate()
-            .map_err(|(key, message)| ConfigError::Key {
-                file: file.to_owned(),
-                key: key.to_owned(),
-                message,
-            })?;
+        let invalid = |(key, message): (&str, String)| ConfigError::Key {
+            file: file.to_owned(),
+            key: key.to_owned(),
+            message,
+        };
+        if let Some(fields) = &parsed.fields {
+            fields.validate().map_err(invalid)?;
+        }
         let refuse = |key: &str, message: &str| ConfigError::Key {
             file: file.to_owned(),
             key: key.to_owned(),
             message: message.to_owned(),
         };
-        let Some(declaration) = &config.aggregation else {
-            if config.window.slide.is_some_and(|s| s != config.window.size) {
+        let declaration = match (parsed.aggregation, &parsed.fields) {
+            (Some(_), Some(_)) => {
                 return Err(refuse(
-                    "window.slide",
-                    "hopping windows need an [aggregation] declaration",
+                    "fields",
+                    "a job declares its fields in [[aggregation.field]] or names them in [fields], not both",
                 ));
             }
-            return Ok((config, None));
+            (Some(declaration), None) => declaration,
+            (None, fields) => {
+                let fields = fields.clone().unwrap_or_default();
+                tally_core::declare::revenue_agg(&FieldMapping::from(fields))
+            }
         };
-        if has_fields {
-            return Err(refuse(
-                "fields",
-                "a job declares its fields in [[aggregation.field]] or names them in [fields], not both",
-            ));
-        }
-        let w = &config.window;
+        let w = &parsed.window;
         let rules = tally_core::declare::WindowRules {
             size_ms: w.size.0,
             slide_ms: w.slide.map(|s| s.0),
@@ -607,7 +588,49 @@ impl Config {
                 file: file.to_owned(),
                 error,
             })?;
-        Ok((config, Some(job)))
+        let mut config = Config {
+            job: parsed.job,
+            kafka: parsed.kafka,
+            window: parsed.window,
+            clickhouse: parsed.clickhouse,
+            metrics: parsed.metrics,
+            source: parsed.source,
+            registry: parsed.registry,
+            declared: std::sync::Arc::new(job),
+            schemas: None,
+        };
+        config.validate().map_err(invalid)?;
+        if config.declared.format.is_framed() {
+            let cache = crate::schemas::SchemaRegistry::new(&config.registry)
+                .and_then(|registry| {
+                    crate::schemas::SchemaCache::new(
+                        registry,
+                        std::sync::Arc::clone(&config.declared),
+                    )
+                })
+                .map_err(|e| ConfigError::Key {
+                    file: file.to_owned(),
+                    key: "registry".into(),
+                    message: format!("{e:#}"),
+                })?;
+            config.schemas = Some(std::sync::Arc::new(cache));
+        }
+        Ok(config)
+    }
+
+    /// The declaration the tools (verify, reconcile, probe, doctor, loadgen) read the job by;
+    /// `None` for revenue_agg, whose tools read and generate its columns by name.
+    pub fn tools_declaration(&self) -> Option<&std::sync::Arc<tally_core::declare::Job>> {
+        match self.revenue_agg_fields() {
+            Some(_) => None,
+            None => Some(&self.declared),
+        }
+    }
+
+    /// The names revenue_agg reads its fields under, when the job is revenue_agg's shape (its
+    /// identity then records them as a job of the releases before declarations did).
+    pub fn revenue_agg_fields(&self) -> Option<FieldMapping> {
+        crate::declaration::built_in_fields(&self.declared).ok()
     }
 
     pub fn dlq_topic(&self) -> String {
@@ -692,17 +715,6 @@ impl Config {
         }
     }
 
-    pub fn field_mapping(&self) -> FieldMapping {
-        let f = &self.fields;
-        FieldMapping {
-            event_id: f.event_id.clone(),
-            customer_id: f.customer_id.clone(),
-            currency: f.currency.clone(),
-            amount: f.amount.clone(),
-            event_time: f.event_time.clone(),
-        }
-    }
-
     pub fn kafka_settings(&self) -> tally_kafka::KafkaSettings {
         tally_kafka::KafkaSettings {
             brokers: self.kafka.brokers.clone(),
@@ -761,39 +773,26 @@ impl Config {
         }
     }
 
-    /// What the operator reads records as: the declared job, or revenue_agg's decoder.
+    /// What the operator reads records as.
     pub fn program(&self) -> tally_core::Program {
-        let max_record_bytes = usize::try_from(self.job.max_record_bytes).unwrap_or(usize::MAX);
-        match &self.declared {
-            Some(job) => tally_core::Program::Declared {
-                job: std::sync::Arc::clone(job),
-                max_record_bytes,
-                schemas: self
-                    .schemas
-                    .clone()
-                    .map(|s| s as std::sync::Arc<dyn tally_core::declare::Schemas>),
-            },
-            None => tally_core::Program::BuiltIn(tally_core::RecordDecoder::new(
-                self.field_mapping(),
-                max_record_bytes,
-            )),
+        tally_core::Program {
+            job: std::sync::Arc::clone(&self.declared),
+            max_record_bytes: usize::try_from(self.job.max_record_bytes).unwrap_or(usize::MAX),
+            schemas: self
+                .schemas
+                .clone()
+                .map(|s| s as std::sync::Arc<dyn tally_core::declare::Schemas>),
         }
     }
 
     /// The shape of the job's rows in the state directory.
     pub fn row_shape(&self) -> tally_core::RowShape {
-        match &self.declared {
-            Some(job) => job.row_shape(),
-            None => tally_core::RowShape::orders(),
-        }
+        self.declared.row_shape()
     }
 
     /// The shape of the job's rows in ClickHouse.
     pub fn sink_shape(&self) -> tally_clickhouse::Shape {
-        match &self.declared {
-            Some(job) => tally_clickhouse::Shape::of(job),
-            None => tally_clickhouse::Shape::revenue_agg(),
-        }
+        tally_clickhouse::Shape::of(&self.declared)
     }
 
     /// Identity stored in the state directory: the job and the topic it reads.

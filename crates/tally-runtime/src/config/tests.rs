@@ -165,22 +165,51 @@ const PAGE_VIEWS: &str = include_str!("../../../../config/page_views.toml");
 const API_LATENCY: &str = include_str!("../../../../config/api_latency.toml");
 
 fn declared(text: &str) -> Result<(Config, Option<tally_core::declare::Job>), ConfigError> {
-    Config::parse_declared("job.toml", text, &[])
+    Config::parse("job.toml", text, &[]).map(|c| {
+        let job = c.declared.as_ref().clone();
+        (c, Some(job))
+    })
 }
 
-/// The shipped revenue_agg is a declaration that the built-in operator runs with the field
-/// names of the `[fields]` it replaces: the job's identity (and so an existing deployment's
-/// state, changelog and tables) is unchanged.
+/// The shipped revenue_agg is a declaration whose identity records the field names of the
+/// `[fields]` it replaces (and so an existing deployment's state, changelog and tables are
+/// unchanged); a file without `[aggregation]` runs the same declaration, its rows of the shape
+/// the releases before wrote.
 #[test]
 fn the_declared_revenue_agg_runs_with_the_fields_it_always_had() {
     let config = Config::parse("revenue_agg.toml", REVENUE_AGG, &[]).expect("runs");
-    assert_eq!(config.field_mapping(), tally_core::FieldMapping::default());
+    assert_eq!(
+        config.revenue_agg_fields(),
+        Some(tally_core::FieldMapping::default())
+    );
+    assert_eq!(config.row_shape(), tally_core::RowShape::orders());
+    assert_eq!(config.sink_shape(), tally_clickhouse::Shape::revenue_agg());
+    let without = REVENUE_AGG
+        .split("\n[aggregation]")
+        .next()
+        .unwrap_or_default();
+    let plain = Config::parse("revenue_agg.toml", without, &[]).expect("runs");
+    assert_eq!(plain.declared, config.declared);
+    let fields = format!(
+        "{without}\n[fields]\nevent_id = \"event_id\"\ncustomer_id = \"customer_id\"\ncurrency = \"currency\"\namount = \"total\"\nevent_time = \"event_time\"\n"
+    );
+    let named = Config::parse("revenue_agg.toml", &fields, &[]).expect("runs");
+    assert_eq!(
+        named.revenue_agg_fields().map(|f| f.amount),
+        Some("total".into())
+    );
+    let dotted = fields.replace("\"total\"", "\"order.total\"");
+    let refused = Config::parse("revenue_agg.toml", &dotted, &[]).expect_err("dotted");
+    assert!(refused.to_string().contains("fields.amount"), "{refused}");
     let renamed = REVENUE_AGG.replace(
         "name = \"amount\"\ntype = \"decimal\"",
         "name = \"amount\"\npath = \"total\"\ntype = \"decimal\"",
     );
     let config = Config::parse("revenue_agg.toml", &renamed, &[]).expect("runs");
-    assert_eq!(config.field_mapping().amount, "total");
+    assert_eq!(
+        config.revenue_agg_fields().map(|f| f.amount),
+        Some("total".into())
+    );
 }
 
 #[test]
@@ -203,8 +232,7 @@ fn the_example_declarations_are_valid_and_say_why_this_release_does_not_run_them
         assert!(described.contains(view), "{described}");
         // Run as declared, with the declaration's shape in the state and in ClickHouse.
         let config = Config::parse("job.toml", text, &[]).expect("runs");
-        let declared = config.declared.as_deref().expect("runs as declared");
-        assert_eq!(declared, &job);
+        assert_eq!(config.declared.as_ref(), &job);
         assert_eq!(config.row_shape(), job.row_shape());
         assert_eq!(config.sink_shape(), tally_clickhouse::Shape::of(&job));
         assert!(
@@ -273,11 +301,11 @@ fn a_job_names_its_fields_one_way() {
         .next()
         .expect("has a declaration")
         .replace("size = \"60s\"", "size = \"60s\"\nslide = \"30s\"");
-    let refused = declared(&hopping).expect_err("slide").to_string();
-    assert_eq!(
-        refused,
-        "job.toml: window.slide: hopping windows need an [aggregation] declaration"
-    );
+    // Without a declaration the job is revenue_agg's, which hops as any declaration does (and
+    // is then recorded by its declaration, the built-in decoder never having hopped).
+    let (config, _) = declared(&hopping).expect("revenue_agg hops");
+    assert_eq!(config.declared.windows.slide_ms, 30_000);
+    assert_eq!(config.revenue_agg_fields(), None);
 }
 
 #[test]
@@ -356,7 +384,7 @@ fn the_reference_names_every_option_and_only_those() {
         ("aggregation.filter[]", keys_of::<ConditionDecl>()),
         ("aggregation.aggregate[]", keys_of::<AggregateDecl>()),
     ];
-    let top = keys_of::<Config>();
+    let top = keys_of::<ConfigFile>();
     let known: Vec<&str> = sections.iter().map(|(s, _)| *s).collect();
     assert!(
         top.iter().all(|s| known.contains(s)),

@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 
-use super::{Config, Millis, is_table_name};
+use super::{Config, FieldsConfig, Millis, is_table_name};
 
 impl Config {
     pub(super) fn validate(&self) -> Result<(), (&'static str, String)> {
@@ -22,15 +22,9 @@ impl Config {
             ));
         }
         // A job of changes names its rows by primary key and keeps no event ids.
-        let changes = self
-            .aggregation
-            .as_ref()
-            .is_some_and(|d| d.format.is_changes());
+        let changes = self.declared.format.is_changes();
         let dedup = !changes;
-        let framed = self
-            .aggregation
-            .as_ref()
-            .is_some_and(|d| d.format.is_framed());
+        let framed = self.declared.format.is_framed();
         if framed && self.registry.url.is_none() {
             return Err((
                 "registry.url",
@@ -258,15 +252,30 @@ impl Config {
                 ),
             ));
         }
+        Ok(())
+    }
+}
+
+impl FieldsConfig {
+    pub(super) fn validate(&self) -> Result<(), (&'static str, String)> {
         for (key, field) in [
-            ("fields.event_id", &self.fields.event_id),
-            ("fields.customer_id", &self.fields.customer_id),
-            ("fields.currency", &self.fields.currency),
-            ("fields.amount", &self.fields.amount),
-            ("fields.event_time", &self.fields.event_time),
+            ("fields.event_id", &self.event_id),
+            ("fields.customer_id", &self.customer_id),
+            ("fields.currency", &self.currency),
+            ("fields.amount", &self.amount),
+            ("fields.event_time", &self.event_time),
         ] {
             if field.is_empty() {
                 return Err((key, "must not be empty".into()));
+            }
+            // A declaration reads a dotted path as nested keys.
+            if field.contains('.') {
+                return Err((
+                    key,
+                    format!(
+                        "{field:?}: [fields] names top-level keys; declare a nested field's path in [[aggregation.field]]"
+                    ),
+                ));
             }
         }
         Ok(())

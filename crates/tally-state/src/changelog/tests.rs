@@ -4,8 +4,7 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use tally_core::{
-    CheckpointBarrier, FieldMapping, OperatorConfig, Record, RecordDecoder, WindowOperator,
-    WindowSpec,
+    CheckpointBarrier, FieldMapping, OperatorConfig, Program, Record, WindowOperator, WindowSpec,
 };
 
 use super::*;
@@ -122,7 +121,8 @@ fn run_owner_epochs(
     epochs: &[Vec<Event>],
     chunk_bytes: usize,
 ) -> Vec<Committed> {
-    let decoder = RecordDecoder::new(FieldMapping::default(), 1 << 20);
+    let decoder =
+        Program::revenue_agg(&FieldMapping::default(), &rules(), 1 << 20).expect("revenue_agg");
     let op = WindowOperator::restore(rules(), decoder, Epoch(0), &BTreeMap::new())
         .with_seen_filter_capacity(64);
     run_epochs(owner, op, epochs, chunk_bytes, false)

@@ -26,7 +26,7 @@ pub struct SourceDatabase {
 impl SourceDatabase {
     /// The job's source, the URL `url` overriding `source.postgres`.
     pub fn of(config: &Config, url: Option<&str>) -> Result<SourceDatabase> {
-        if config.declared.as_ref().is_none_or(|j| j.changes.is_none()) {
+        if config.declared.changes.is_none() {
             bail!(
                 "job {}: only a job of change events (aggregation.format = \"debezium-json\") has a source table",
                 config.job.name

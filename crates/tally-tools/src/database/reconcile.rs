@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use tally_clickhouse::{ClickHouseSink, Cut};
 use tally_core::WindowAgg;
 use tally_core::declare::{Function, Job, lsn_text};
@@ -211,12 +211,7 @@ pub async fn reconcile_source(
     wait: Duration,
     print: bool,
 ) -> Result<SourceReconciliation> {
-    let Some(job) = config.declared.clone() else {
-        bail!(
-            "reconcile --source: job {} is not declared",
-            config.job.name
-        );
-    };
+    let job = config.declared.clone();
     let source = SourceDatabase::of(config, url)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let types = ViewTypes::of(config, &job)?;

@@ -393,11 +393,7 @@ mod tests {
             &[],
         )
         .expect("the shipped orders job parses");
-        config
-            .declared
-            .as_deref()
-            .cloned()
-            .expect("runs as declared")
+        config.declared.as_ref().clone()
     }
 
     const ORDERS_COLUMNS: &[(&str, &str)] = &[

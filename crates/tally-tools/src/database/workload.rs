@@ -453,9 +453,7 @@ pub async fn run(
     spec: &WorkloadSpec,
     manifest_path: &Path,
 ) -> Result<WorkloadManifest> {
-    let Some(job) = config.declared.as_deref() else {
-        bail!("loadgen: job {} is not declared", config.job.name);
-    };
+    let job = config.declared.as_ref();
     let pk_index = integer_key(job)?;
     let source = SourceDatabase::of(config, None)?;
     let client = source.connect().await?;

@@ -96,10 +96,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let source_duplicates = reconciled
         .as_ref()
         .map_or_else(|_| "?".to_owned(), |r| r.source_duplicates.to_string());
-    let changes = config
-        .declared
-        .as_ref()
-        .is_some_and(|j| j.changes.is_some());
+    let changes = config.declared.changes.is_some();
     // A change job's source table: the capture into the topic, and the table itself.
     let with_source = changes && config.source.postgres.is_some();
     if with_source {
@@ -459,7 +456,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 },
                 r.keys,
                 r.mismatched,
-                if config.declared.is_some() {
+                if config.revenue_agg_fields().is_none() {
                     format!("records counted ratio {:.6}", r.orders_ratio())
                 } else {
                     format!(

@@ -115,7 +115,7 @@ async fn replica_row(
     // Written → Queryable: the view shows each key once, and exactly what was committed.
     let unpublished_after = config.job.session_timeout.as_duration() + Duration::from_secs(30);
     let compare_totals = config.clickhouse.retention.is_none();
-    let shown = match &config.declared {
+    let shown = match config.tools_declaration() {
         Some(job) => {
             declared_view(
                 config,

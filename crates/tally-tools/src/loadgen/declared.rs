@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
@@ -770,9 +770,7 @@ impl DeclaredManifest {
 
 /// Produces a stream for the job's declaration to its source topic and writes the manifest.
 pub async fn produce_declared(config: &Config, opts: LoadOptions) -> Result<DeclaredManifest> {
-    let Some(job) = config.declared.clone() else {
-        bail!("the job declares no [aggregation] of its own: run loadgen's revenue_agg stream");
-    };
+    let job = Arc::clone(&config.declared);
     let topic = &config.kafka.source_topic;
     let (producer, partitions) = open_source(config, opts.partitions).await?;
     let mut spec = opts.spec;

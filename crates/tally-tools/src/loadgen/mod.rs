@@ -693,7 +693,7 @@ pub(crate) fn run_through_operator<R>(
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
-    use tally_core::{FieldMapping, RecordDecoder, WindowSpec};
+    use tally_core::{FieldMapping, Program, WindowSpec};
 
     fn rules() -> OperatorConfig {
         OperatorConfig {
@@ -729,7 +729,7 @@ mod tests {
             let mut manifest = Manifest::default();
             let run = run_through_operator(
                 rules(),
-                RecordDecoder::new(FieldMapping::default(), 2048),
+                Program::revenue_agg(&FieldMapping::default(), &rules(), 2048).unwrap(),
                 20_000,
                 || generator.next_record(),
                 |r| r,

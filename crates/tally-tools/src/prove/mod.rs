@@ -26,7 +26,7 @@ pub async fn reconcile(
     filter: &ReconcileFilter,
     print: bool,
 ) -> anyhow::Result<Reconciliation> {
-    match &config.declared {
+    match config.tools_declaration() {
         Some(job) => reconcile_declared::reconcile_declared(config, job, filter, print).await,
         None => reconcile::reconcile(config, filter, print).await,
     }

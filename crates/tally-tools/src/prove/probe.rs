@@ -95,13 +95,14 @@ fn per_first_key(view: &Counted) -> BTreeMap<&str, u64> {
 
 /// The view's rows as the probe counts them.
 async fn read_counted(sink: &ClickHouseSink, config: &Config) -> tally_clickhouse::Result<Counted> {
-    let Some(job) = &config.declared else {
+    if config.revenue_agg_fields().is_some() {
         let view = sink.read_view().await?;
         return Ok(view
             .into_iter()
             .map(|((w, customer, currency), (orders, _))| ((w, vec![customer, currency]), orders))
             .collect());
-    };
+    }
+    let job = &config.declared;
     let count = job
         .aggregates
         .iter()
@@ -130,10 +131,7 @@ pub async fn probe(
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let until = duration.map(|d| Instant::now() + d);
     let mut report = ProbeReport {
-        retracts: config
-            .declared
-            .as_ref()
-            .is_some_and(|j| j.changes.is_some()),
+        retracts: config.declared.changes.is_some(),
         ..ProbeReport::default()
     };
     let mut previous = BTreeMap::new();

@@ -184,7 +184,7 @@ pub async fn reconcile_every(
         vec![(config.job.name.clone(), readiness)],
     )
     .await?;
-    match &config.declared {
+    match config.tools_declaration() {
         Some(job) => {
             let rows = super::reconcile_declared::DeclaredRows::of(config, job)?;
             every_round(

@@ -148,7 +148,7 @@ fn the_shipped_examples_ground_truth_matches_the_operator() {
         let path = format!("{}/../../config/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
         let config = tally_runtime::config::Config::parse(file, &text, &[]).unwrap();
-        let job = config.declared.clone().expect("declared");
+        let job = config.declared.clone();
         assert_ground_truth(&job, config.operator(), reasons);
     }
 }
@@ -161,7 +161,7 @@ fn assert_ground_truth(job: &Arc<Job>, rules: OperatorConfig, reasons: usize) {
         let mut program = Program::declared(Arc::clone(job), 2048);
         if job.format.is_framed() {
             let writer = FramedWriter::offline(job, 20_000, [11, 12, 13, 14, 15]).unwrap();
-            program = Program::Declared {
+            program = Program {
                 job: Arc::clone(job),
                 max_record_bytes: 2048,
                 schemas: Some(writer.schemas(job).unwrap()),
