@@ -43,5 +43,10 @@ async fn a_worker_stopped_while_kafka_is_down_exits_and_loses_nothing() {
     let view = wait_for_view(&job, &manifest, Duration::from_secs(120)).await;
     assert_view_eq(&view, &manifest.rows, &job.log());
     sigterm(&again);
-    assert!(wait_exit(&mut again, Duration::from_secs(60)).is_some_and(|s| s.success()));
+    let status = wait_exit(&mut again, Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the restarted worker did not exit 0 at SIGTERM ({status:?}):\n{}",
+        job.log()
+    );
 }
