@@ -192,6 +192,8 @@ pub struct Job {
     pub filter: Vec<Condition>,
     /// Per field: the filter lets it be absent (`present = false`), so it is not read.
     may_be_absent: Vec<bool>,
+    /// A key or an aggregate reads the event id's field too, so the id is copied, not moved.
+    event_id_shared: bool,
     pub aggregates: Vec<Aggregate>,
     pub windows: WindowSpec,
     /// Set for a job of change events: its primary key and the envelope around its rows.
@@ -368,14 +370,8 @@ impl Job {
             (Some(Value::Time(ms)), None) => *ms,
             (_, None) => 0,
         };
-        // The id is moved out unless a key or an aggregate reads the same field.
-        let id_used = self.keys.contains(&self.event_id)
-            || self
-                .aggregates
-                .iter()
-                .any(|a| a.field == Some(self.event_id));
         let event_id = match &mut values[self.event_id] {
-            Some(Value::Str(s)) if !id_used => std::mem::take(s),
+            Some(Value::Str(s)) if !self.event_id_shared => std::mem::take(s),
             Some(Value::Str(s)) => s.clone(),
             Some(Value::Int(i)) => i.to_compact_string(),
             _ => CompactString::default(),

@@ -307,7 +307,12 @@ impl Declaration {
                     envelope: change::Envelope::new(&fields, &primary_key),
                     primary_key,
                 });
+                // Worked out once: the id is moved out of a record's values unless a key or an
+                // aggregate reads the same field.
+                let event_id_shared = keys.contains(&event_id)
+                    || aggregates.iter().any(|a| a.field == Some(event_id));
                 Ok(Job {
+                    event_id_shared,
                     changes,
                     format: self.format,
                     fields,

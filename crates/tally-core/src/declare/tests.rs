@@ -735,3 +735,17 @@ fn a_change_job_names_its_rows_by_primary_key_and_refuses_what_cannot_retract() 
         "{found:?}"
     );
 }
+
+/// An id whose field is also a key is copied to both, not moved out of one.
+#[test]
+fn an_id_read_as_a_key_too_is_in_both() {
+    let text = "event_id = \"id\"\nevent_time = \"at\"\ngroup_by = [\"id\"]\n\
+        [[field]]\nname = \"id\"\ntype = \"string\"\n\
+        [[field]]\nname = \"at\"\ntype = \"timestamp\"\n\
+        [[aggregate]]\ncolumn = \"n\"\nfunction = \"count\"\n";
+    let shared = job(text, TUMBLING);
+    let e = event(&shared, r#"{"id": "order-17", "at": 1790000400000}"#);
+    assert_eq!(e.event_id, "order-17");
+    assert_eq!(e.key.to_vec(), vec![Value::Str("order-17".into())]);
+    assert_eq!(e.inputs.to_vec(), vec![None]);
+}
