@@ -11,7 +11,7 @@ use std::sync::Arc;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tally_core::declare::{Evaluation, Format, Job, Schemas};
 use tally_runtime::config::Config;
-use tally_tools::loadgen::{DeclaredGenerator, FramedWriter, LoadSpec};
+use tally_tools::loadgen::{FramedWriter, Generator, LoadSpec};
 
 const N: usize = 10_000;
 
@@ -51,14 +51,14 @@ fn records(format: &str) -> Records {
         max_record_bytes: 4096,
     };
     let mut generator =
-        DeclaredGenerator::new(spec, Arc::clone(&job), config.operator()).expect("a generator");
+        Generator::new(spec, Arc::clone(&job), config.operator()).expect("a generator");
     let mut schemas = None;
     if job.format != Format::Json {
         let writer = FramedWriter::offline(&job, N as u64, [1, 2, 3, 4, 5]).expect("a writer");
         schemas = Some(writer.schemas(&job).expect("schemas"));
         generator = generator.with_writer(writer);
     }
-    let values = (0..N).map(|_| generator.next_record().0.value).collect();
+    let values = (0..N).map(|_| generator.next_record().value).collect();
     (job, values, schemas)
 }
 

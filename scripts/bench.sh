@@ -446,7 +446,8 @@ tally_run() {
     sed 's/^/changelog /' "$dir/r$r/changelog_restore" >&2
   fi
   if [ "$verify" = 1 ]; then
-    "$bin" verify --config "$config" --manifest "$manifest" | grep -E '^verify' >"$dir/r$r/verify"
+    # The build that wrote the manifest reads it (--compare: an older build may not).
+    "${this_bin:-$bin}" verify --config "$config" --manifest "$manifest" | grep -E '^verify' >"$dir/r$r/verify"
   else
     echo "verify skipped (--no-verify)" >"$dir/r$r/verify"
   fi

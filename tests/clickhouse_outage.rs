@@ -21,7 +21,7 @@ async fn clickhouse_down_for_a_while_then_back_is_still_exact() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(21, 2, 23_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     produce_into(&topic, &records[..3_000], &mut manifest).await;
     let job = Job::new(&topic, "");
     let before = job.log().len();

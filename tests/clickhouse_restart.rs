@@ -16,7 +16,7 @@ static SERVER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Restarts ClickHouse (within seconds of the job's last publish, well inside
 /// `old_parts_lifetime`), then reads the view once: exact, every key once, one snapshot live.
-async fn restart_clickhouse_and_check(job: &Job, manifest: &tally_tools::loadgen::Manifest) {
+async fn restart_clickhouse_and_check(job: &Job, manifest: &common::Manifest) {
     services(&["down", "clickhouse"]);
     services(&["up", "clickhouse"]);
     let after = view(&job.database, &job.table)
@@ -38,7 +38,7 @@ async fn a_clickhouse_restart_brings_back_no_replaced_snapshot() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(19, 2, 6_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     let job = Job::new(&topic, "");
     let no_folding = ("TALLY_CLICKHOUSE__FOLD_INTERVAL", "0s");
     let before = job.log().len();

@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use tally_tools::loadgen::Manifest;
 
 const CLUSTER_BROKERS: &str = "127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094";
 const REPLICAS: [&str; 2] = ["http://127.0.0.1:8123", "http://127.0.0.1:8124"];

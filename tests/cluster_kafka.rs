@@ -12,7 +12,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tally_tools::loadgen::Manifest;
 
 const CLUSTER_BROKERS: &str = "127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094";
 

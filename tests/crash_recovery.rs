@@ -12,7 +12,7 @@ use common::*;
 
 const CATCH_UP: Duration = Duration::from_secs(90);
 
-async fn finish_and_check(job: &Job, manifest: &tally_tools::loadgen::Manifest) {
+async fn finish_and_check(job: &Job, manifest: &common::Manifest) {
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_until_consuming(before).await;
@@ -26,7 +26,7 @@ async fn sigkill_mid_run_then_restart_loses_and_duplicates_nothing() {
     let topic = unique("orders");
     create_topic(&topic, 3).await;
     let records = generate(7, 3, 90_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     produce_into(&topic, &records[..60_000], &mut manifest).await;
     let job = Job::new(&topic, "");
     let before = job.log().len();
@@ -169,9 +169,9 @@ async fn crash_after_dead_letter_commit() {
 /// A first run commits half the input and stops cleanly, so the store holds a committed epoch
 /// and the group's offsets show it; a second run, armed with `fault`, reads the other half
 /// (dead letters included) in its first epoch and is killed there. Returns the manifest.
-async fn second_run_killed_at(job: &Job, fault: &str) -> tally_tools::loadgen::Manifest {
+async fn second_run_killed_at(job: &Job, fault: &str) -> common::Manifest {
     let records = generate(15, 2, 6_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     produce_into(&job.topic, &records[..3_000], &mut manifest).await;
     let before = job.log().len();
     let mut worker = job.spawn(&[]);

@@ -11,7 +11,6 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tally_tools::loadgen::Manifest;
 
 /// The `[aggregation]` section of the shipped job file, as it is written.
 fn shipped_declaration() -> String {
@@ -141,7 +140,7 @@ async fn a_shipped_example_is_exact_after_a_kill_9(file: &str) {
     println!("{file} reconcile: {line}");
     assert!(ok && text.contains("reconcile: OK"), "{text}");
 
-    let m = tally_tools::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    let m = tally_tools::loadgen::Manifest::load(&manifest_path).unwrap();
     // Its rounds read every record once, one full round then the new input, and every
     // window they recomputed matches the view.
     let mut text = String::new();

@@ -13,7 +13,7 @@ use common::*;
 /// Runs the job to the end of `manifest`, with a fold step every second, while `tally probe`
 /// polls the view. Steps are bounded to a few hundred versions, so that a backlog folds in
 /// many steps. Returns the probe's output.
-async fn run_with_reader(job: &Job, manifest: &tally_tools::loadgen::Manifest) -> String {
+async fn run_with_reader(job: &Job, manifest: &common::Manifest) -> String {
     let before = job.log().len();
     let mut worker = job.spawn(&[
         ("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s"),
@@ -58,7 +58,7 @@ async fn final_windows_fold_to_one_row_and_readers_never_see_a_fold_half_done() 
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     // One event per second and partition for 40 minutes of event time.
-    let mut manifest = tally_tools::loadgen::Manifest {
+    let mut manifest = common::Manifest {
         source_topic: topic.clone(),
         ..Default::default()
     };

@@ -50,7 +50,7 @@ async fn a_framed_job_is_exact_after_a_kill_9(format: &str) {
     let line = verify_exact_then_stop(&job, &mut worker.0, &manifest).await;
     println!("payments ({format}) after a kill -9 and two schema changes: {line}");
 
-    let m = tally_tools::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    let m = tally_tools::loadgen::Manifest::load(&manifest_path).unwrap();
     assert_eq!(assert_accounting(&job, m.produced), 2);
     assert_fates(&job, &m);
     // Every fault of the wire format and of the schemas reached the dead-letter topic with its

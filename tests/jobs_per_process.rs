@@ -227,8 +227,7 @@ async fn jobs_of_one_process_are_exact_after_a_kill_9_beside_a_broken_and_a_cut_
         assert!(ok && text.contains("verify: OK: exact match"), "{text}");
         let (ok, text) = tally_command(job, "reconcile", &[]);
         assert!(ok && text.contains("reconcile: OK"), "{text}");
-        let m =
-            tally_tools::loadgen::DeclaredManifest::load(std::path::Path::new(manifest)).unwrap();
+        let m = tally_tools::loadgen::Manifest::load(std::path::Path::new(manifest)).unwrap();
         assert_eq!(assert_accounting(job, m.produced), 2);
         assert_fates(job, &m);
         // Its own group, state directory and tables: stopped cleanly, under its own name.

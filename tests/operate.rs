@@ -189,7 +189,7 @@ async fn doctor_passes_a_healthy_run_and_names_each_broken_hop() {
     let topic = unique("orders");
     create_topic(&topic, 1).await;
     let records = generate(23, 1, 2_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     let job = Job::new(&topic, "");
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
@@ -317,7 +317,7 @@ async fn reconcile_every_reads_only_what_was_committed_since_the_last_round() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(29, 2, 1_600);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     let job = Job::new(&topic, "");
     let before = job.log().len();
     let mut worker = job.spawn(&[]);

@@ -11,7 +11,6 @@ use common::*;
 use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use tally_tools::loadgen::Manifest;
 
 const CATCH_UP: Duration = Duration::from_secs(90);
 
@@ -123,14 +122,15 @@ fn order(
     let value = format!(
         r#"{{"event_id":"{id}","customer_id":"cust-new","currency":"EUR","amount":"1.5","event_time":{t_ms}}}"#
     );
-    let contributes = (kind == tally_tools::loadgen::Kind::Valid).then(|| {
-        (
-            t_ms.div_euclid(60_000) * 60_000,
-            "cust-new".to_owned(),
-            "EUR".to_owned(),
-            15_000,
-        )
-    });
+    let contributes =
+        (kind == tally_tools::loadgen::Kind::Valid).then(|| tally_tools::loadgen::Contribution {
+            time_ms: t_ms,
+            keys: vec!["cust-new".to_owned(), "EUR".to_owned()],
+            inputs: vec![
+                tally_tools::loadgen::Input::None,
+                tally_tools::loadgen::Input::Exact(15_000),
+            ],
+        });
     tally_tools::loadgen::GeneratedRecord {
         partition,
         key: b"cust-new".to_vec(),

@@ -70,7 +70,7 @@ async fn a_presence_filter_is_exact_through_a_kill_9(format: &str, present: bool
     let line = verify_exact_then_stop(&job, &mut worker.0, &manifest).await;
     println!("payments ({format}, signed_by present = {present}) after a kill -9: {line}");
 
-    let m = tally_tools::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    let m = tally_tools::loadgen::Manifest::load(&manifest_path).unwrap();
     assert_eq!(assert_accounting(&job, m.produced), 2);
     assert_fates(&job, &m);
     assert!(

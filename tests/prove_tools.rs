@@ -29,7 +29,7 @@ async fn verify_and_reconcile_catch_a_wrong_sink() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(31, 2, 4_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     let job = Job::new(&topic, "");
     let manifest_path = job.dir.path().join("manifest.json");
     let before = job.log().len();

@@ -56,9 +56,10 @@ async fn a_folder_killed_mid_insert_and_restarted_at_once_counts_nothing_twice()
         step_ms: i64::try_from(6 * 3_600_000 * 2 / events).unwrap().max(1),
         ..spec(31, 2)
     };
-    let mut generator = tally_tools::loadgen::Generator::new(spec, rules()).unwrap();
+    let mut generator =
+        tally_tools::loadgen::Generator::new(spec, common::revenue_agg(), rules()).unwrap();
     let records: Vec<_> = (0..events).map(|_| generator.next_record()).collect();
-    let mut manifest = tally_tools::loadgen::Manifest {
+    let mut manifest = common::Manifest {
         source_topic: topic.clone(),
         ..Default::default()
     };
@@ -191,7 +192,7 @@ async fn the_read_side_moves_to_another_worker_when_its_holder_goes_silent() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(53, 2, 6_000);
-    let mut manifest = tally_tools::loadgen::Manifest {
+    let mut manifest = common::Manifest {
         source_topic: topic.clone(),
         ..Default::default()
     };

@@ -147,7 +147,7 @@ async fn a_registry_outage_stalls_no_partition_whose_schemas_are_cached() {
     );
     let line = verify_exact_then_stop(&job, &mut worker.0, &manifest).await;
     println!("payments through a registry outage and a kill -9: {line}");
-    let m = tally_tools::loadgen::DeclaredManifest::load(&manifest_path).unwrap();
+    let m = tally_tools::loadgen::Manifest::load(&manifest_path).unwrap();
     assert_eq!(assert_accounting(&job, m.produced), 2);
     assert_fates(&job, &m);
     assert!(

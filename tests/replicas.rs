@@ -63,7 +63,7 @@ async fn replicas_run_one_worker_and_a_standby_takes_over_exactly_when_it_is_kil
     let topic = unique("orders");
     create_topic(&topic, 3).await;
     let records = generate(23, 3, 60_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     produce_into(&topic, &records[..30_000], &mut manifest).await;
     let first = Job::new(&topic, SESSION);
     let (second, third) = (first.replica(), first.replica());
@@ -112,7 +112,7 @@ async fn a_paused_worker_loses_its_lease_and_on_waking_changes_nothing() {
     let topic = unique("orders");
     create_topic(&topic, 2).await;
     let records = generate(29, 2, 30_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     produce_into(&topic, &records[..15_000], &mut manifest).await;
     let zombie = Job::new(&topic, SESSION);
     let mut paused = zombie.spawn(&[]);
@@ -165,7 +165,7 @@ async fn a_lost_state_directory_is_rebuilt_exactly_and_a_stale_one_caught_up_or_
     create_topic(&topic, 3).await;
     // Ten minutes of event time per partition: some windows close, some stay open.
     let records = generate_spaced(31, 3, 45_000, 40);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     produce_into(&topic, &records[..20_000], &mut manifest).await;
     let first = Job::new(&topic, SESSION);
     let before = first.log().len();
@@ -258,7 +258,7 @@ async fn a_changelog_truncated_below_its_restore_points_still_restores_exactly()
     // Four hours of event time per partition, past the one-hour dedup horizon: the records of
     // the first hours end up dead, and the changelog is truncated below them.
     let records = generate_spaced(41, 3, 45_000, 1_000);
-    let mut manifest = tally_tools::loadgen::Manifest::default();
+    let mut manifest = common::Manifest::default();
     let first = Job::new(&topic, SESSION);
     let before = first.log().len();
     let mut worker = first.spawn(&[]);

@@ -10,7 +10,6 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use tally_tools::loadgen::Manifest;
 
 const PARTITIONS: i32 = 4;
 const CATCH_UP: Duration = Duration::from_secs(120);

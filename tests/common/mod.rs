@@ -14,12 +14,14 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use tally_core::{OperatorConfig, WindowSpec};
-use tally_tools::loadgen::{GeneratedRecord, Generator, LoadSpec, Manifest};
+use tally_tools::loadgen::{GeneratedRecord, Generator, LoadSpec};
 
 pub mod capture;
 mod job;
+mod truth;
 
 pub use job::{Job, Worker, worker_binary};
+pub use truth::{Manifest, Rows, revenue_agg};
 
 pub const BROKERS: &str = "127.0.0.1:9092";
 pub const CLICKHOUSE: &str = "http://127.0.0.1:8123";
@@ -117,7 +119,7 @@ pub fn generate_spaced(seed: u64, partitions: i32, n: usize, step_ms: i64) -> Ve
         step_ms,
         ..spec(seed, partitions)
     };
-    let mut generator = Generator::new(spec, rules()).expect("generator");
+    let mut generator = Generator::new(spec, revenue_agg(), rules()).expect("generator");
     (0..n).map(|_| generator.next_record()).collect()
 }
 
@@ -160,11 +162,7 @@ pub async fn produce_spaced(
 }
 
 /// Asserts two views are equal, naming the first differences.
-pub fn assert_view_eq(
-    found: &BTreeMap<(i64, String, String), (u64, i64)>,
-    expected: &BTreeMap<(i64, String, String), (u64, i64)>,
-    log: &str,
-) {
+pub fn assert_view_eq(found: &Rows, expected: &Rows, log: &str) {
     if found == expected {
         return;
     }
@@ -346,12 +344,7 @@ pub async fn wait_for_first_batch(job: &Job) {
 
 /// Stops `worker` with SIGTERM and asserts a clean stop, `view` equal to the manifest and every
 /// expected dead letter in the dead-letter topic exactly once.
-pub fn assert_stops_exact(
-    job: &Job,
-    worker: &mut Child,
-    view: &BTreeMap<(i64, String, String), (u64, i64)>,
-    manifest: &Manifest,
-) {
+pub fn assert_stops_exact(job: &Job, worker: &mut Child, view: &Rows, manifest: &Manifest) {
     sigterm(worker);
     let status = wait_exit(worker, Duration::from_secs(30));
     assert!(
@@ -672,7 +665,7 @@ pub async fn verify_exact_then_stop(job: &Job, worker: &mut Child, manifest: &st
 
 /// Every record's fate in the job's checkpoint (aggregated, filtered, duplicate, late,
 /// dead-lettered) is the one the declared manifest gave it.
-pub fn assert_fates(job: &Job, m: &tally_tools::loadgen::DeclaredManifest) {
+pub fn assert_fates(job: &Job, m: &tally_tools::loadgen::Manifest) {
     let store =
         tally_state::StateStore::open(&job.state_dir(), &format!("{}@{}", job.name, job.topic))
             .unwrap();

@@ -307,27 +307,25 @@ impl ClickHouseSink {
             .map_err(self.err("summing the commit log"))
     }
 
-    /// What the view shows in total: (orders, revenue as a decimal string, keys shown more
-    /// than once).
-    pub async fn view_totals(&self) -> Result<(u64, String, u64)> {
+    /// Keys the view shows more than once.
+    pub async fn view_doubled_keys(&self) -> Result<u64> {
         self.client
-            .query(&self.names.totals_sql(&self.names.view_q()))
+            .query(&self.names.doubled_keys_sql(&self.names.view_q()))
             .fetch_one()
             .await
-            .map_err(self.err("summing the view"))
+            .map_err(self.err("counting the view's keys"))
     }
 
-    /// What the commit log's versions add up to, published or not: (orders, revenue as a
-    /// decimal string, keys more than once). A writer that broke the protocol shows here
-    /// before any publish shows it to readers.
-    pub async fn answer_totals(&self) -> Result<(u64, String, u64)> {
+    /// Keys more than once in what the commit log's versions give, published or not: a writer
+    /// that broke the protocol shows here before any publish shows it to readers.
+    pub async fn answer_doubled_keys(&self) -> Result<u64> {
         let frontier = self.frontier().await?;
         let answer = format!("({})", self.names.answer_sql(frontier, None));
         self.client
-            .query(&self.names.totals_sql(&answer))
+            .query(&self.names.doubled_keys_sql(&answer))
             .fetch_one()
             .await
-            .map_err(self.err("summing the committed versions"))
+            .map_err(self.err("counting the committed versions' keys"))
     }
 }
 

@@ -88,12 +88,12 @@ fn real_main(cli: Cli) -> Result<()> {
             wait: None,
         } => {
             let cfg = load_config(&config)?;
-            let ok = match cfg.tools_declaration().cloned() {
-                Some(job) if job.changes.is_some() => runtime()?.block_on(
-                    tally_tools::database::verify::verify_changes(&cfg, &job, &manifest),
-                )?,
-                Some(job) => runtime()?.block_on(prove::verify_declared(&cfg, &job, &manifest))?,
-                None => runtime()?.block_on(prove::verify(&cfg, &manifest))?,
+            let ok = if cfg.declared.changes.is_some() {
+                runtime()?.block_on(tally_tools::database::verify::verify_changes(
+                    &cfg, &manifest,
+                ))?
+            } else {
+                runtime()?.block_on(prove::verify(&cfg, &manifest))?
             };
             exit_unless(ok)
         }
@@ -234,11 +234,7 @@ fn loadgen(args: LoadgenArgs) -> Result<()> {
         spec,
         manifest: args.manifest,
     };
-    if cfg.tools_declaration().is_some() {
-        runtime()?.block_on(tally_tools::loadgen::produce_declared(&cfg, opts))?;
-    } else {
-        runtime()?.block_on(tally_tools::loadgen::produce(&cfg, opts))?;
-    }
+    runtime()?.block_on(tally_tools::loadgen::produce(&cfg, opts))?;
     Ok(())
 }
 

@@ -388,12 +388,17 @@ impl TableNames {
         )
     }
 
-    /// (orders, revenue as a decimal string, keys shown more than once) of rows read from
-    /// `source` (a table, a view, or a parenthesised SELECT).
-    pub(crate) fn totals_sql(&self, source: &str) -> String {
+    /// Keys shown more than once among rows read from `source` (a table, a view, or a
+    /// parenthesised SELECT).
+    pub(crate) fn doubled_keys_sql(&self, source: &str) -> String {
+        let keys = self.shape.key_list();
+        let by = if keys.is_empty() {
+            "window_start".to_owned()
+        } else {
+            format!("window_start, {keys}")
+        };
         format!(
-            "SELECT toUInt64(sum(o)), toString(sum(r)), toUInt64(countIf(n > 1)) FROM \
-             (SELECT sum(orders) AS o, sum(revenue) AS r, count() AS n FROM {source} GROUP BY window_start, customer_id, currency)"
+            "SELECT toUInt64(countIf(n > 1)) FROM (SELECT count() AS n FROM {source} GROUP BY {by})"
         )
     }
 }

@@ -618,15 +618,6 @@ impl Config {
         Ok(config)
     }
 
-    /// The declaration the tools (verify, reconcile, probe, doctor, loadgen) read the job by;
-    /// `None` for revenue_agg, whose tools read and generate its columns by name.
-    pub fn tools_declaration(&self) -> Option<&std::sync::Arc<tally_core::declare::Job>> {
-        match self.revenue_agg_fields() {
-            Some(_) => None,
-            None => Some(&self.declared),
-        }
-    }
-
     /// The names revenue_agg reads its fields under, when the job is revenue_agg's shape (its
     /// identity then records them as a job of the releases before declarations did).
     pub fn revenue_agg_fields(&self) -> Option<FieldMapping> {

@@ -13,12 +13,14 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tally_clickhouse::{ClickHouseSink, Cut};
 use tally_core::WindowAgg;
-use tally_core::declare::{Function, Job, lsn_text};
+use tally_core::declare::{Job, lsn_text};
 
 use super::SourceDatabase;
 use super::consistent::{self, Snapshot};
 use super::sql::{self, Aggregation, Column};
-use crate::prove::{ReconcileFilter, Reconciliation, ViewTypes, WindowDiff, Windows, shown_of};
+use crate::prove::{
+    ReconcileFilter, Reconciliation, ViewTypes, WindowDiff, Windows, shown_of, totals,
+};
 use tally_runtime::config::Config;
 
 /// What one reconciliation against the source table found.
@@ -166,27 +168,6 @@ fn settled_frontier(config: &Config, batches: &[tally_clickhouse::BatchAccountin
 }
 
 /// Sums of a window map's first count column and first sum column (the ratios' terms).
-fn totals(job: &Job, windows: &Windows) -> (u64, i128) {
-    let count_at = job
-        .aggregates
-        .iter()
-        .position(|a| a.function == Function::Count);
-    let sum_at = job
-        .aggregates
-        .iter()
-        .position(|a| a.function == Function::Sum);
-    let mut out = (0u64, 0i128);
-    for shown in windows.values() {
-        if let Some(crate::loadgen::Shown::Exact(n)) = count_at.and_then(|i| shown.get(i)) {
-            out.0 += u64::try_from(*n).unwrap_or(0);
-        }
-        if let Some(crate::loadgen::Shown::Exact(s)) = sum_at.and_then(|i| shown.get(i)) {
-            out.1 += s;
-        }
-    }
-    out
-}
-
 fn reconciliation(job: &Job, expected: &Windows, found: &Windows, diff: usize) -> Reconciliation {
     let keys: BTreeSet<_> = expected.keys().chain(found.keys()).collect();
     let (source_orders, source_revenue) = totals(job, expected);
@@ -288,7 +269,7 @@ pub async fn reconcile_source(
         types
             .read(sink.read_view_at_cells(&cut, None).await?)?
             .into_iter()
-            .filter(|(k, _)| filter.keeps_row(k))
+            .filter(|(k, _)| filter.keeps(k))
             .collect()
     };
     let expected: Windows = source_windows

@@ -118,7 +118,8 @@ async fn committed(sink: &ClickHouseSink) -> Result<Committed> {
 }
 
 /// Checks a change job against `manifest_path`; prints what it found, `true` when exact.
-pub async fn verify_changes(config: &Config, job: &Job, manifest_path: &Path) -> Result<bool> {
+pub async fn verify_changes(config: &Config, manifest_path: &Path) -> Result<bool> {
+    let job = &config.declared;
     let manifest = WorkloadManifest::load(manifest_path)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     let c = committed(&sink).await?;

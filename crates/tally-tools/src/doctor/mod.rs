@@ -456,15 +456,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 },
                 r.keys,
                 r.mismatched,
-                if config.revenue_agg_fields().is_none() {
-                    format!("records counted ratio {:.6}", r.orders_ratio())
-                } else {
-                    format!(
-                        "orders ratio {:.6}, revenue ratio {:.6}",
-                        r.orders_ratio(),
-                        r.revenue_ratio()
-                    )
-                }
+                r.ratios(&config.declared)
             ),
         ),
         Err(e) => row(
@@ -485,76 +477,18 @@ struct ViewAgainstCommits {
     unpublished: u64,
 }
 
-/// revenue_agg: the view's totals against the commit log's for the batches it published, and
-/// the committed versions' totals against the whole commit log's, `(events, revenue)`.
-async fn revenue_view(
-    sink: &ClickHouseSink,
-    unpublished_after: Duration,
-    compare_totals: bool,
-    (events, committed_revenue): (u64, String),
-) -> Result<ViewAgainstCommits> {
-    // Read again if a publish came between the view and the commit log's totals.
-    let mut attempts = 0;
-    let ((orders, revenue, doubled), (published_events, published_revenue, unpublished)) = loop {
-        let published = sink.published().await?;
-        let totals = (
-            sink.view_totals().await?,
-            sink.published_totals(published.as_ref(), unpublished_after)
-                .await?,
-        );
-        attempts += 1;
-        if attempts == 3 || sink.published().await? == published {
-            break totals;
-        }
-    };
-    let mut problems = Vec::new();
-    if doubled > 0 {
-        problems.push(format!("{doubled} keys appear more than once in the view"));
-    }
-    // The view shows what was published: the commit log's batches up to the snapshot's cut.
-    if compare_totals && (orders != published_events || revenue != published_revenue) {
-        problems.push(format!(
-            "the view shows {orders} orders / {revenue} revenue, the commit log recorded {published_events} / {published_revenue} for the batches it published"
-        ));
-    }
-    // And what the next publish would show, from the versions the commit log makes visible.
-    let (answer_orders, answer_revenue, answer_doubled) = sink.answer_totals().await?;
-    if answer_doubled > 0 {
-        problems.push(format!(
-            "{answer_doubled} keys appear more than once in the committed versions"
-        ));
-    }
-    if compare_totals && (answer_orders != events || answer_revenue != committed_revenue) {
-        problems.push(format!(
-            "the committed versions add up to {answer_orders} orders / {answer_revenue} revenue, the commit log recorded {events} / {committed_revenue}"
-        ));
-    }
-    Ok(ViewAgainstCommits {
-        problems,
-        summary: format!(
-            "{orders} orders, {revenue} revenue {}",
-            if compare_totals {
-                "= commit log"
-            } else {
-                "(retention on: totals not compared)"
-            }
-        ),
-        unpublished,
-    })
-}
-
-/// A declared job: the view, cell by cell, against the committed versions read at the
-/// published snapshot's cut; with tumbling windows also its first `count` column against the
-/// commit log's aggregated records (with hopping ones a record counts in each open window
+/// The view, cell by cell, against the committed versions read at the published snapshot's
+/// cut; with tumbling windows also its first `count` and first exact `sum` columns against the
+/// commit log's totals, `(events, sum)` (with hopping ones a record counts in each open window
 /// holding it, so no total of the commit log matches).
 async fn declared_view(
     config: &Config,
-    job: &tally_core::declare::Job,
     sink: &ClickHouseSink,
     unpublished_after: Duration,
     compare_totals: bool,
-    committed_events: u64,
+    (committed_events, committed_sum): (u64, String),
 ) -> Result<ViewAgainstCommits> {
+    let job = &config.declared;
     let types = prove::ViewTypes::of(config, job)?;
     let mut problems = Vec::new();
     let read = |what: &str, cells: tally_clickhouse::Result<tally_clickhouse::Cells>| {
@@ -565,7 +499,7 @@ async fn declared_view(
     };
     // Read again if a publish or a fold step came between the reads.
     let mut attempts = 0;
-    let (view, at_cut, published_events, unpublished) = loop {
+    let (view, at_cut, (published_events, published_sum), unpublished) = loop {
         let published = sink.published().await?;
         let frontier = sink.frontier().await?;
         let cut = published
@@ -577,17 +511,28 @@ async fn declared_view(
             "the committed versions at the published cut",
             sink.read_view_at_cells(&cut, None).await,
         );
-        let (events, _, unpublished) = sink
+        let (events, sum, unpublished) = sink
             .published_totals(published.as_ref(), unpublished_after)
             .await?;
         attempts += 1;
         if attempts == 3
             || (sink.published().await? == published && sink.frontier().await? == frontier)
         {
-            break (view, at_cut, events, unpublished);
+            break (view, at_cut, (events, sum), unpublished);
         }
     };
     let answer = read("the committed versions", sink.read_committed_cells().await);
+    // A key twice reads as once above (the rows are keyed): counted here.
+    let doubled = sink.view_doubled_keys().await?;
+    if doubled > 0 {
+        problems.push(format!("{doubled} keys appear more than once in the view"));
+    }
+    let doubled = sink.answer_doubled_keys().await?;
+    if doubled > 0 {
+        problems.push(format!(
+            "{doubled} keys appear more than once in the committed versions"
+        ));
+    }
     let tumbling = config.window.slide.is_none_or(|s| s == config.window.size);
     let count_column = job
         .aggregates
@@ -613,6 +558,11 @@ async fn declared_view(
                     diff.summary()
                 ));
             }
+            if let Some(problem) = sum_differs(job, view, &published_sum, compare_counts) {
+                problems.push(format!(
+                    "the view {problem}, for the batches the commit log published"
+                ));
+            }
             if compare_counts && counted(view) != published_events {
                 problems.push(format!(
                     "the view counts {} records ({}), the commit log recorded {published_events} for the batches it published",
@@ -625,6 +575,11 @@ async fn declared_view(
             problems.extend(view.as_ref().err().cloned());
             problems.extend(at_cut.as_ref().err().cloned());
         }
+    }
+    if let Ok(answer) = &answer
+        && let Some(problem) = sum_differs(job, answer, &committed_sum, compare_counts)
+    {
+        problems.push(format!("the committed versions {problem}"));
     }
     match &answer {
         Ok(answer) if compare_counts && counted(answer) != committed_events => {
@@ -653,6 +608,38 @@ async fn declared_view(
         problems,
         summary,
         unpublished,
+    })
+}
+
+/// How `windows`' first exact sum differs from the commit log's (`revenue_sum`, a decimal of
+/// scale 4 holding the sum's units), if it does and `compare` holds. A log of 0 is not
+/// compared: batches of releases before the log recorded a declared job's sum hold 0.
+fn sum_differs(
+    job: &tally_core::declare::Job,
+    windows: &prove::Windows,
+    logged: &str,
+    compare: bool,
+) -> Option<String> {
+    // The log sums the first sum of exact words; compared when it is the first integer or
+    // decimal sum, the one `totals` gives.
+    let column = job.aggregates.iter().find(|a| {
+        a.function == tally_core::declare::Function::Sum
+            && a.word_kinds() == [tally_core::WordKind::Exact]
+    })?;
+    let kind = column.input.map(|t| t.kind);
+    if !matches!(
+        kind,
+        Some(tally_core::declare::FieldKind::Integer | tally_core::declare::FieldKind::Decimal)
+    ) {
+        return None;
+    }
+    let logged_units = tally_core::declare::parse_decimal(logged, 4).ok()?;
+    let (_, shown) = prove::totals(job, windows);
+    (compare && logged_units != 0 && i128::from(logged_units) != shown).then(|| {
+        format!(
+            "sum {shown} ({}, in units), the commit log recorded {logged_units}",
+            column.column
+        )
     })
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tally_clickhouse::{ClickHouseSink, CommittedBatch, Cut};
 
-use super::{Row, Status, declared_view, describe_read_side, revenue_view, row};
+use super::{Row, Status, declared_view, describe_read_side, row};
 use tally_runtime::config::Config;
 
 pub(super) const HOP: &str = "Written → Queryable";
@@ -115,23 +115,14 @@ async fn replica_row(
     // Written → Queryable: the view shows each key once, and exactly what was committed.
     let unpublished_after = config.job.session_timeout.as_duration() + Duration::from_secs(30);
     let compare_totals = config.clickhouse.retention.is_none();
-    let shown = match config.tools_declaration() {
-        Some(job) => {
-            declared_view(
-                config,
-                job,
-                sink,
-                unpublished_after,
-                compare_totals,
-                committed_events,
-            )
-            .await?
-        }
-        None => {
-            let committed = (committed_events, committed_revenue);
-            revenue_view(sink, unpublished_after, compare_totals, committed).await?
-        }
-    };
+    let shown = declared_view(
+        config,
+        sink,
+        unpublished_after,
+        compare_totals,
+        (committed_events, committed_revenue),
+    )
+    .await?;
     let frontier = sink.frontier().await?;
     let mut problems = Vec::new();
     let foldable = sink

@@ -6,7 +6,7 @@
 //! behind the partition's maximum than window + lateness + out-of-orderness, and poison records
 //! are malformed in one specific way each. The manifest is the expected view and dead letters.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -16,18 +16,18 @@ use rand::distr::{Distribution, weighted::WeightedIndex};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use tally_core::amount::format_units_i128;
 use tally_core::{OperatorConfig, PoisonReason};
 
 use tally_runtime::config::Config;
 
-mod declared;
 mod framed;
-pub use declared::{
-    DeclaredGenerator, DeclaredManifest, Running, Shown, filter_tests, produce_declared,
-};
-pub(crate) use declared::{filtered_value, key_value, random_value};
+mod generate;
 pub use framed::FramedWriter;
+pub use generate::{
+    Contribution, Generator, Input, Manifest, ManifestBuilder, Running, Shown, filter_tests,
+    produce,
+};
+pub(crate) use generate::{filtered_value, key_value, random_value};
 
 /// Knobs of the stream.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,8 +71,8 @@ pub struct GeneratedRecord {
     pub key: Vec<u8>,
     pub value: Vec<u8>,
     pub kind: Kind,
-    /// For valid events: (window_start_ms, customer, currency, amount units).
-    pub contributes: Option<(i64, String, String, i64)>,
+    /// What a valid event adds to its windows.
+    pub contributes: Option<Contribution>,
 }
 
 struct PartitionClock {
@@ -197,249 +197,16 @@ impl Stream {
     }
 }
 
-pub struct Generator {
-    spec: LoadSpec,
-    rules: OperatorConfig,
-    stream: Stream,
-    next_id: u64,
-    poison_turn: usize,
-}
-
 /// The largest record loadgen produces: a default client sends at most 1,000,000 bytes of
 /// message (librdkafka's `message.max.bytes`; a broker takes 1,048,588 by default), less room
 /// for the key, headers and framing. With `job.max_record_bytes` at or above it, no record a
 /// default cluster accepts is too large for the job, so none is generated.
 pub const MAX_GENERATED_RECORD_BYTES: u64 = 999_000;
 
-/// Every reason a JSON event can be poison for on its own (`late` depends on the stream;
-/// `invalid_change` is a change event's; the wire format's reasons are Avro's and Protobuf's),
-/// and `too_large` only if such a record fits what Kafka takes.
-fn poison_reasons(max_record_bytes: u64) -> impl Iterator<Item = PoisonReason> {
-    PoisonReason::ALL.into_iter().filter(move |r| {
-        !matches!(
-            r,
-            PoisonReason::Late
-                | PoisonReason::InvalidChange
-                | PoisonReason::WireFormat
-                | PoisonReason::UnknownSchema
-                | PoisonReason::Undecodable
-        ) && (*r != PoisonReason::TooLarge || generates_too_large(max_record_bytes))
-    })
-}
-
 /// Whether a record over `max_record_bytes` (with its JSON around the padding) still fits
 /// [`MAX_GENERATED_RECORD_BYTES`].
 pub fn generates_too_large(max_record_bytes: u64) -> bool {
     max_record_bytes.saturating_add(256) <= MAX_GENERATED_RECORD_BYTES
-}
-
-impl Generator {
-    pub fn new(spec: LoadSpec, rules: OperatorConfig) -> Result<Generator, String> {
-        if spec.currencies.is_empty() {
-            return Err("currencies must not be empty".into());
-        }
-        Ok(Generator {
-            stream: Stream::new(&spec)?,
-            spec,
-            rules,
-            next_id: 0,
-            poison_turn: 0,
-        })
-    }
-
-    fn order_json(id: &str, customer: &str, currency: &str, amount_units: i64, t: i64) -> Vec<u8> {
-        let sign = if amount_units < 0 { "-" } else { "" };
-        let abs = amount_units.unsigned_abs();
-        format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"{currency}","amount":"{sign}{}.{:04}","event_time":{t},"source":"loadgen"}}"#, abs / 10_000, abs % 10_000).into_bytes()
-    }
-
-    pub fn next_record(&mut self) -> GeneratedRecord {
-        let rules = self.rules;
-        let (customer_idx, partition, fate) = self.stream.draw(&self.spec, &rules);
-        let customer = format!("cust-{customer_idx:05}");
-        let record = |key, value, kind| GeneratedRecord {
-            partition,
-            key,
-            value,
-            kind,
-            contributes: None,
-        };
-        match fate {
-            Fate::Duplicate(key, value) => return record(key, value, Kind::Duplicate),
-            Fate::Poison => {
-                let max = self.spec.max_record_bytes;
-                let kinds = poison_reasons(max).count();
-                let reason = poison_reasons(max)
-                    .nth(self.poison_turn % kinds)
-                    .unwrap_or(PoisonReason::InvalidJson);
-                self.poison_turn += 1;
-                let value = self.poison(reason, &customer, partition);
-                return record(customer.into_bytes(), value, Kind::Poison(reason));
-            }
-            Fate::Late | Fate::Filtered | Fate::Valid => {}
-        }
-        self.next_id += 1;
-        let id = format!("ord-{}-{}", self.spec.seed, self.next_id);
-        let rng = &mut self.stream.rng;
-        let currency =
-            self.spec.currencies[rng.random_range(0..self.spec.currencies.len())].clone();
-        let amount_units: i64 = rng.random_range(-5_000..2_000_000);
-        if matches!(fate, Fate::Late) {
-            let t = self.stream.late_time(partition, &rules);
-            let value = Self::order_json(&id, &customer, &currency, amount_units, t);
-            return record(customer.into_bytes(), value, Kind::Late);
-        }
-        let t = self.stream.valid_time(partition, rules.out_of_orderness_ms);
-        let value = Self::order_json(&id, &customer, &currency, amount_units, t);
-        let key = customer.clone().into_bytes();
-        self.stream.remember(partition, t, &key, &value);
-        GeneratedRecord {
-            contributes: Some((rules.window.start_of(t), customer, currency, amount_units)),
-            ..record(key, value, Kind::Valid)
-        }
-    }
-
-    /// A record of `reason` for `partition`, its event time its partition's clock: never late, so
-    /// that the reason is the record's only fault.
-    fn poison(&mut self, reason: PoisonReason, customer: &str, partition: i32) -> Vec<u8> {
-        let id = format!("poison-{}-{}", self.spec.seed, self.poison_turn);
-        let t = self.stream.now(partition);
-        match reason {
-            PoisonReason::InvalidUtf8 => b"{\"event_id\":\"\xff\xfe\"}".to_vec(),
-            // Not generated for events (poison_reasons): broken JSON stands for it.
-            PoisonReason::InvalidJson
-            | PoisonReason::InvalidChange
-            | PoisonReason::WireFormat
-            | PoisonReason::UnknownSchema
-            | PoisonReason::Undecodable => format!(r#"{{"event_id":"{id}","customer_id":"{customer}""#).into_bytes(),
-            PoisonReason::MissingField => format!(r#"{{"event_id":"{id}","currency":"EUR","amount":"1","event_time":{t}}}"#).into_bytes(),
-            PoisonReason::WrongType => format!(r#"{{"event_id":"{id}","customer_id":42,"currency":"EUR","amount":"1","event_time":{t}}}"#).into_bytes(),
-            PoisonReason::InvalidAmount => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"12.34567","event_time":{t}}}"#).into_bytes(),
-            PoisonReason::InvalidCurrency => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"euro","amount":"1","event_time":{t}}}"#).into_bytes(),
-            PoisonReason::InvalidTime => format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"1","event_time":"tomorrow"}}"#).into_bytes(),
-            PoisonReason::TooLarge | PoisonReason::Late => {
-                let pad = "x".repeat(usize::try_from(self.spec.max_record_bytes).unwrap_or(4096) + 1);
-                format!(r#"{{"event_id":"{id}","customer_id":"{customer}","currency":"EUR","amount":"1","event_time":{t},"pad":"{pad}"}}"#).into_bytes()
-            }
-        }
-    }
-}
-
-/// Expected results of a generated stream.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Manifest {
-    pub spec: Option<LoadSpec>,
-    pub source_topic: String,
-    pub produced: u64,
-    pub valid: u64,
-    pub duplicates: u64,
-    pub late: u64,
-    pub poison: u64,
-    /// (window_start_ms, customer, currency) → (orders, revenue units)
-    pub rows: BTreeMap<(i64, String, String), (u64, i64)>,
-    /// (partition, offset) → reason
-    pub dead_letters: BTreeMap<(i32, i64), PoisonReason>,
-}
-
-impl Manifest {
-    /// Records a produced record at its offset.
-    pub fn record(&mut self, record: &GeneratedRecord, offset: i64) {
-        self.produced += 1;
-        match record.kind {
-            Kind::Valid => {
-                self.valid += 1;
-                if let Some((w, c, ccy, units)) = &record.contributes {
-                    let e = self
-                        .rows
-                        .entry((*w, c.clone(), ccy.clone()))
-                        .or_insert((0, 0));
-                    e.0 += 1;
-                    e.1 += units;
-                }
-            }
-            Kind::Duplicate => self.duplicates += 1,
-            // revenue_agg has no filter.
-            Kind::Filtered => {}
-            Kind::Late => {
-                self.late += 1;
-                self.dead_letters
-                    .insert((record.partition, offset), PoisonReason::Late);
-            }
-            Kind::Poison(reason) => {
-                self.poison += 1;
-                self.dead_letters.insert((record.partition, offset), reason);
-            }
-        }
-    }
-
-    pub fn revenue_units(&self) -> i128 {
-        self.rows.values().map(|(_, r)| i128::from(*r)).sum()
-    }
-
-    pub fn orders(&self) -> u64 {
-        self.rows.values().map(|(o, _)| *o).sum()
-    }
-
-    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
-        let file = ManifestFile {
-            spec: self.spec.clone(),
-            source_topic: self.source_topic.clone(),
-            produced: self.produced,
-            valid: self.valid,
-            duplicates: self.duplicates,
-            late: self.late,
-            poison: self.poison,
-            rows: self
-                .rows
-                .iter()
-                .map(|((w, c, ccy), (o, r))| (*w, c.clone(), ccy.clone(), *o, *r))
-                .collect(),
-            dead_letters: self
-                .dead_letters
-                .iter()
-                .map(|((p, o), r)| (*p, *o, *r))
-                .collect(),
-        };
-        let text = serde_json::to_vec(&file).map_err(std::io::Error::other)?;
-        std::fs::write(path, text)
-    }
-
-    pub fn load(path: &std::path::Path) -> std::io::Result<Manifest> {
-        let bytes = std::fs::read(path)?;
-        let file: ManifestFile = serde_json::from_slice(&bytes).map_err(std::io::Error::other)?;
-        Ok(Manifest {
-            spec: file.spec,
-            source_topic: file.source_topic,
-            produced: file.produced,
-            valid: file.valid,
-            duplicates: file.duplicates,
-            late: file.late,
-            poison: file.poison,
-            rows: file
-                .rows
-                .into_iter()
-                .map(|(w, c, ccy, o, r)| ((w, c, ccy), (o, r)))
-                .collect(),
-            dead_letters: file
-                .dead_letters
-                .into_iter()
-                .map(|(p, o, r)| ((p, o), r))
-                .collect(),
-        })
-    }
-}
-
-#[derive(Serialize, Deserialize)]
-struct ManifestFile {
-    spec: Option<LoadSpec>,
-    source_topic: String,
-    produced: u64,
-    valid: u64,
-    duplicates: u64,
-    late: u64,
-    poison: u64,
-    rows: Vec<(i64, String, String, u64, i64)>,
-    dead_letters: Vec<(i32, i64, PoisonReason)>,
 }
 
 pub struct LoadOptions {
@@ -537,28 +304,26 @@ async fn pace(rate: Option<u64>, sent: u64, started: Instant) {
 /// Records produced per chunk: delivery is awaited, and the manifest written, chunk by chunk.
 const CHUNK: u64 = 5_000;
 
-/// Produces `events` records drawn by `next` (`record` finds the Kafka record in one) at `rate`
-/// per second, and hands each to `note` with its offset once delivered; flushes at the end.
-async fn produce_all<R>(
+/// Produces `events` records drawn by `next` at `rate` per second, and hands each to `note`
+/// with its offset once delivered; flushes at the end.
+async fn produce_all(
     producer: &FutureProducer,
     topic: &str,
     (events, rate): (u64, Option<u64>),
-    mut next: impl FnMut() -> R,
-    record: impl Fn(&R) -> &GeneratedRecord,
-    mut note: impl FnMut(&R, i64),
+    mut next: impl FnMut() -> GeneratedRecord,
+    mut note: impl FnMut(&GeneratedRecord, i64),
 ) -> Result<()> {
     let started = Instant::now();
     let mut sent = 0u64;
     while sent < events {
         let n = CHUNK.min(events - sent);
-        let drawn: Vec<R> = (0..n).map(|_| next()).collect();
+        let drawn: Vec<GeneratedRecord> = (0..n).map(|_| next()).collect();
         let offsets = send(
             producer,
             topic,
-            drawn.iter().map(|d| {
-                let r = record(d);
-                (r.partition, r.key.as_slice(), r.value.as_slice())
-            }),
+            drawn
+                .iter()
+                .map(|r| (r.partition, r.key.as_slice(), r.value.as_slice())),
         )
         .await?;
         for (d, offset) in drawn.iter().zip(offsets) {
@@ -573,89 +338,48 @@ async fn produce_all<R>(
     Ok(())
 }
 
-/// Produces the stream to the job's source topic and writes the manifest. Returns the
-/// manifest.
-pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
-    let topic = &config.kafka.source_topic;
-    let (producer, partitions) = open_source(config, opts.partitions).await?;
-    let mut spec = opts.spec;
-    spec.partitions = partitions;
-    let mut generator =
-        Generator::new(spec.clone(), config.operator()).map_err(anyhow::Error::msg)?;
-    let mut manifest = Manifest {
-        spec: Some(spec),
-        source_topic: topic.clone(),
-        ..Manifest::default()
-    };
-    let started = Instant::now();
-    produce_all(
-        &producer,
-        topic,
-        (opts.events, opts.rate),
-        || generator.next_record(),
-        |r| r,
-        |r, offset| manifest.record(r, offset),
-    )
-    .await?;
-    manifest
-        .save(&opts.manifest)
-        .with_context(|| format!("writing {}", opts.manifest.display()))?;
-    let secs = started.elapsed().as_secs_f64();
-    println!(
-        "produced {} records in {secs:.1}s ({:.0}/s): {} valid, {} duplicates, {} late, {} poison; expected {} rows, {} orders, revenue {}; manifest {}",
-        manifest.produced,
-        manifest.produced as f64 / secs.max(1e-9),
-        manifest.valid,
-        manifest.duplicates,
-        manifest.late,
-        manifest.poison,
-        manifest.rows.len(),
-        manifest.orders(),
-        format_units_i128(manifest.revenue_units()),
-        opts.manifest.display()
-    );
-    Ok(manifest)
-}
-
 /// The operator's view of a generated stream, for the tests that hold it against a manifest.
 #[cfg(test)]
 pub(crate) struct OperatorRun {
     /// Per source partition and window, the newest value a checkpoint wrote.
-    pub latest: BTreeMap<(i32, tally_core::WindowKey), tally_core::WindowAgg>,
+    pub latest: std::collections::BTreeMap<(i32, tally_core::WindowKey), tally_core::WindowAgg>,
     /// (partition, offset, reason) of every dead letter.
     pub dead: std::collections::BTreeSet<(i32, i64, PoisonReason)>,
     /// The last checkpoint's accounting, summed over partitions.
     pub totals: tally_core::Accounting,
 }
 
-/// Runs `n` records drawn by `next` (`record` finds the Kafka record in one) through a fresh
-/// operator with a checkpoint every 997 records and at the end, handing each record to `note`
-/// with the offset it gets in its partition.
+/// Runs `n` records drawn by `next` through a fresh operator with a checkpoint every 997
+/// records and at the end, handing each record to `note` with the offset it gets in its
+/// partition.
 #[cfg(test)]
-pub(crate) fn run_through_operator<R>(
+pub(crate) fn run_through_operator(
     rules: OperatorConfig,
     program: impl Into<tally_core::Program>,
     n: usize,
-    mut next: impl FnMut() -> R,
-    record: impl Fn(&R) -> &GeneratedRecord,
-    mut note: impl FnMut(&R, i64),
+    mut next: impl FnMut() -> GeneratedRecord,
+    mut note: impl FnMut(&GeneratedRecord, i64),
 ) -> OperatorRun {
     use tally_core::{CheckpointBarrier, MemStore, Record, WindowOperator};
-    let mut op = WindowOperator::restore(rules, program, tally_core::Epoch(0), &BTreeMap::new());
+    let mut op = WindowOperator::restore(
+        rules,
+        program,
+        tally_core::Epoch(0),
+        &std::collections::BTreeMap::new(),
+    );
     let mut store = MemStore::default();
-    let mut offsets: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut offsets: std::collections::BTreeMap<i32, i64> = Default::default();
     let mut run = OperatorRun {
-        latest: BTreeMap::new(),
+        latest: Default::default(),
         dead: Default::default(),
         totals: Default::default(),
     };
     for i in 0..n {
-        let drawn = next();
-        let r = record(&drawn);
+        let r = next();
         let next_offset = offsets.entry(r.partition).or_default();
         let offset = *next_offset;
         *next_offset += 1;
-        note(&drawn, offset);
+        note(&r, offset);
         let Ok(_) = op.process(
             &store,
             Record {
@@ -687,80 +411,4 @@ pub(crate) fn run_through_operator<R>(
         }
     }
     run
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::BTreeSet;
-    use tally_core::{FieldMapping, Program, WindowSpec};
-
-    fn rules() -> OperatorConfig {
-        OperatorConfig {
-            window: WindowSpec::tumbling(60_000),
-            out_of_orderness_ms: 5_000,
-            allowed_lateness_ms: 60_000,
-            dedup_horizon_ms: 3_600_000,
-        }
-    }
-
-    fn spec(seed: u64) -> LoadSpec {
-        LoadSpec {
-            seed,
-            partitions: 3,
-            customers: 50,
-            currencies: vec!["EUR".into(), "USD".into()],
-            skew: 1.1,
-            duplicate_fraction: 0.05,
-            poison_fraction: 0.02,
-            late_fraction: 0.02,
-            filtered_fraction: 0.0,
-            start_ms: 1_790_000_000_000,
-            step_ms: 50,
-            max_record_bytes: 2048,
-        }
-    }
-
-    /// The construction and tally's operator agree on every record's fate.
-    #[test]
-    fn ground_truth_matches_the_operator() {
-        for seed in [1, 2, 3] {
-            let mut generator = Generator::new(spec(seed), rules()).unwrap();
-            let mut manifest = Manifest::default();
-            let run = run_through_operator(
-                rules(),
-                Program::revenue_agg(&FieldMapping::default(), &rules(), 2048).unwrap(),
-                20_000,
-                || generator.next_record(),
-                |r| r,
-                |r, offset| manifest.record(r, offset),
-            );
-            let (view, dead) = (run.latest, run.dead);
-            let mut summed: BTreeMap<(i64, String, String), (u64, i64)> = BTreeMap::new();
-            for ((_, k), v) in view {
-                let e = summed
-                    .entry((
-                        k.window_start_ms,
-                        k.customer_id().into(),
-                        k.currency().into(),
-                    ))
-                    .or_default();
-                e.0 += v.orders();
-                e.1 += v.revenue().units();
-            }
-            assert_eq!(summed, manifest.rows, "seed {seed}");
-            let expected: BTreeSet<_> = manifest
-                .dead_letters
-                .iter()
-                .map(|((p, o), r)| (*p, *o, *r))
-                .collect();
-            assert_eq!(dead, expected, "seed {seed}");
-            assert!(
-                manifest.duplicates > 500 && manifest.late > 200 && manifest.poison > 200,
-                "{manifest:?}"
-            );
-            let reasons: BTreeSet<_> = manifest.dead_letters.values().collect();
-            assert_eq!(reasons.len(), 9, "every reason appears");
-        }
-    }
 }

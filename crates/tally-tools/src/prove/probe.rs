@@ -95,13 +95,6 @@ fn per_first_key(view: &Counted) -> BTreeMap<&str, u64> {
 
 /// The view's rows as the probe counts them.
 async fn read_counted(sink: &ClickHouseSink, config: &Config) -> tally_clickhouse::Result<Counted> {
-    if config.revenue_agg_fields().is_some() {
-        let view = sink.read_view().await?;
-        return Ok(view
-            .into_iter()
-            .map(|((w, customer, currency), (orders, _))| ((w, vec![customer, currency]), orders))
-            .collect());
-    }
     let job = &config.declared;
     let count = job
         .aggregates

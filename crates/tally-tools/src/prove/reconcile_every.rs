@@ -1,16 +1,17 @@
 //! `tally reconcile --every`: rounds that read only what was committed since the previous one
-//! and compare the windows it changed, for revenue_agg's rows or a declaration's.
+//! and compare the windows it changed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use tally_clickhouse::{ClickHouseSink, ViewKey, ViewTotals};
-use tally_core::{Epoch, OutputRow};
+use tally_clickhouse::ClickHouseSink;
+use tally_core::{Epoch, WindowAgg};
 
-use super::reconcile::{ReconcileFilter, Reconciliation, SourceReplay, chain_gaps, revenue_row};
-use super::rounds::RoundRows;
+use super::reconcile::{ReconcileFilter, Reconciliation, WindowRows};
+use super::replay::{SourceReplay, chain_gaps};
+use super::verify::RowKey;
 use tally_runtime::config::Config;
 
 /// One round of [`IncrementalReconciler`].
@@ -22,68 +23,22 @@ pub struct Round {
     pub records_read: u64,
 }
 
-/// revenue_agg's rows: orders and revenue summed over source partitions.
-pub(crate) struct RevenueRows;
-
-impl RoundRows for RevenueRows {
-    type Key = ViewKey;
-    type Value = ViewTotals;
-
-    fn row(&self) -> fn(&OutputRow) -> (ViewKey, ViewTotals) {
-        revenue_row
-    }
-
-    fn first_at(ms: i64) -> ViewKey {
-        (ms, String::new(), String::new())
-    }
-
-    fn keeps(filter: &ReconcileFilter, key: &ViewKey) -> bool {
-        filter.keeps(key)
-    }
-
-    async fn compare(
-        &self,
-        sink: &ClickHouseSink,
-        cut: &tally_clickhouse::Cut,
-        changed: &BTreeSet<ViewKey>,
-        replay: &SourceReplay<ViewKey, ViewTotals>,
-        result: &mut Reconciliation,
-    ) -> Result<()> {
-        let (Some(first), Some(last)) = (changed.first(), changed.last()) else {
-            return Ok(());
-        };
-        let found = sink.read_view_at_windows(cut, first.0, last.0).await?;
-        for key in changed {
-            let expected = replay.value(key);
-            let seen = found.get(key).copied().unwrap_or((0, 0));
-            result.source_orders += expected.0;
-            result.source_revenue += i128::from(expected.1);
-            result.sink_orders += seen.0;
-            result.sink_revenue += i128::from(seen.1);
-            if seen != expected {
-                result.mismatched += 1;
-            }
-        }
-        Ok(())
-    }
-}
-
 /// `reconcile --every`: each round reads from the source only what was committed since the
 /// previous round, recomputes the windows that input changed, and compares just those with the
 /// sink, so a round costs what the new input costs, not what the topic holds. Every
 /// `full_every` rounds it starts over from the beginning, which also checks windows that no new
 /// input touched.
-pub(crate) struct IncrementalReconciler<R: RoundRows> {
+pub(crate) struct IncrementalReconciler {
     config: Config,
     full_every: u64,
     rounds: u64,
-    rows: R,
+    rows: WindowRows,
     /// Final windows are let go between rounds.
-    replay: SourceReplay<R::Key, R::Value>,
+    replay: SourceReplay<RowKey, WindowAgg>,
 }
 
-impl<R: RoundRows> IncrementalReconciler<R> {
-    pub(crate) fn new(config: &Config, full_every: u64, rows: R) -> IncrementalReconciler<R> {
+impl IncrementalReconciler {
+    pub(crate) fn new(config: &Config, full_every: u64, rows: WindowRows) -> IncrementalReconciler {
         IncrementalReconciler {
             config: config.clone(),
             full_every: full_every.max(1),
@@ -144,10 +99,10 @@ impl<R: RoundRows> IncrementalReconciler<R> {
         let (replay, config) = (&mut self.replay, &self.config);
         let back = tokio::task::block_in_place(|| replay.read(config, &ranges, u64::MAX))?;
         result.source_duplicates = back.duplicates;
-        let changed: BTreeSet<R::Key> = back
+        let changed: BTreeSet<RowKey> = back
             .changed
             .into_iter()
-            .filter(|k| R::keeps(filter, k))
+            .filter(|k| filter.keeps(k))
             .collect();
         let epoch = Epoch(newest.epoch);
         result.epoch = Some(epoch);
@@ -159,7 +114,7 @@ impl<R: RoundRows> IncrementalReconciler<R> {
         // Final windows cannot change any more: let them go, so memory stays bounded. (A
         // hopping window is final once the frontier passes its start too.)
         let frontier_ms = i64::from(sink.frontier().await?.seconds) * 1000;
-        self.replay.values = self.replay.values.split_off(&R::first_at(frontier_ms));
+        self.replay.values = self.replay.values.split_off(&(frontier_ms, Vec::new()));
         Ok(Round {
             result,
             full,
@@ -184,29 +139,17 @@ pub async fn reconcile_every(
         vec![(config.job.name.clone(), readiness)],
     )
     .await?;
-    match config.tools_declaration() {
-        Some(job) => {
-            let rows = super::reconcile_declared::DeclaredRows::of(config, job)?;
-            every_round(
-                IncrementalReconciler::new(config, full_every, rows),
-                filter,
-                every,
-            )
-            .await
-        }
-        None => {
-            every_round(
-                IncrementalReconciler::new(config, full_every, RevenueRows),
-                filter,
-                every,
-            )
-            .await
-        }
-    }
+    let rows = WindowRows::of(config, &config.declared)?;
+    every_round(
+        IncrementalReconciler::new(config, full_every, rows),
+        filter,
+        every,
+    )
+    .await
 }
 
-async fn every_round<R: RoundRows>(
-    mut reconciler: IncrementalReconciler<R>,
+async fn every_round(
+    mut reconciler: IncrementalReconciler,
     filter: &ReconcileFilter,
     every: Duration,
 ) -> Result<()> {

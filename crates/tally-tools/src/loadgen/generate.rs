@@ -75,7 +75,7 @@ pub enum Input {
     Float(f64),
 }
 
-pub struct DeclaredGenerator {
+pub struct Generator {
     spec: LoadSpec,
     job: Arc<Job>,
     rules: OperatorConfig,
@@ -90,11 +90,11 @@ pub struct DeclaredGenerator {
     generated: u64,
 }
 
-impl DeclaredGenerator {
+impl Generator {
     /// A generator for `job`, or why loadgen cannot generate records of it by construction.
     pub fn new(spec: LoadSpec, job: Arc<Job>, rules: OperatorConfig) -> Result<Self, String> {
         let tests = filter_tests(&job)?;
-        Ok(DeclaredGenerator {
+        Ok(Generator {
             stream: Stream::new(&spec)?,
             spec,
             job,
@@ -113,7 +113,7 @@ impl DeclaredGenerator {
         self
     }
 
-    pub fn next_record(&mut self) -> (GeneratedRecord, Option<Contribution>) {
+    pub fn next_record(&mut self) -> GeneratedRecord {
         let rules = self.rules;
         let (index, partition, fate) = self.stream.draw(&self.spec, &rules);
         let combination = u32::try_from(index).unwrap_or(u32::MAX);
@@ -121,13 +121,13 @@ impl DeclaredGenerator {
         let now = self.stream.now(partition);
         self.generated += 1;
         if let Fate::Duplicate(key, value) = fate {
-            return (record(partition, key, value, Kind::Duplicate), None);
+            return record(partition, key, value, Kind::Duplicate);
         }
         self.next_id += 1;
         let (kind, values, t) = match fate {
             Fate::Poison => {
                 let (reason, value) = self.poison(combination, now);
-                return (record(partition, key, value, Kind::Poison(reason)), None);
+                return record(partition, key, value, Kind::Poison(reason));
             }
             Fate::Late => {
                 let late = self.stream.late_time(partition, &rules);
@@ -150,14 +150,14 @@ impl DeclaredGenerator {
         };
         let value = self.encode(&values);
         if kind != Kind::Valid {
-            return (record(partition, key, value, kind), None);
+            return record(partition, key, value, kind);
         }
         let contribution = self.contribution(&values, t);
         self.stream.remember(partition, t, &key, &value);
-        (
-            record(partition, key, value, Kind::Valid),
-            Some(contribution),
-        )
+        GeneratedRecord {
+            contributes: Some(contribution),
+            ..record(partition, key, value, Kind::Valid)
+        }
     }
 
     /// A random field with a filter test.
@@ -297,6 +297,19 @@ impl DeclaredGenerator {
         if super::generates_too_large(self.spec.max_record_bytes) {
             reasons.push(PoisonReason::TooLarge);
         }
+        // A decimal or a currency code no filter reads can be broken in its own way.
+        let free_field = |wanted: fn(&tally_core::declare::FieldReader) -> bool| {
+            (0..self.job.fields.len())
+                .find(|&i| self.tests[i].is_none() && wanted(&self.job.fields[i]))
+        };
+        let decimal = free_field(|f| f.kind == FieldKind::Decimal);
+        let currency = free_field(|f| f.format == StringFormat::CurrencyCode);
+        if decimal.is_some() {
+            reasons.push(PoisonReason::InvalidAmount);
+        }
+        if currency.is_some() {
+            reasons.push(PoisonReason::InvalidCurrency);
+        }
         let reason = reasons[self.poison_turn % reasons.len()];
         self.poison_turn += 1;
         let (mut values, _) = self.values(combination, now, None);
@@ -309,33 +322,32 @@ impl DeclaredGenerator {
             let json = self.json(&values);
             return (PoisonReason::InvalidJson, json[..json.len() / 2].to_vec());
         };
-        let bytes = match reason {
-            PoisonReason::InvalidUtf8 => b"{\"id\":\"\xff\xfe\"}".to_vec(),
-            PoisonReason::MissingField => {
+        let bytes = match (reason, decimal, currency) {
+            (PoisonReason::InvalidAmount, Some(field), _) => {
+                // One decimal place more than the field's scale holds.
+                let scale = job.fields[field].scale;
+                let text = format!("1.{}", "1".repeat(scale as usize + 1));
+                self.json_with(&values, field, Json::from(text))
+            }
+            (PoisonReason::InvalidCurrency, _, Some(field)) => {
+                self.json_with(&values, field, Json::from("euro"))
+            }
+            (PoisonReason::InvalidUtf8, ..) => b"{\"id\":\"\xff\xfe\"}".to_vec(),
+            (PoisonReason::MissingField, ..) => {
                 values[victim] = None;
                 self.json(&values)
             }
-            PoisonReason::WrongType => {
+            (PoisonReason::WrongType, ..) => {
                 let wrong = match job.fields[victim].kind {
                     FieldKind::Boolean => Json::from("yes"),
                     _ => Json::Bool(true),
                 };
-                let mut doc: Map<String, Json> =
-                    serde_json::from_slice(&self.json(&values)).unwrap_or_default();
-                insert_at(&mut doc, &job.fields[victim].path, wrong);
-                Json::Object(doc).to_string().into_bytes()
+                self.json_with(&values, victim, wrong)
             }
-            PoisonReason::InvalidTime => {
-                let mut doc: Map<String, Json> =
-                    serde_json::from_slice(&self.json(&values)).unwrap_or_default();
-                insert_at(
-                    &mut doc,
-                    &job.fields[job.event_time].path,
-                    Json::from("tomorrow"),
-                );
-                Json::Object(doc).to_string().into_bytes()
+            (PoisonReason::InvalidTime, ..) => {
+                self.json_with(&values, job.event_time, Json::from("tomorrow"))
             }
-            PoisonReason::TooLarge => {
+            (PoisonReason::TooLarge, ..) => {
                 let mut doc: Map<String, Json> =
                     serde_json::from_slice(&self.json(&values)).unwrap_or_default();
                 let pad = usize::try_from(self.spec.max_record_bytes).unwrap_or(4096) + 1;
@@ -349,9 +361,17 @@ impl DeclaredGenerator {
         };
         (reason, bytes)
     }
+
+    /// The record's JSON with `field`'s value replaced by `json`.
+    fn json_with(&self, values: &[Option<Value>], field: usize, json: Json) -> Vec<u8> {
+        let mut doc: Map<String, Json> =
+            serde_json::from_slice(&self.json(values)).unwrap_or_default();
+        insert_at(&mut doc, &self.job.fields[field].path, json);
+        Json::Object(doc).to_string().into_bytes()
+    }
 }
 
-impl DeclaredGenerator {
+impl Generator {
     /// A framed record broken in one way, in turn (see [`super::framed::POISON`]), or too
     /// large (when Kafka takes such a record).
     fn framed_poison(&mut self, combination: u32, now: i64) -> (PoisonReason, Vec<u8>) {
@@ -633,7 +653,7 @@ fn add(running: Option<Running>, function: Function, input: Input) -> Running {
 
 /// Expected results of a stream generated for a declared job.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct DeclaredManifest {
+pub struct Manifest {
     pub spec: Option<LoadSpec>,
     pub source_topic: String,
     pub produced: u64,
@@ -650,7 +670,7 @@ pub struct DeclaredManifest {
 
 /// The manifest while records are added.
 pub struct ManifestBuilder {
-    manifest: DeclaredManifest,
+    manifest: Manifest,
     windows: BTreeMap<(i64, Vec<String>), Vec<Option<Running>>>,
     functions: Vec<Function>,
     size_ms: i64,
@@ -660,10 +680,10 @@ pub struct ManifestBuilder {
 impl ManifestBuilder {
     pub fn new(job: &Job, spec: Option<LoadSpec>, source_topic: String) -> Self {
         ManifestBuilder {
-            manifest: DeclaredManifest {
+            manifest: Manifest {
                 spec,
                 source_topic,
-                ..DeclaredManifest::default()
+                ..Manifest::default()
             },
             windows: BTreeMap::new(),
             functions: job.aggregates.iter().map(|a| a.function).collect(),
@@ -672,13 +692,13 @@ impl ManifestBuilder {
         }
     }
 
-    pub fn record(&mut self, record: &GeneratedRecord, adds: Option<&Contribution>, offset: i64) {
+    pub fn record(&mut self, record: &GeneratedRecord, offset: i64) {
         let m = &mut self.manifest;
         m.produced += 1;
         match record.kind {
             Kind::Valid => {
                 m.valid += 1;
-                let Some(c) = adds else { return };
+                let Some(c) = &record.contributes else { return };
                 // Every window [start, start + size) holding the time, starts a slide apart.
                 let newest = c.time_ms.div_euclid(self.slide_ms) * self.slide_ms;
                 let mut start = newest;
@@ -707,7 +727,7 @@ impl ManifestBuilder {
         }
     }
 
-    pub fn finish(mut self) -> DeclaredManifest {
+    pub fn finish(mut self) -> Manifest {
         self.manifest.windows = self
             .windows
             .into_iter()
@@ -717,7 +737,7 @@ impl ManifestBuilder {
     }
 }
 
-impl DeclaredManifest {
+impl Manifest {
     /// The fate of the records produced, as [`tally_core::Accounting::fates`] counts them.
     pub fn fates(&self) -> [u64; 5] {
         [
@@ -734,7 +754,7 @@ impl DeclaredManifest {
         std::fs::write(path, text)
     }
 
-    pub fn load(path: &std::path::Path) -> std::io::Result<DeclaredManifest> {
+    pub fn load(path: &std::path::Path) -> std::io::Result<Manifest> {
         let bytes = std::fs::read(path)?;
         serde_json::from_slice(&bytes).map_err(std::io::Error::other)
     }
@@ -769,13 +789,13 @@ impl DeclaredManifest {
 }
 
 /// Produces a stream for the job's declaration to its source topic and writes the manifest.
-pub async fn produce_declared(config: &Config, opts: LoadOptions) -> Result<DeclaredManifest> {
+pub async fn produce(config: &Config, opts: LoadOptions) -> Result<Manifest> {
     let job = Arc::clone(&config.declared);
     let topic = &config.kafka.source_topic;
     let (producer, partitions) = open_source(config, opts.partitions).await?;
     let mut spec = opts.spec;
     spec.partitions = partitions;
-    let mut generator = DeclaredGenerator::new(spec.clone(), Arc::clone(&job), config.operator())
+    let mut generator = Generator::new(spec.clone(), Arc::clone(&job), config.operator())
         .map_err(anyhow::Error::msg)?;
     if job.format.is_framed() {
         let writer = FramedWriter::register(config, &job, opts.events).await?;
@@ -788,8 +808,7 @@ pub async fn produce_declared(config: &Config, opts: LoadOptions) -> Result<Decl
         topic,
         (opts.events, opts.rate),
         || generator.next_record(),
-        |(r, _)| r,
-        |(r, adds), offset| builder.record(r, adds.as_ref(), offset),
+        |r, offset| builder.record(r, offset),
     )
     .await?;
     let manifest = builder.finish();
