@@ -32,6 +32,19 @@ pub struct JobIdentity {
     pub rules: BTreeMap<String, String>,
 }
 
+/// What checking and retiring a job's identity run with (see [`crate::settings`]).
+#[derive(Debug, Clone)]
+pub struct IdentitySettings {
+    /// The job's identity, as its file makes it.
+    pub identity: JobIdentity,
+    pub kafka: tally_kafka::KafkaSettings,
+    /// Kafka's registry of jobs (`kafka.registry_topic`).
+    pub registry_topic: String,
+    pub replication_factor: Option<i32>,
+    /// Every ClickHouse replica: the identity beside the tables is on each.
+    pub replicas: Vec<tally_clickhouse::SinkSettings>,
+}
+
 /// The keys of [`JobIdentity::rules`] that name a resource no two jobs may share.
 const OWNED: &[&str] = &[
     "kafka.consumer_group",
@@ -203,22 +216,17 @@ fn current(
     Ok(out)
 }
 
-/// Checks `config`'s job against Kafka's registry, recording it there if it is new.
-pub async fn check_registry(config: &Config) -> Result<()> {
-    let kafka = config.kafka_settings();
-    let topic = config.registry_topic();
-    tally_kafka::job_registry::ensure_job_registry(
-        &kafka,
-        &topic,
-        config.kafka.topic_replication_factor,
-    )
-    .await?;
-    let mine = JobIdentity::of(config);
+/// Checks the job against Kafka's registry, recording it there if it is new.
+pub async fn check_registry(settings: &IdentitySettings) -> Result<()> {
+    let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
+    tally_kafka::job_registry::ensure_job_registry(kafka, topic, settings.replication_factor)
+        .await?;
+    let mine = &settings.identity;
     let place = format!("Kafka topic {topic}");
     let mut recorded_now = false;
     loop {
-        let recorded = current(&tally_kafka::job_registry::registrations(&kafka, &topic)?)?;
-        if let Some((key, value, other)) = first_claimant(&recorded, &mine) {
+        let recorded = current(&tally_kafka::job_registry::registrations(kafka, topic)?)?;
+        if let Some((key, value, other)) = first_claimant(&recorded, mine) {
             bail!(IdentityRefused(format!(
                 "job {}: {key} {value:?} belongs to job {} (recorded in {place} first): two jobs cannot share it \
                  (one would wait for ever for the other's lease, or truncate, fence or overwrite the other's records). \
@@ -227,25 +235,24 @@ pub async fn check_registry(config: &Config) -> Result<()> {
             )));
         }
         if let Some((_, own)) = recorded.iter().find(|(_, r)| r.job == mine.job) {
-            refuse_differences(own, &mine, &place)?;
+            refuse_differences(own, mine, &place)?;
             return Ok(());
         }
         if recorded_now {
             bail!("job {}: recorded in {topic}, but not read back", mine.job);
         }
-        let value = serde_json::to_vec(&mine).context("encoding the job's identity")?;
-        tally_kafka::job_registry::record(&kafka, &topic, &mine.job, Some(&value)).await?;
+        let value = serde_json::to_vec(mine).context("encoding the job's identity")?;
+        tally_kafka::job_registry::record(kafka, topic, &mine.job, Some(&value)).await?;
         tracing::info!(job = %mine.job, topic = %topic, "recorded the job in the registry of jobs");
         // Read back: a job that claimed one of these resources just before wins.
         recorded_now = true;
     }
 }
 
-/// Checks `config`'s job against the identity recorded beside its tables, recording it if the
-/// tables are new.
-pub async fn check_tables(config: &Config, sink: &ClickHouseSink) -> Result<()> {
-    let mine = JobIdentity::of(config);
-    let rules = serde_json::to_string(&mine).context("encoding the job's identity")?;
+/// Checks the job (`mine`) against the identity recorded beside its tables, recording it if
+/// the tables are new.
+pub async fn check_tables(mine: &JobIdentity, sink: &ClickHouseSink) -> Result<()> {
+    let rules = serde_json::to_string(mine).context("encoding the job's identity")?;
     let table = sink.names().identity();
     for attempt in 0..50 {
         match sink.recorded_identity(&rules).await? {
@@ -262,7 +269,7 @@ pub async fn check_tables(config: &Config, sink: &ClickHouseSink) -> Result<()> 
                         recorded.job
                     )));
                 }
-                refuse_differences(&recorded, &mine, &table)?;
+                refuse_differences(&recorded, mine, &table)?;
                 return Ok(());
             }
             // Created by another worker an instant ago, its row not written yet.
@@ -275,17 +282,20 @@ pub async fn check_tables(config: &Config, sink: &ClickHouseSink) -> Result<()> 
 
 /// Checks the job's identity in both places, waiting out services that are down. `false`: a
 /// shutdown came first.
-pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) -> Result<bool> {
+pub async fn check(
+    settings: &IdentitySettings,
+    shutdown: &std::sync::atomic::AtomicBool,
+) -> Result<bool> {
     let mut backoff = Duration::from_millis(200);
     loop {
         let attempt = async {
             // First: a TLS or SASL failure is named here, and no retry cures it.
-            tally_kafka::check_connection(&config.kafka_settings(), Duration::from_secs(10))?;
-            check_registry(config).await?;
+            tally_kafka::check_connection(&settings.kafka, Duration::from_secs(10))?;
+            check_registry(settings).await?;
             // On a cluster, any replica that answers: the identity is replicated there.
-            let sink = ClickHouseSink::connect_first(&config.replica_settings()).await?;
+            let sink = ClickHouseSink::connect_first(&settings.replicas).await?;
             sink.ensure_schema().await?;
-            check_tables(config, &sink).await
+            check_tables(&settings.identity, &sink).await
         };
         match attempt.await {
             Ok(()) => return Ok(true),
@@ -316,27 +326,23 @@ pub async fn check(config: &Config, shutdown: &std::sync::atomic::AtomicBool) ->
 }
 
 /// `tally retire`: frees the job's name and resources in the registry and beside its tables.
-pub async fn retire(config: &Config) -> Result<()> {
-    let kafka = config.kafka_settings();
-    let topic = config.registry_topic();
-    tally_kafka::job_registry::ensure_job_registry(
-        &kafka,
-        &topic,
-        config.kafka.topic_replication_factor,
-    )
-    .await?;
-    tally_kafka::job_registry::record(&kafka, &topic, &config.job.name, None).await?;
-    println!("retired job {} in {topic}", config.job.name);
+pub async fn retire(settings: &IdentitySettings) -> Result<()> {
+    let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
+    let job = &settings.identity.job;
+    tally_kafka::job_registry::ensure_job_registry(kafka, topic, settings.replication_factor)
+        .await?;
+    tally_kafka::job_registry::record(kafka, topic, job, None).await?;
+    println!("retired job {job} in {topic}");
     // A table of each replica, replicated or not: dropped on every one.
-    for settings in config.replica_settings() {
-        let sink = ClickHouseSink::connect(&settings)
+    for replica in &settings.replicas {
+        let sink = ClickHouseSink::connect(replica)
             .await
-            .with_context(|| format!("retiring job {} on {}", config.job.name, settings.url))?;
+            .with_context(|| format!("retiring job {job} on {}", replica.url))?;
         sink.forget_identity().await?;
         println!(
             "dropped {} on {} (the job's tables and topics stay; drop them when no reader needs them)",
             sink.names().identity(),
-            settings.url
+            replica.url
         );
     }
     Ok(())

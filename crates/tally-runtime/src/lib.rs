@@ -3,7 +3,8 @@
 //! The pipeline, in the order a record goes: [`consume`] (records into the operator, epochs cut
 //! at barriers) → [`persist`] (the pre-commit) → [`commit`] (the Kafka transaction and the
 //! ClickHouse batch) → [`read_side`] (publish and fold), wired by [`worker`] and run, one task or
-//! several, by [`tasks`] under the job's [`lease`].
+//! several, by [`tasks`] under the job's [`lease`]. A job's [`settings`] are resolved once from
+//! its [`config`].
 
 mod background;
 pub mod commit;
@@ -25,6 +26,7 @@ pub mod read_side;
 pub mod restore;
 pub mod retry;
 pub mod schemas;
+pub mod settings;
 mod standby;
 pub mod tasks;
 pub mod worker;

@@ -165,14 +165,16 @@ async fn run_job(
 ) -> Result<()> {
     // A worker whose rules or resources clash with its job's, or another job's, stops here,
     // before it joins anything.
-    if !crate::identity::check(cfg, shutdown).await? {
+    let settings = cfg.resolve();
+    if !crate::identity::check(&settings.identity, shutdown).await? {
         tracing::info!("stopped before the job's identity was checked");
         return Ok(());
     }
     let handle = tokio::runtime::Handle::current();
     // Every worker of the job may hold its read side, standing by or not.
     let signals = crate::read_side::CommitSignals::default();
-    let read_side = crate::read_side::ReadSide::start(cfg, handle.clone(), signals.clone())?;
+    let read_side =
+        crate::read_side::ReadSide::start(&settings.read_side, handle.clone(), signals.clone())?;
     let (cfg, flag, readiness) = (cfg.clone(), shutdown.clone(), readiness.clone());
     let result = tokio::task::spawn_blocking(move || {
         let result = crate::tasks::run(cfg, handle, flag, readiness, signals);

@@ -27,9 +27,9 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use crate::background::Background;
-use crate::config::Config;
 use crate::events::{Folded, Published, ReadSideChanged};
 use crate::fault::{FaultPlan, FaultPoint};
+use crate::settings::ReadSideSettings;
 
 /// How often the holder looks at the commit log for batches other processes committed.
 const PUBLISH_POLL: Duration = Duration::from_millis(500);
@@ -125,11 +125,15 @@ pub struct ReadSide {
 }
 
 impl ReadSide {
-    /// Starts the agents of `config`'s job, one per ClickHouse replica, each on a thread of its
-    /// own: each replica's read side (lease, publishes, folds) is its own.
-    pub fn start(config: &Config, rt: Handle, signals: CommitSignals) -> Result<ReadSide> {
+    /// Starts the job's agents, one per ClickHouse replica, each on a thread of its own: each
+    /// replica's read side (lease, publishes, folds) is its own.
+    pub fn start(
+        settings: &ReadSideSettings,
+        rt: Handle,
+        signals: CommitSignals,
+    ) -> Result<ReadSide> {
         let (signal, signal_rx) = watch::channel(Signal::Run);
-        let replicas = config.replica_settings();
+        let replicas = &settings.replicas;
         let mut threads = Vec::new();
         let mut wakers = Vec::new();
         for (i, replica) in replicas.iter().enumerate() {
@@ -140,7 +144,7 @@ impl ReadSide {
                 wakers.push(own.committed.clone());
             }
             let agent = Agent {
-                config: config.clone(),
+                settings: settings.clone(),
                 replica: replica.clone(),
                 peers: replicas
                     .iter()
@@ -151,7 +155,7 @@ impl ReadSide {
                 faults: ReadFaults::new(FaultPlan::from_env().map_err(|e| anyhow::anyhow!(e))?),
                 signals: own,
                 stop: stop.clone(),
-                holder: holder_name(config, "run"),
+                holder: holder_name(&settings.holder_dir, "run"),
             };
             let rx = signal_rx.clone();
             const NAMES: [&str; 4] = ["tally-read", "tally-read-2", "tally-read-3", "tally-read-4"];
@@ -209,12 +213,12 @@ fn host_name() -> String {
 }
 
 /// Who holds a generation: the tool, the host, the process and the state directory.
-fn holder_name(config: &Config, tool: &str) -> String {
+fn holder_name(state_dir: &std::path::Path, tool: &str) -> String {
     format!(
         "tally {tool}@{}:{}:{}",
         host_name(),
         std::process::id(),
-        config.job.state_dir.display()
+        state_dir.display()
     )
 }
 
@@ -293,7 +297,7 @@ enum Held {
 }
 
 struct Agent {
-    config: Config,
+    settings: ReadSideSettings,
     /// The replica whose read side this agent runs (the server, off a cluster).
     replica: tally_clickhouse::SinkSettings,
     /// The other replicas (connected once asked): versions are dropped only below what each
@@ -312,7 +316,7 @@ struct Agent {
 
 impl Agent {
     fn lease_duration(&self) -> Duration {
-        self.config.job.session_timeout.as_duration()
+        self.settings.lease_duration
     }
 
     fn beat_every(&self) -> Duration {
@@ -320,7 +324,7 @@ impl Agent {
     }
 
     fn run(self, mut signal: watch::Receiver<Signal>) {
-        let cluster = self.config.clickhouse.cluster.is_some();
+        let cluster = self.settings.cluster;
         let _replica =
             cluster.then(|| tracing::info_span!("replica", url = %self.replica.url).entered());
         ReadSideChanged::Watching.emit();
@@ -341,10 +345,11 @@ impl Agent {
         }
         // The source's partition count, asked of Kafka before each fold step: folding waits
         // for a watermark from every partition (the registry in ClickHouse counts them too).
+        let source = &self.settings.source;
         let partitions = SourceConsumer::connect(
-            &self.config.kafka_settings(),
-            &self.config.kafka.source_topic,
-            &self.config.kafka.consumer_group,
+            &source.kafka,
+            &source.source_topic,
+            &source.consumer_group,
         )
         .inspect_err(|e| tracing::warn!(error = %e, "the read side has no Kafka client; folding counts the registered partitions only"))
         .ok();
@@ -450,8 +455,8 @@ impl Agent {
             holder: &lease.holder,
         }
         .emit();
-        let folding = self.config.clickhouse.fold_interval.0 > 0;
-        let interval = self.config.clickhouse.fold_interval.as_duration();
+        let interval = self.settings.fold_interval;
+        let folding = !interval.is_zero();
         let mut known_partitions = 0;
         // The view of the logged frontier is installed once the first publish succeeded (a
         // view of an earlier layout, reading the versions itself, is replaced only then); fold
@@ -484,7 +489,7 @@ impl Agent {
                 let started = Instant::now();
                 let step = sink.fold(
                     lease,
-                    self.config.fold_rules(),
+                    self.settings.fold_rules,
                     known_partitions,
                     |step| self.faults.fold(step),
                     self.faults.watches(FaultPoint::FoldDuringInsert),
@@ -697,25 +702,28 @@ impl Agent {
 
 /// `tally fold`: claims the read side (fencing its holder, which claims it back later), folds
 /// every final window, publishes, and releases.
-pub async fn fold_now(config: &Config) -> Result<()> {
-    let replicas = config.replica_settings();
-    for settings in &replicas {
-        if replicas.len() > 1 {
+pub async fn fold_now(settings: &ReadSideSettings) -> Result<()> {
+    for replica in &settings.replicas {
+        if settings.replicas.len() > 1 {
             // Each replica folds its own copy; versions stay for the running read sides to drop.
-            println!("replica {}:", settings.url);
+            println!("replica {}:", replica.url);
         }
-        fold_replica(config, settings).await?;
+        fold_replica(settings, replica).await?;
     }
     Ok(())
 }
 
-async fn fold_replica(config: &Config, settings: &tally_clickhouse::SinkSettings) -> Result<()> {
-    let sink = ClickHouseSink::connect(settings).await?;
+async fn fold_replica(
+    settings: &ReadSideSettings,
+    replica: &tally_clickhouse::SinkSettings,
+) -> Result<()> {
+    let sink = ClickHouseSink::connect(replica).await?;
     sink.ensure_schema().await?;
-    let partitions =
-        tally_kafka::topic_extent(&config.kafka_settings(), &config.kafka.source_topic)?.len();
+    let source = &settings.source;
+    let partitions = tally_kafka::topic_extent(&source.kafka, &source.source_topic)?.len();
+    let holder = holder_name(&settings.holder_dir, "fold");
     let lease = loop {
-        if let Some(lease) = sink.claim_read_side(&holder_name(config, "fold")).await? {
+        if let Some(lease) = sink.claim_read_side(&holder).await? {
             break lease;
         }
     };
@@ -723,7 +731,7 @@ async fn fold_replica(config: &Config, settings: &tally_clickhouse::SinkSettings
         "read side: generation {} claimed (the running holder, if any, steps down)",
         lease.generation
     );
-    let folded = fold_until_caught_up(&sink, &lease, config, partitions).await;
+    let folded = fold_until_caught_up(&sink, &lease, settings.fold_rules, partitions).await;
     if folded.is_ok()
         && let Some(rows) = sink.publish(&lease, |_| {}, false).await?.rows
     {
@@ -736,7 +744,7 @@ async fn fold_replica(config: &Config, settings: &tally_clickhouse::SinkSettings
 async fn fold_until_caught_up(
     sink: &ClickHouseSink,
     lease: &ReadLease,
-    config: &Config,
+    rules: tally_clickhouse::FoldRules,
     partitions: usize,
 ) -> Result<()> {
     // Steps until every final window is folded; then one more after READER_MARGIN drops the
@@ -747,9 +755,7 @@ async fn fold_until_caught_up(
         if caught_up {
             tokio::time::sleep(tally_clickhouse::READER_MARGIN).await;
         }
-        let outcome = sink
-            .fold(lease, config.fold_rules(), partitions, |_| {}, false)
-            .await?;
+        let outcome = sink.fold(lease, rules, partitions, |_| {}, false).await?;
         println!(
             "fold: frontier {}, {} rows folded, {} partitions dropped{}",
             tally_core::time::format_ms(i64::from(outcome.frontier.seconds) * 1000),

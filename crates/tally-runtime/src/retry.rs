@@ -12,8 +12,6 @@ use anyhow::anyhow;
 use tally_clickhouse::ClickHouseSink;
 use tokio::runtime::Handle;
 
-use crate::config::Config;
-
 /// The longest wait between two attempts.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
@@ -118,13 +116,12 @@ pub fn wait_for<T>(
 /// Connects to ClickHouse (the first replica of `clickhouse.url` that answers), waiting while
 /// none does; a refused connection (a bad certificate or password) stops at once.
 pub fn connect_clickhouse(
-    config: &Config,
+    replicas: &[tally_clickhouse::SinkSettings],
     rt: &Handle,
     shutdown: &AtomicBool,
 ) -> anyhow::Result<ClickHouseSink> {
-    let replicas = config.replica_settings();
     wait_for("clickhouse", shutdown, || {
-        Ok(rt.block_on(ClickHouseSink::connect_first(&replicas))?)
+        Ok(rt.block_on(ClickHouseSink::connect_first(replicas))?)
     })
 }
 

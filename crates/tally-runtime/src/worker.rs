@@ -77,7 +77,7 @@ impl Worker {
             "opened state store"
         );
         let kafka = config.kafka_settings();
-        let sink = connect_clickhouse(&config, &rt, &shutdown)?;
+        let sink = connect_clickhouse(&config.replica_settings(), &rt, &shutdown)?;
         tracing::info!(version = sink.version(), url = %sink.url(), "connected to clickhouse");
         if let Some(cluster) = &config.clickhouse.cluster {
             let down = rt.block_on(tally_clickhouse::check_cluster(&config.replica_settings()))?;

@@ -114,10 +114,12 @@ fn real_main(cli: Cli) -> Result<()> {
             )
         }
         Command::Fold { config } => {
-            runtime()?.block_on(tally_runtime::read_side::fold_now(&load_config(&config)?))
+            let settings = load_config(&config)?.resolve();
+            runtime()?.block_on(tally_runtime::read_side::fold_now(&settings.read_side))
         }
         Command::Retire { config } => {
-            runtime()?.block_on(tally_runtime::identity::retire(&load_config(&config)?))
+            let settings = load_config(&config)?.resolve();
+            runtime()?.block_on(tally_runtime::identity::retire(&settings.identity))
         }
         Command::Probe {
             config,

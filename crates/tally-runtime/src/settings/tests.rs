@@ -1,0 +1,95 @@
+use std::time::Duration;
+
+use crate::config::Config;
+
+/// A job of two ClickHouse replicas on a cluster, its intervals and names not the defaults.
+const JOB: &str = r#"
+[job]
+name = "shop"
+state_dir = "/tmp/shop"
+session_timeout = "12s"
+tasks = 3
+[kafka]
+brokers = "k1:9092,k2:9092"
+source_topic = "orders"
+consumer_group = "g"
+registry_topic = "jobs"
+topic_replication_factor = 3
+[kafka.client]
+"client.id" = "shop"
+[window]
+size = "5m"
+[clickhouse]
+url = "http://ch1:8123, http://ch2:8123"
+cluster = "two"
+table = "shop_view"
+fold_interval = "20s"
+retention = "30d"
+"#;
+
+fn config() -> Config {
+    Config::parse("shop.toml", JOB, &[]).expect("the job parses")
+}
+
+/// Resolved once, each part's settings are what the file's helpers derive.
+#[test]
+fn the_settings_are_what_the_file_says() {
+    let c = config();
+    let s = c.resolve();
+    assert_eq!(s.name, "shop");
+    assert_eq!(s.source.source_topic, "orders");
+    assert_eq!(s.source.consumer_group, "g");
+    assert_eq!(
+        format!("{:?}", s.source.kafka),
+        format!("{:?}", c.kafka_settings())
+    );
+    let urls: Vec<&str> = s.replicas.iter().map(|r| r.url.as_str()).collect();
+    assert_eq!(urls, ["http://ch1:8123", "http://ch2:8123"]);
+    assert_eq!(
+        format!("{:?}", s.replicas),
+        format!("{:?}", c.replica_settings())
+    );
+    let r = &s.read_side;
+    assert_eq!(format!("{:?}", r.replicas), format!("{:?}", s.replicas));
+    assert!(r.cluster);
+    assert_eq!(r.lease_duration, Duration::from_secs(12));
+    assert_eq!(r.fold_interval, Duration::from_secs(20));
+    assert_eq!(
+        format!("{:?}", r.fold_rules),
+        format!("{:?}", c.fold_rules())
+    );
+    assert_eq!(r.fold_rules.window_size_ms, 300_000);
+    assert_eq!(r.holder_dir, std::path::Path::new("/tmp/shop"));
+    let i = &s.identity;
+    assert_eq!(i.registry_topic, "jobs");
+    assert_eq!(i.replication_factor, Some(3));
+    assert_eq!(i.identity, crate::identity::JobIdentity::of(&c));
+    assert_eq!(format!("{:?}", i.replicas), format!("{:?}", s.replicas));
+}
+
+/// The identity is recorded byte for byte as before: a rule written otherwise is a job whose
+/// workers refuse to start ("rules differ").
+#[test]
+fn the_identity_s_rules_keep_their_bytes() {
+    let rules = config().resolve().identity.identity.rules;
+    assert_eq!(rules["window.size"], "300000ms");
+    assert_eq!(rules["kafka.transactional_id"], "tally-shop");
+    assert_eq!(rules["clickhouse.table"], "tally.shop_view");
+    assert_eq!(rules["job.tasks"], "3");
+}
+
+/// A job off a cluster, without folding.
+#[test]
+fn one_server_without_folding() {
+    let text = JOB
+        .replace(
+            "url = \"http://ch1:8123, http://ch2:8123\"",
+            "url = \"http://ch1:8123\"",
+        )
+        .replace("cluster = \"two\"\n", "")
+        .replace("fold_interval = \"20s\"", "fold_interval = \"0s\"");
+    let s = Config::parse("shop.toml", &text, &[]).unwrap().resolve();
+    assert_eq!(s.replicas.len(), 1);
+    assert!(!s.read_side.cluster);
+    assert!(s.read_side.fold_interval.is_zero());
+}
