@@ -184,7 +184,7 @@ pub(crate) struct LoadgenArgs {
     /// Partitions of the source topic when loadgen creates it.
     #[arg(long, default_value_t = 4)]
     pub(crate) partitions: i32,
-    /// Customers, or for a declared job the combinations of its group-by values.
+    /// Combinations of the job's group-by values (revenue_agg's customers).
     #[arg(long, default_value_t = 1000)]
     pub(crate) customers: u32,
     /// Zipf exponent of customer popularity (0 = uniform).
@@ -201,7 +201,7 @@ pub(crate) struct LoadgenArgs {
     /// Fraction of events later than the allowed lateness.
     #[arg(long, default_value_t = 0.005)]
     pub(crate) late: f64,
-    /// Fraction of records a declared job's filter leaves out (each misses one condition).
+    /// Fraction of records the job's filter leaves out (each misses one condition).
     #[arg(long, default_value_t = 0.05)]
     pub(crate) filtered: f64,
     /// Event-time spacing between consecutive records of one partition, in ms.
@@ -237,7 +237,7 @@ pub(crate) struct ReconcileArgs {
     /// Only windows starting before this time (RFC 3339).
     #[arg(long)]
     pub(crate) to: Option<String>,
-    /// Only this customer (of a declared job: this first group-by value).
+    /// Only windows of this first group-by value (revenue_agg's customer).
     #[arg(long)]
     pub(crate) customer: Option<String>,
     /// Keep running, reconciling every DURATION (e.g. 5m), and export the result as metrics.

@@ -1,4 +1,4 @@
-//! Records for any declared job, each one's fate decided by construction as for revenue_agg:
+//! Records of a job's declaration, each one's fate decided by construction:
 //! valid records pass every filter condition, filtered ones miss exactly one, duplicates
 //! re-publish a recent valid record, late ones sit behind the watermark by more than a window
 //! and the lateness, and poison ones break one declared field in one specific way. Values come
@@ -651,7 +651,7 @@ fn add(running: Option<Running>, function: Function, input: Input) -> Running {
     }
 }
 
-/// Expected results of a stream generated for a declared job.
+/// Expected results of a generated stream: the view's windows and the dead letters.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Manifest {
     pub spec: Option<LoadSpec>,

@@ -1,4 +1,5 @@
-//! A deterministic order stream with known ground truth, for load tests, demos and chaos runs.
+//! A deterministic stream for a job's declaration with known ground truth, for load tests, demos
+//! and chaos runs.
 //!
 //! Every record's fate is decided by construction, independently of tally's code: valid events
 //! are never late (their disorder stays inside the out-of-orderness bound), duplicates re-publish
@@ -41,7 +42,7 @@ pub struct LoadSpec {
     pub duplicate_fraction: f64,
     pub poison_fraction: f64,
     pub late_fraction: f64,
-    /// Records a declared job's filter leaves out (each misses one condition).
+    /// Records the job's filter leaves out (each misses one condition).
     #[serde(default)]
     pub filtered_fraction: f64,
     /// Event-time start (ms since epoch) and spacing between consecutive events of a partition,
@@ -61,7 +62,7 @@ pub enum Kind {
     Duplicate,
     Late,
     Poison(PoisonReason),
-    /// Left out by a declared job's filter.
+    /// Left out by the job's filter.
     Filtered,
 }
 

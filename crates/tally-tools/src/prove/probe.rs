@@ -11,7 +11,7 @@ use tally_core::declare::Function;
 use tally_runtime::config::Config;
 
 /// One read of the view as the probe checks it: (window start ms, group-by values) → records
-/// counted there (revenue_agg's orders, a declared job's first `count` column, else 0).
+/// counted there (the job's first `count` column, revenue_agg's orders; else 0).
 pub type Counted = BTreeMap<(i64, Vec<String>), u64>;
 
 /// What a reader polling the view saw: for an input that only adds records, a window once

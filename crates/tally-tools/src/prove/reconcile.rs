@@ -1,7 +1,7 @@
-//! `tally reconcile` for a declared job: the committed source ranges read again through the
-//! job's declaration, in memory, and each window merged across source partitions as the view
-//! merges them, against the view at the same cut. Counts, integers, decimals and times must
-//! match exactly, floats within 1e-9 relative.
+//! `tally reconcile`: the committed source ranges read again through the job's declaration, in
+//! memory, and each window merged across source partitions as the view merges them, against the
+//! view at the same cut. Counts, integers, decimals and times must match exactly, floats within
+//! 1e-9 relative.
 
 use std::sync::Arc;
 
@@ -80,7 +80,7 @@ fn ratio(sink: f64, source: f64) -> f64 {
 }
 
 impl ReconcileFilter {
-    /// `--customer` is the first group-by value of a declared job.
+    /// `--customer` is the job's first group-by value.
     pub(crate) fn keeps(&self, (start, keys): &RowKey) -> bool {
         self.from_ms.is_none_or(|f| *start >= f)
             && self.to_ms.is_none_or(|t| *start < t)

@@ -125,7 +125,7 @@ impl IncrementalReconciler {
 
 /// `tally reconcile --every`: a round every `every` (a full one every `full_every`), each
 /// reported in the log and the `tally_reconcile_*` metrics, served on the metrics address.
-/// A declared job's orders ratio is that of its first `count` column.
+/// The orders ratio is that of the job's first `count` column.
 pub async fn reconcile_every(
     config: &Config,
     filter: &ReconcileFilter,

@@ -73,7 +73,7 @@ pub(crate) fn shown_of(job: &Job, value: &WindowAgg) -> Vec<Shown> {
         .collect()
 }
 
-/// The ClickHouse types of a declared job's view columns: its keys', then its aggregates'.
+/// The ClickHouse types of the job's view columns: its keys', then its aggregates'.
 #[derive(Debug, Clone)]
 pub(crate) struct ViewTypes {
     keys: Vec<ColumnType>,
@@ -176,7 +176,7 @@ impl<K: Ord + Clone, V: Clone> KeyedDiff<K, V> {
     }
 }
 
-/// A declared job's windows, every shown column compared (floats within 1e-9 relative).
+/// The job's windows, every shown column compared (floats within 1e-9 relative).
 pub(crate) type WindowDiff = KeyedDiff<RowKey, Vec<Shown>>;
 
 impl WindowDiff {
