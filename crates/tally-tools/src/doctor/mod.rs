@@ -620,19 +620,13 @@ fn sum_differs(
     logged: &str,
     compare: bool,
 ) -> Option<String> {
-    // The log sums the first sum of exact words; compared when it is the first integer or
+    // The log sums the first sum of exact words: compared when that is the first integer or
     // decimal sum, the one `totals` gives.
-    let column = job.aggregates.iter().find(|a| {
+    let first_exact = job.aggregates.iter().find(|a| {
         a.function == tally_core::declare::Function::Sum
             && a.word_kinds() == [tally_core::WordKind::Exact]
     })?;
-    let kind = column.input.map(|t| t.kind);
-    if !matches!(
-        kind,
-        Some(tally_core::declare::FieldKind::Integer | tally_core::declare::FieldKind::Decimal)
-    ) {
-        return None;
-    }
+    let column = prove::first_sum(job).filter(|s| s.column == first_exact.column)?;
     let logged_units = tally_core::declare::parse_decimal(logged, 4).ok()?;
     let (_, shown) = prove::totals(job, windows);
     (compare && logged_units != 0 && i128::from(logged_units) != shown).then(|| {

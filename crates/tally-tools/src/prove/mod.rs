@@ -15,4 +15,4 @@ pub use reconcile::{ReconcileFilter, Reconciliation, reconcile};
 pub use reconcile_every::{Round, reconcile_every};
 pub use replay::commit_log_gaps;
 pub use verify::{KeyedDiff, verify};
-pub(crate) use verify::{ViewTypes, WindowDiff, Windows, counted, shown_of, totals};
+pub(crate) use verify::{ViewTypes, WindowDiff, Windows, counted, first_sum, shown_of, totals};

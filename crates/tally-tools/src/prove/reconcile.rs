@@ -11,7 +11,9 @@ use tally_core::declare::Job;
 use tally_core::{Epoch, OutputRow, WindowAgg};
 
 use super::replay::{Replayed, SourceReplay, replay_committed};
-use super::verify::{ColumnTotal, RowKey, ViewTypes, WindowDiff, Windows, shown_of, totals};
+use super::verify::{
+    ColumnTotal, RowKey, ViewTypes, WindowDiff, Windows, first_sum, shown_of, totals,
+};
 use crate::loadgen::Shown;
 use tally_runtime::config::Config;
 
@@ -60,9 +62,7 @@ impl Reconciliation {
 
     /// The ratios for a report: records counted, and the first exact sum's by its column.
     pub fn ratios(&self, job: &Job) -> String {
-        let sum = ColumnTotal::of(job, &Windows::new())
-            .into_iter()
-            .find(|c| !c.count);
+        let sum = first_sum(job);
         let mut text = format!("records counted ratio {:.6}", self.orders_ratio());
         if let Some(sum) = sum {
             text += &format!(", {} ratio {:.6}", sum.column, self.revenue_ratio());

@@ -304,6 +304,16 @@ impl ColumnTotal {
     }
 }
 
+/// The job's first exact `sum` column (of integers or decimals): a [`super::Reconciliation`]'s
+/// revenue.
+pub(crate) fn first_sum(job: &Job) -> Option<&tally_core::declare::Aggregate> {
+    job.aggregates.iter().find(|a| {
+        a.function == Function::Sum
+            && a.input
+                .is_some_and(|t| matches!(t.kind, FieldKind::Integer | FieldKind::Decimal))
+    })
+}
+
 /// The first `count` column's and the first exact `sum` column's totals over `windows`: what a
 /// [`super::Reconciliation`] compares as orders and revenue.
 pub(crate) fn totals(job: &Job, windows: &Windows) -> (u64, i128) {
