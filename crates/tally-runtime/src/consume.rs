@@ -17,7 +17,7 @@ use tally_core::{
 use tally_kafka::{SourceConsumer, StartFrom};
 use tally_state::StateStore;
 
-use crate::config::{self, Config};
+use crate::config;
 use crate::events::{BarrierPause, CheckpointCut, LagMeasured, PartitionsAdded};
 use crate::health::Readiness;
 use crate::partitions::AddedPartitions;
@@ -25,6 +25,7 @@ use crate::persist::Handoff;
 use crate::read_side::CommitPressure;
 use crate::retry::wait_for;
 use crate::schemas::SchemaWaits;
+use crate::settings::ConsumeSettings;
 
 /// Records, and dead-letter bytes, after which a checkpoint is taken even before the interval
 /// ends, bounding the memory an epoch holds (changed windows, dead letters).
@@ -178,7 +179,7 @@ impl InFlight {
 /// The operator side: consumes, processes, cuts epochs.
 /// The operator's thread: consumes the job's (or task's) partitions and cuts its epochs.
 pub struct Consumer {
-    config: Config,
+    settings: ConsumeSettings,
     shutdown: Arc<AtomicBool>,
     store: Arc<StateStore>,
     source: SourceConsumer,
@@ -198,7 +199,7 @@ pub struct Consumer {
 impl Consumer {
     #[allow(clippy::too_many_arguments)] // the worker's parts, each used here
     pub fn new(
-        config: Config,
+        settings: ConsumeSettings,
         shutdown: Arc<AtomicBool>,
         store: Arc<StateStore>,
         source: SourceConsumer,
@@ -207,10 +208,10 @@ impl Consumer {
         readiness: Arc<Readiness>,
         pressure: Arc<CommitPressure>,
     ) -> Consumer {
-        let waits = config.schemas.clone().map(SchemaWaits::new);
+        let waits = settings.schemas.clone().map(SchemaWaits::new);
         Consumer {
             waits,
-            config,
+            settings,
             shutdown,
             store,
             source,
@@ -221,10 +222,6 @@ impl Consumer {
             readiness,
             pressure,
         }
-    }
-
-    pub fn config(&self) -> &Config {
-        &self.config
     }
 
     pub fn store(&self) -> Arc<StateStore> {
@@ -261,8 +258,8 @@ impl Consumer {
         mut filters: Option<Receiver<(PartitionId, SeenIdFilter)>>,
         added: Option<Receiver<AddedPartitions>>,
     ) -> Result<Stop> {
-        let interval = self.config.job.checkpoint_interval.as_duration();
-        let max_in_flight = usize::try_from(self.config.job.max_epochs_in_flight).unwrap_or(1);
+        let interval = self.settings.checkpoint_interval;
+        let max_in_flight = self.settings.max_epochs_in_flight;
         let mut next_barrier = Instant::now() + interval;
         let mut consume_errors = 0u64;
         // When the barrier that is due was first put off because the committer was behind.
@@ -417,7 +414,7 @@ impl Consumer {
                     if outcome == tally_core::Outcome::Truncated {
                         bail!(
                             "the source table was truncated: a TRUNCATE event is at partition {partition} offset {offset} of {}. Its rows are held across every partition, which tally cannot retract at one point, so the job stops before it and commits nothing past it. To go on, rebuild the job: stop its workers, give it a new job.name (new state and tables) and let the connector take a new snapshot of the table (docs/change-jobs.md: a TRUNCATE)",
-                            self.config.kafka.source_topic
+                            self.settings.source_topic
                         );
                     }
                 }
@@ -501,16 +498,16 @@ impl Consumer {
         if let Some(missing) = partitions.keys().find(|p| !self.partitions.contains(p)) {
             bail!(
                 "partition {missing} of {} is in the checkpoint but no longer in the topic; was the topic recreated?",
-                self.config.kafka.source_topic
+                self.settings.source_topic
             );
         }
         let mut operator = WindowOperator::restore(
-            self.config.operator(),
-            self.config.program(),
+            self.settings.operator,
+            self.settings.program.clone(),
             epoch,
             &partitions,
         );
-        let from = match self.config.job.start_from {
+        let from = match self.settings.start_from {
             config::StartFrom::Earliest => StartFrom::Earliest,
             config::StartFrom::Latest => StartFrom::Latest,
         };

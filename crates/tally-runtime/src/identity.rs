@@ -55,8 +55,6 @@ const OWNED: &[&str] = &[
 
 impl JobIdentity {
     pub fn of(config: &Config) -> JobIdentity {
-        let mut base = config.clone();
-        base.job.task = None;
         let w = &config.window;
         let mut rules: BTreeMap<String, String> = [
             ("job.tasks", config.job.tasks.to_string()),
@@ -68,7 +66,7 @@ impl JobIdentity {
             ("kafka.consumer_group", config.kafka.consumer_group.clone()),
             ("kafka.changelog_topic", config.changelog_topic()),
             ("kafka.dlq_topic", config.dlq_topic()),
-            ("kafka.transactional_id", base.transactional_id()),
+            ("kafka.transactional_id", config.transactional_id()),
             ("window.size", w.size.to_string()),
             ("window.out_of_orderness", w.out_of_orderness.to_string()),
             ("window.allowed_lateness", w.allowed_lateness.to_string()),

@@ -16,9 +16,9 @@ use tally_kafka::{EpochProducer, EpochTopics, SourceConsumer, UnfencedProducer};
 use tokio::runtime::Handle;
 
 use crate::background::Background;
-use crate::config::Config;
 use crate::health::Readiness;
 use crate::retry::wait_for;
+use crate::settings::{JobSettings, TaskSettings};
 
 /// How often the group member is polled (the group protocol is served inside polls).
 const POLL: Duration = Duration::from_millis(100);
@@ -58,9 +58,9 @@ impl Lease {
 
 /// This worker's static member id in the job's group: stable across restarts of the same
 /// worker (so it gets its lease straight back), distinct between workers: the host name and
-/// the state directory.
-pub(crate) fn instance_id(config: &Config) -> Result<String> {
-    let dir = &config.job.state_dir;
+/// the job's state directory.
+pub(crate) fn instance_id(job: &JobSettings) -> Result<String> {
+    let dir = &job.state_dir;
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
     let dir = std::fs::canonicalize(dir)
@@ -76,55 +76,56 @@ pub(crate) fn instance_id(config: &Config) -> Result<String> {
 /// (created, or grown, first). Kafka may be down or slow to come up: waited for, unless it
 /// refuses this configuration.
 pub(crate) fn join_group(
-    config: &Config,
+    job: &JobSettings,
     rt: &Handle,
     shutdown: &AtomicBool,
     lease_partitions: i32,
 ) -> Result<Arc<SourceConsumer>> {
-    let kafka = config.kafka_settings();
-    let lease_topic = config.lease_topic();
+    let kafka = &job.source.kafka;
+    let lease_topic = &job.topics.lease;
     wait_for("kafka", shutdown, || {
-        let topics = tally_kafka::check_connection(&kafka, Duration::from_secs(10))?;
+        let topics = tally_kafka::check_connection(kafka, Duration::from_secs(10))?;
         // Most starts find it in place: an admin client (a new connection) only to make or grow it.
         let wanted = usize::try_from(lease_partitions).unwrap_or(usize::MAX);
-        if topics.get(&lease_topic).is_some_and(|&n| n >= wanted) {
+        if topics.get(lease_topic).is_some_and(|&n| n >= wanted) {
             return Ok(false);
         }
         Ok(rt.block_on(tally_kafka::ensure_topic(
-            &kafka,
-            &lease_topic,
+            kafka,
+            lease_topic,
             lease_partitions,
-            config.kafka.topic_replication_factor,
+            job.topics.replication_factor,
             &[],
         ))?)
     })?;
     Ok(Arc::new(SourceConsumer::join(
-        &kafka,
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-        &lease_topic,
-        &instance_id(config)?,
-        config.job.session_timeout.as_duration(),
+        kafka,
+        &job.source.source_topic,
+        &job.source.consumer_group,
+        lease_topic,
+        &instance_id(job)?,
+        job.session_timeout,
     )?))
 }
 
 /// Joins the job's group and waits, standing by, until this worker holds the lease; then makes
 /// the state directory the job's current state. `None`: asked to stop while standing by.
 pub fn acquire(
-    config: &Config,
+    job: &Arc<JobSettings>,
+    task: &TaskSettings,
     rt: &Handle,
     shutdown: &Arc<AtomicBool>,
     readiness: &Readiness,
 ) -> Result<Option<Lease>> {
-    let lease_topic = config.lease_topic();
+    let lease_topic = job.topics.lease.clone();
     // Ready to fence the moment the lease is held; a client that cannot be made now is made
     // again there, where failing is retried.
-    let unfenced = unfenced_producer(config)
+    let unfenced = unfenced_producer(job, task)
         .inspect_err(
             |e| tracing::debug!(error = %e, "could not create the producer ahead of the lease"),
         )
         .ok();
-    let member = join_group(config, rt, shutdown, 1)?;
+    let member = join_group(job, rt, shutdown, 1)?;
 
     let waiting = Instant::now();
     let mut said = false;
@@ -135,10 +136,10 @@ pub fn acquire(
         }
         // A worker starting alone gets the lease within a rebalance: say nothing for that.
         if !said && waiting.elapsed() > Duration::from_secs(3) {
-            tracing::info!(group = %config.kafka.consumer_group, "standing by: another worker of the job holds its lease");
+            tracing::info!(group = %job.source.consumer_group, "standing by: another worker of the job holds its lease");
             readiness.set_standby(true);
             said = true;
-            standby = crate::standby::start_warm_standby(config, rt)?;
+            standby = crate::standby::start_warm_standby(job, task, rt)?;
         }
     }
     readiness.set_standby(false);
@@ -152,7 +153,7 @@ pub fn acquire(
     let stop = Arc::new(AtomicBool::new(false));
     let poller = {
         let (member, lost, shutdown) = (member.clone(), lost.clone(), shutdown.clone());
-        let job = config.job.name.clone();
+        let job = job.name.clone();
         Background::spawn("tally-member", stop.clone(), move || {
             while !stop.load(Ordering::SeqCst) {
                 let held = member.poll_membership(&lease_topic, POLL);
@@ -171,47 +172,48 @@ pub fn acquire(
     };
     // Its round in progress ends first: the directory is then between two committed epochs.
     drop(standby);
-    lease.producer = Some(fence_and_make_current(config, rt, shutdown, unfenced)?);
+    lease.producer = Some(fence_and_make_current(job, task, rt, shutdown, unfenced)?);
     Ok(Some(lease))
 }
 
-/// Fences the previous holder of `config`'s job (or task) and brings the state directory to
+/// Fences the previous holder of `task` and brings the state directory to
 /// its last commit; returns the producer that fenced. Fencing comes first: the previous
 /// holder's open transaction is aborted there, so the group's offsets and the changelog read
 /// next are final.
 pub(crate) fn fence_and_make_current(
-    config: &Config,
+    job: &JobSettings,
+    task: &TaskSettings,
     rt: &Handle,
     stop: &AtomicBool,
     mut unfenced: Option<UnfencedProducer>,
 ) -> Result<EpochProducer> {
-    let kafka = config.kafka_settings();
     let producer = wait_for("kafka", stop, || {
         Ok(unfenced
             .take()
-            .map_or_else(|| unfenced_producer(config), Ok)
+            .map_or_else(|| unfenced_producer(job, task), Ok)
             .and_then(UnfencedProducer::fence)?)
     })?;
     // Read through a client that fetches nothing: the member's requests queue behind its
     // long-polling fetch of the lease topic.
-    let reader = SourceConsumer::connect(
-        &kafka,
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?;
-    crate::restore::make_state_current(config, rt, &reader, stop, true)?;
+    let source = &job.source;
+    let reader =
+        SourceConsumer::connect(&source.kafka, &source.source_topic, &source.consumer_group)?;
+    crate::restore::make_state_current(job, task, rt, &reader, stop, true)?;
     Ok(producer)
 }
 
-/// The job's (or task's) transactional producer, not yet fenced.
-pub(crate) fn unfenced_producer(config: &Config) -> tally_kafka::Result<UnfencedProducer> {
+/// The task's transactional producer, not yet fenced.
+pub(crate) fn unfenced_producer(
+    job: &JobSettings,
+    task: &TaskSettings,
+) -> tally_kafka::Result<UnfencedProducer> {
     UnfencedProducer::create(
-        &config.kafka_settings(),
-        &config.transactional_id(),
+        &job.source.kafka,
+        &task.transactional_id,
         &EpochTopics {
-            dead_letters: &config.dlq_topic(),
-            changelog: &config.changelog_topic(),
-            source: &config.kafka.source_topic,
+            dead_letters: &job.topics.dead_letters,
+            changelog: &job.topics.changelog,
+            source: &job.source.source_topic,
         },
     )
 }

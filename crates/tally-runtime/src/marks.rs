@@ -9,7 +9,7 @@ use tally_core::{Epoch, PartitionId};
 use tally_kafka::{CommitMark, SourceConsumer};
 use tally_state::{StateError, StateStore};
 
-use crate::config::Config;
+use crate::settings::{JobSettings, TaskSettings};
 
 /// Another state directory's worker commits this job. Two workers of one job would each count
 /// every record (and fence each other's transactions back and forth), so this one stops.
@@ -58,19 +58,19 @@ pub fn foreign_mark(
 pub fn refuse_another_writer(
     marks: &BTreeMap<PartitionId, CommitMark>,
     store: &StateStore,
-    config: &Config,
+    job: &JobSettings,
 ) -> Result<()> {
     match foreign_mark(marks, store)? {
         None => Ok(()),
         Some((partition, mark)) => Err(AnotherWriter {
-            job: config.job.name.clone(),
-            topic: config.kafka.source_topic.clone(),
+            job: job.name.clone(),
+            topic: job.source.source_topic.clone(),
             partition,
             epoch: mark.epoch,
             other: mark.writer.unwrap_or_default(),
             ours: store.writer_id().to_owned(),
             state_dir: store.path().display().to_string(),
-            group: config.kafka.consumer_group.clone(),
+            group: job.source.consumer_group.clone(),
         }
         .into()),
     }
@@ -82,22 +82,24 @@ pub fn newest_epoch(marks: &BTreeMap<PartitionId, CommitMark>) -> Option<Epoch> 
 }
 
 /// [`commit_marks`] through a client of its own.
-pub fn job_commit_marks(config: &Config) -> Result<BTreeMap<PartitionId, CommitMark>> {
-    let reader = SourceConsumer::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?;
-    commit_marks(&reader, config)
+pub fn job_commit_marks(
+    job: &JobSettings,
+    task: &TaskSettings,
+) -> Result<BTreeMap<PartitionId, CommitMark>> {
+    let source = &job.source;
+    let reader =
+        SourceConsumer::connect(&source.kafka, &source.source_topic, &source.consumer_group)?;
+    commit_marks(&reader, job, task)
 }
 
-/// The group's committed offsets of the source partitions `config` runs, each with the mark of
+/// The group's committed offsets of the source partitions `task` runs, each with the mark of
 /// its transaction.
 pub fn commit_marks(
     member: &SourceConsumer,
-    config: &Config,
+    job: &JobSettings,
+    task: &TaskSettings,
 ) -> Result<BTreeMap<PartitionId, CommitMark>> {
-    Ok(marks_of(committed_offsets(member, config)?))
+    Ok(marks_of(committed_offsets(member, job, task)?))
 }
 
 /// The marks of [`committed_offsets`].
@@ -113,20 +115,21 @@ pub fn marks_of(
 /// [`commit_marks`] with each partition's committed offset.
 pub fn committed_offsets(
     member: &SourceConsumer,
-    config: &Config,
+    job: &JobSettings,
+    task: &TaskSettings,
 ) -> Result<BTreeMap<PartitionId, (i64, CommitMark)>, tally_kafka::Error> {
     let partitions: Vec<PartitionId> = member
         .partitions()?
         .into_iter()
-        .filter(|p| config.owns(*p))
+        .filter(|p| task.owns(*p))
         .collect();
     let committed = member.committed(&partitions).inspect_err(|error| {
         if matches!(error, tally_kafka::Error::UnstableOffsets { .. }) {
             crate::events::OffsetsHeldByOpenTransaction {
                 error,
-                brokers: &config.kafka.brokers,
-                transactional_id: &config.transactional_id(),
-                task: config.job.task,
+                brokers: &job.source.kafka.brokers,
+                transactional_id: &task.transactional_id,
+                task: task.task,
             }
             .emit();
         }

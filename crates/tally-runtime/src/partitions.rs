@@ -7,14 +7,14 @@ use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{self, Receiver};
 
 use anyhow::Result;
-use tally_clickhouse::ClickHouseSink;
+use tally_clickhouse::{ClickHouseSink, SinkSettings};
 use tally_core::PartitionId;
 use tally_kafka::{KafkaSettings, SourceConsumer, StartFrom};
 use tokio::runtime::Handle;
 
 use crate::background::Background;
-use crate::config::Config;
 use crate::retry::sleep_unless_stopped;
+use crate::settings::{JobSettings, JobTopics, TaskSettings};
 
 /// The changelog is the job's state: nothing expires by time or size (tally truncates it
 /// below the restore points it commits), and records may be as large as the producer allows.
@@ -28,21 +28,23 @@ pub const CHANGELOG_TOPIC_CONFIG: &[(&str, &str)] = &[
 /// Creates tally's own topics, one partition per source partition (the dead-letter topic and
 /// the changelog), or grows them to `partitions` when the source topic grew. One attempt.
 pub fn ensure_own_topics(
-    config: &Config,
+    topics: &JobTopics,
     kafka: &KafkaSettings,
     rt: &Handle,
     partitions: usize,
 ) -> Result<(), tally_kafka::Error> {
-    let (dlq, changelog) = (config.dlq_topic(), config.changelog_topic());
     let spec = |name, configs| tally_kafka::TopicSpec {
         name,
         partitions,
-        replication: config.kafka.topic_replication_factor,
+        replication: topics.replication_factor,
         configs,
     };
     let specs = [
-        spec(&dlq, &[("max.message.bytes", "16777216")][..]),
-        spec(&changelog, CHANGELOG_TOPIC_CONFIG),
+        spec(
+            &topics.dead_letters,
+            &[("max.message.bytes", "16777216")][..],
+        ),
+        spec(&topics.changelog, CHANGELOG_TOPIC_CONFIG),
     ];
     let changes = rt.block_on(tally_kafka::ensure_topics(kafka, &specs))?;
     for ((spec, change), what) in specs.iter().zip(changes).zip(["dead-letter", "changelog"]) {
@@ -69,25 +71,23 @@ pub fn ensure_own_topics(
 /// behind its fetches). tally's own topics grow first; then each new partition goes to the
 /// operator with its earliest offset. Dropping the guard stops the thread.
 pub(crate) fn start_partition_discovery(
-    config: &Config,
+    job: &Arc<JobSettings>,
+    task: &TaskSettings,
     rt: &Handle,
     mut known: Vec<PartitionId>,
 ) -> Result<Option<(Background, Receiver<AddedPartitions>)>> {
-    let every = config.kafka.partition_discovery_interval.as_duration();
+    let every = job.partition_discovery_interval;
     if every.is_zero() {
         return Ok(None);
     }
-    let client = SourceConsumer::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
-    )?;
+    let source = &job.source;
+    let client =
+        SourceConsumer::connect(&source.kafka, &source.source_topic, &source.consumer_group)?;
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel();
     let thread = {
-        let (config, rt) = (config.clone(), rt.clone());
+        let (job, task, rt) = (job.clone(), task.clone(), rt.clone());
         Background::spawn("tally-discover", stop.clone(), move || {
-            let kafka = config.kafka_settings();
             let mut sink: Option<ClickHouseSink> = None;
             while sleep_unless_stopped(&stop, every, "partitions").is_ok() {
                 let current = match client.partitions() {
@@ -100,7 +100,7 @@ pub(crate) fn start_partition_discovery(
                 let new: Vec<PartitionId> = current
                     .iter()
                     .copied()
-                    .filter(|p| !known.contains(p) && config.owns(*p))
+                    .filter(|p| !known.contains(p) && task.owns(*p))
                     .collect();
                 if new.is_empty() {
                     continue;
@@ -108,9 +108,9 @@ pub(crate) fn start_partition_discovery(
                 // Registered before any of their records is consumed, whichever task runs
                 // them: folding waits for them from now on, and they join at the job's
                 // watermark.
-                let grown = ensure_own_topics(&config, &kafka, &rt, current.len())
+                let grown = ensure_own_topics(&job.topics, &job.source.kafka, &rt, current.len())
                     .map_err(anyhow::Error::from)
-                    .and_then(|()| register_added(&rt, &config, &mut sink, &current))
+                    .and_then(|()| register_added(&rt, &job.sink, &mut sink, &current))
                     .and_then(|joining| {
                         new.iter()
                             .map(|&p| {
@@ -139,13 +139,13 @@ pub(crate) fn start_partition_discovery(
 /// first if need be) and returns the watermark added ones join the job at.
 fn register_added(
     rt: &Handle,
-    config: &Config,
+    settings: &SinkSettings,
     sink: &mut Option<ClickHouseSink>,
     current: &[PartitionId],
 ) -> Result<Option<i64>> {
     let client = match sink.take() {
         Some(client) => client,
-        None => rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?,
+        None => rt.block_on(ClickHouseSink::connect(settings))?,
     };
     let joining = rt.block_on(async {
         client.register_partitions(current).await?;

@@ -165,7 +165,7 @@ async fn run_job(
 ) -> Result<()> {
     // A worker whose rules or resources clash with its job's, or another job's, stops here,
     // before it joins anything.
-    let settings = cfg.resolve();
+    let settings = Arc::new(cfg.resolve());
     if !crate::identity::check(&settings.identity, shutdown).await? {
         tracing::info!("stopped before the job's identity was checked");
         return Ok(());
@@ -175,9 +175,9 @@ async fn run_job(
     let signals = crate::read_side::CommitSignals::default();
     let read_side =
         crate::read_side::ReadSide::start(&settings.read_side, handle.clone(), signals.clone())?;
-    let (cfg, flag, readiness) = (cfg.clone(), shutdown.clone(), readiness.clone());
+    let (flag, readiness) = (shutdown.clone(), readiness.clone());
     let result = tokio::task::spawn_blocking(move || {
-        let result = crate::tasks::run(cfg, handle, flag, readiness, signals);
+        let result = crate::tasks::run(settings, handle, flag, readiness, signals);
         // A clean stop publishes what it committed and hands the read side on; otherwise it
         // is only released.
         if result.is_ok() {

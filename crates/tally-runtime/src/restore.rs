@@ -18,12 +18,12 @@ use tally_state::StateStore;
 use tally_state::replay::{Replay, ReplayError};
 use tokio::runtime::Handle;
 
-use crate::config::Config;
 use crate::retry::{Failure, wait_for};
+use crate::settings::{JobSettings, TaskSettings};
 
 pub use crate::events::Restored;
 
-/// Restores into `job.state_dir`, which must hold no checkpoint, the epoch the group's `marks`
+/// Restores into `task`'s state directory, which must hold no checkpoint, the epoch the group's `marks`
 /// (`crate::marks::commit_marks`) name. The state is built in a
 /// sibling directory and moved into place when complete, so a failed or interrupted restore
 /// leaves nothing behind and can simply be run again.
@@ -32,15 +32,16 @@ pub use crate::events::Restored;
 /// directory that runs the job next); a standby's round passes false and leaves that to its
 /// takeover, since the running worker may be writing that batch just now.
 pub fn restore(
-    config: &Config,
+    settings: &JobSettings,
+    task: &TaskSettings,
     rt: &tokio::runtime::Handle,
     marks: &BTreeMap<PartitionId, CommitMark>,
     stop: Option<&AtomicBool>,
     check_sink: bool,
 ) -> Result<Restored> {
-    let dir = &config.job.state_dir;
+    let dir = &task.state_dir;
     if dir.exists()
-        && let Some(meta) = StateStore::open(dir, &config.state_identity())?.meta()
+        && let Some(meta) = StateStore::open(dir, &task.state_identity)?.meta()
     {
         bail!(
             "state directory {} already holds a checkpoint (epoch {}): restore only into an empty directory; move this one away first",
@@ -57,7 +58,7 @@ pub fn restore(
         Ok(())
     };
     clear(&staging)?;
-    let restored = restore_into(config, rt, &staging, marks, stop, check_sink);
+    let restored = restore_into(settings, task, rt, &staging, marks, stop, check_sink);
     if restored.is_err() {
         // Best effort: the next attempt clears it first anyway.
         let _ = clear(&staging);
@@ -116,7 +117,8 @@ fn committed(marks: &BTreeMap<PartitionId, CommitMark>) -> Result<Option<Committ
 }
 
 fn restore_into(
-    config: &Config,
+    settings: &JobSettings,
+    task: &TaskSettings,
     rt: &tokio::runtime::Handle,
     dir: &Path,
     marks: &BTreeMap<PartitionId, CommitMark>,
@@ -126,11 +128,11 @@ fn restore_into(
     let started = Instant::now();
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
-    let store = StateStore::open_for(dir, &config.state_identity(), &config.row_shape())?;
+    let store = StateStore::open_for(dir, &task.state_identity, &settings.commit.row_shape)?;
     let Some(job) = committed(marks)? else {
         bail!(
             "consumer group {} has no commits of this job: there is nothing to restore; `tally run` starts the job",
-            config.kafka.consumer_group
+            settings.source.consumer_group
         );
     };
     // From each partition's committed restore point: everything before it is dead.
@@ -139,12 +141,12 @@ fn restore_into(
         .iter()
         .map(|(&p, m)| (p, m.restore_from.unwrap_or(0)))
         .collect();
-    let replay = Replay::whole(&store, config.operator().window.size_ms, job.epoch, starts);
-    replay_and_finish(config, rt, &job, replay, started, stop, check_sink)?
+    let replay = Replay::whole(&store, settings.commit.window_size_ms, job.epoch, starts);
+    replay_and_finish(settings, rt, &job, replay, started, stop, check_sink)?
         .ok_or_else(|| anyhow!("a whole restore reads the last epoch"))
 }
 
-/// Brings `job.state_dir`, which holds an earlier committed state of the job, up to the
+/// Brings `task`'s state directory, which holds an earlier committed state of the job, up to the
 /// group's last commit by replaying only the changelog records committed since. `Ok(None)`:
 /// the directory cannot be caught up (it is empty, holds pre-committed epochs, or diverged)
 /// and needs a whole [`restore`]. `taking_over`: this worker fenced the previous one and runs
@@ -152,7 +154,8 @@ fn restore_into(
 /// is not interruptible (it reads what was committed since the last one); one that fails or
 /// dies half-way leaves the directory marked, and the next needs a whole restore.
 pub fn catch_up(
-    config: &Config,
+    settings: &JobSettings,
+    task: &TaskSettings,
     rt: &tokio::runtime::Handle,
     marks: &BTreeMap<PartitionId, CommitMark>,
     taking_over: bool,
@@ -161,15 +164,15 @@ pub fn catch_up(
     let Some(job) = committed(marks)? else {
         return Ok(None);
     };
-    let dir = &config.job.state_dir;
+    let dir = &task.state_dir;
     if !dir.exists() {
         return Ok(None);
     }
-    let store = StateStore::open_for(dir, &config.state_identity(), &config.row_shape())?;
+    let store = StateStore::open_for(dir, &task.state_identity, &settings.commit.row_shape)?;
     let partitions: Vec<PartitionId> = job.marks.keys().copied().collect();
     let replay = match Replay::continuing(
         &store,
-        config.operator().window.size_ms,
+        settings.commit.window_size_ms,
         job.epoch,
         &partitions,
     ) {
@@ -180,13 +183,13 @@ pub fn catch_up(
         }
         Err(e) => return Err(e.into()),
     };
-    replay_and_finish(config, rt, &job, replay, started, None, taking_over)
+    replay_and_finish(settings, rt, &job, replay, started, None, taking_over)
 }
 
 /// Reads the changelog from the replay's starts, applies it, checks every partition reached
 /// the committed epoch, keeps that epoch pending if ClickHouse lacks its batch, and finishes.
 fn replay_and_finish(
-    config: &Config,
+    settings: &JobSettings,
     rt: &tokio::runtime::Handle,
     job: &Committed,
     mut replay: Replay<'_>,
@@ -194,8 +197,8 @@ fn replay_and_finish(
     stop: Option<&AtomicBool>,
     check_sink: bool,
 ) -> Result<Option<Restored>> {
-    let topic = config.changelog_topic();
-    let kafka = config.kafka_settings();
+    let topic = &settings.topics.changelog;
+    let kafka = &settings.source.kafka;
     if !replay.is_current() {
         let ranges = replay
             .starts()
@@ -203,7 +206,7 @@ fn replay_and_finish(
             .map(|(&p, &from)| (p, (from, None)))
             .collect();
         let mut failure = None;
-        tally_kafka::read_committed_range(&kafka, &topic, &ranges, Duration::from_secs(30), |m| {
+        tally_kafka::read_committed_range(kafka, topic, &ranges, Duration::from_secs(30), |m| {
             if failure.is_some() {
                 return;
             }
@@ -231,10 +234,10 @@ fn replay_and_finish(
     // A takeover (and a whole restore) must leave the last epoch pending if ClickHouse lacks
     // its batch; a standby's catch-up leaves that to its takeover.
     let pending = if check_sink {
-        let sink = rt.block_on(ClickHouseSink::connect(&config.sink_settings()))?;
+        let sink = rt.block_on(ClickHouseSink::connect(&settings.sink))?;
         match replay.last_epoch() {
             Some(last) => {
-                let batch = config.batch_of(&last);
+                let batch = settings.commit.batch_of(&last);
                 if rt.block_on(sink.is_committed(&batch))? {
                     None
                 } else {
@@ -280,24 +283,25 @@ fn replay_and_finish(
 /// the changelog. `taking_over`: this worker fenced the previous one and runs the job next; a
 /// standby's rounds pass false. `stop` interrupts a whole restore (nothing is left behind).
 pub fn make_state_current(
-    config: &Config,
+    settings: &JobSettings,
+    task: &TaskSettings,
     rt: &Handle,
     reader: &SourceConsumer,
     stop: &AtomicBool,
     taking_over: bool,
 ) -> Result<()> {
     let marks = wait_for("kafka", stop, || {
-        crate::marks::commit_marks(reader, config).map_err(Failure::Transient)
+        crate::marks::commit_marks(reader, settings, task).map_err(Failure::Transient)
     })?;
     if marks.is_empty() {
         // A new job (or one started over): nothing to restore.
         return Ok(());
     }
-    let dir = &config.job.state_dir;
+    let dir = &task.state_dir;
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;
     let (local, foreign, replica) = {
-        let store = StateStore::open_for(dir, &config.state_identity(), &config.row_shape())?;
+        let store = StateStore::open_for(dir, &task.state_identity, &settings.commit.row_shape)?;
         let ours = store.writer_id().to_owned();
         // The last commit is the writer's this directory was restored from: the batch of
         // that epoch may still be missing in ClickHouse, which a catch-up checks.
@@ -314,12 +318,12 @@ pub fn make_state_current(
         (Some(_), None) if !(taking_over && replica) => return Ok(()),
         (None, _) => {}
         (Some(epoch), foreign) => {
-            if let Some(done) = try_catch_up(config, rt, &marks, stop, taking_over)? {
+            if let Some(done) = try_catch_up(settings, task, rt, &marks, stop, taking_over)? {
                 crate::events::StateRestored {
                     restored: &done,
                     whole: false,
                     taking_over,
-                    task: config.job.task,
+                    task: task.task,
                 }
                 .emit();
                 return Ok(());
@@ -345,7 +349,7 @@ pub fn make_state_current(
     // A service failing mid-restore is waited out (a failed attempt leaves nothing behind);
     // a changelog that cannot give the job's state stops the worker with the reason.
     let done = wait_for("the changelog restore", stop, || {
-        match restore(config, rt, &marks, Some(stop), taking_over) {
+        match restore(settings, task, rt, &marks, Some(stop), taking_over) {
             Ok(done) => Ok(done),
             Err(e) if is_transient(&e) => Err(Failure::Transient(e)),
             Err(e) => Err(Failure::Permanent(e.context(
@@ -357,7 +361,7 @@ pub fn make_state_current(
         restored: &done,
         whole: true,
         taking_over,
-        task: config.job.task,
+        task: task.task,
     }
     .emit();
     Ok(())
@@ -366,14 +370,15 @@ pub fn make_state_current(
 /// A catch-up, with a failing service waited out. `None`: the directory needs a whole restore
 /// (it cannot be caught up, or the changelog does not continue its state).
 fn try_catch_up(
-    config: &Config,
+    settings: &JobSettings,
+    task: &TaskSettings,
     rt: &Handle,
     marks: &BTreeMap<PartitionId, CommitMark>,
     stop: &AtomicBool,
     taking_over: bool,
 ) -> Result<Option<Restored>> {
     wait_for("the changelog catch-up", stop, || {
-        match catch_up(config, rt, marks, taking_over) {
+        match catch_up(settings, task, rt, marks, taking_over) {
             Ok(done) => Ok(done),
             Err(e) if is_transient(&e) => Err(Failure::Transient(e)),
             Err(e) => {

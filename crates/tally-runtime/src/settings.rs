@@ -1,27 +1,52 @@
 //! A job's settings, resolved once from its file at start: what each part of the runtime runs
 //! with. The file is parsed and validated by [`crate::config`], naming the key of each mistake;
 //! [`Config::resolve`] then derives every part's settings from it (topic names, ClickHouse
-//! replicas, fold rules), so that no part re-derives them, and none holds the whole file.
+//! replicas, fold rules, each task's directory and transactional id), so that no part
+//! re-derives them, and none holds the whole file.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tally_clickhouse::{FoldRules, SinkSettings};
+use tally_clickhouse::{Batch, FoldRules, SinkSettings};
+use tally_core::{Checkpoint, OperatorConfig, PartitionId, Program, RowShape};
 use tally_kafka::KafkaSettings;
 
-use crate::config::Config;
+use crate::config::{Config, StartFrom};
 use crate::identity::IdentitySettings;
+use crate::schemas::SchemaCache;
 
-/// Everything a job's parts run with, resolved by [`Config::resolve`].
+/// Everything a job's parts run with, resolved by [`Config::resolve`]. A task's own
+/// settings come from [`JobSettings::whole`] or [`JobSettings::task`].
 #[derive(Debug, Clone)]
 pub struct JobSettings {
     pub name: String,
     /// The source topic read in the job's consumer group.
     pub source: SourceGroup,
+    /// tally's own topics of the job.
+    pub topics: JobTopics,
     /// The ClickHouse server each replica of `clickhouse.url` is, in its order.
     pub replicas: Vec<SinkSettings>,
+    /// The first server of `clickhouse.url`: where a part that needs one server connects.
+    pub sink: SinkSettings,
     pub read_side: ReadSideSettings,
     pub identity: IdentitySettings,
+    pub consume: ConsumeSettings,
+    pub commit: CommitSettings,
+    /// `job.tasks`, at least 1.
+    pub tasks: u32,
+    /// `job.standby_replicas`: the workers after a task's holder that keep a standby of it.
+    pub standby_replicas: usize,
+    /// `job.standby_refresh`; zero: cold standbys.
+    pub standby_refresh: Duration,
+    /// `job.session_timeout`: how long the group waits for a silent worker.
+    pub session_timeout: Duration,
+    /// `kafka.partition_discovery_interval`; zero: no discovery.
+    pub partition_discovery_interval: Duration,
+    /// The job's state directory (not a task's): it names this worker in the group.
+    pub state_dir: PathBuf,
+    /// `kafka.transactional_id`, or its default: a task's adds `-task-K`.
+    transactional_id: String,
 }
 
 /// The job's source topic and consumer group, and the Kafka clients' settings.
@@ -30,6 +55,17 @@ pub struct SourceGroup {
     pub kafka: KafkaSettings,
     pub source_topic: String,
     pub consumer_group: String,
+}
+
+/// The topics tally keeps for the job, one partition per source partition but the lease's.
+#[derive(Debug, Clone)]
+pub struct JobTopics {
+    pub dead_letters: String,
+    pub changelog: String,
+    /// One partition per task: who holds it runs the task.
+    pub lease: String,
+    /// `kafka.topic_replication_factor`; none: the brokers' default.
+    pub replication_factor: Option<i32>,
 }
 
 /// What the read side (publishes and folds, an agent per replica) runs with.
@@ -49,6 +85,89 @@ pub struct ReadSideSettings {
     pub source: SourceGroup,
 }
 
+/// What the operator's thread runs with.
+#[derive(Debug, Clone)]
+pub struct ConsumeSettings {
+    pub source_topic: String,
+    pub operator: OperatorConfig,
+    /// What records are read as.
+    pub program: Program,
+    /// Where a new job starts in its topic.
+    pub start_from: StartFrom,
+    pub checkpoint_interval: Duration,
+    pub max_epochs_in_flight: usize,
+    /// A job of Avro or Protobuf records: its writer schemas, from the registry.
+    pub schemas: Option<Arc<SchemaCache>>,
+}
+
+/// What the commit protocol and the state directory run with.
+#[derive(Debug, Clone)]
+pub struct CommitSettings {
+    pub job: String,
+    /// `clickhouse.database` and `clickhouse.table`, for messages.
+    pub database: String,
+    pub table: String,
+    pub window_size_ms: i64,
+    pub out_of_orderness_ms: i64,
+    /// The shape of the job's rows in the state directory.
+    pub row_shape: RowShape,
+}
+
+impl CommitSettings {
+    /// The ClickHouse batch of `checkpoint` (see [`tally_clickhouse::Batch::of`]).
+    pub fn batch_of<'a>(&'a self, checkpoint: &'a Checkpoint) -> Batch<'a> {
+        Batch::of(&self.job, checkpoint, self.out_of_orderness_ms)
+    }
+}
+
+/// What one task runs as: the whole job (a job of one task), or task `K` of several with its
+/// own partitions, state directory and transactional id.
+#[derive(Debug, Clone)]
+pub struct TaskSettings {
+    /// `None`: the job is one task.
+    pub task: Option<u32>,
+    pub tasks: u32,
+    pub state_dir: PathBuf,
+    pub transactional_id: String,
+    /// Recorded in the state directory: the job, its topic and the task. Not derived from the
+    /// directory, which a restore may point elsewhere.
+    pub state_identity: String,
+}
+
+impl TaskSettings {
+    /// Whether this task runs source partition `partition`.
+    pub fn owns(&self, partition: PartitionId) -> bool {
+        match self.task {
+            Some(task) => u32::try_from(partition).is_ok_and(|p| p % self.tasks == task),
+            None => true,
+        }
+    }
+}
+
+impl JobSettings {
+    /// The job run whole, by one worker (`job.tasks = 1`).
+    pub fn whole(&self) -> TaskSettings {
+        TaskSettings {
+            task: None,
+            tasks: self.tasks,
+            state_dir: self.state_dir.clone(),
+            transactional_id: self.transactional_id.clone(),
+            state_identity: format!("{}@{}", self.name, self.source.source_topic),
+        }
+    }
+
+    /// Task `task` of a job of several: its partitions are those `p` with `p % tasks == task`.
+    pub fn task(&self, task: u32) -> TaskSettings {
+        TaskSettings {
+            task: Some(task),
+            tasks: self.tasks,
+            state_dir: self.state_dir.join(format!("task-{task}")),
+            transactional_id: format!("{}-task-{task}", self.transactional_id),
+            state_identity: format!("{}@{}#task-{task}", self.name, self.source.source_topic),
+        }
+    }
+}
+
 impl Config {
     /// The job's settings, derived once from the validated file.
     pub fn resolve(&self) -> JobSettings {
@@ -58,8 +177,16 @@ impl Config {
             consumer_group: self.kafka.consumer_group.clone(),
         };
         let replicas = self.replica_settings();
+        let operator = self.operator();
         JobSettings {
             name: self.job.name.clone(),
+            topics: JobTopics {
+                dead_letters: self.dlq_topic(),
+                changelog: self.changelog_topic(),
+                lease: self.lease_topic(),
+                replication_factor: self.kafka.topic_replication_factor,
+            },
+            sink: self.sink_settings(),
             read_side: ReadSideSettings {
                 replicas: replicas.clone(),
                 cluster: self.clickhouse.cluster.is_some(),
@@ -77,6 +204,30 @@ impl Config {
                 replication_factor: self.kafka.topic_replication_factor,
                 replicas: replicas.clone(),
             },
+            consume: ConsumeSettings {
+                source_topic: self.kafka.source_topic.clone(),
+                operator,
+                program: self.program(),
+                start_from: self.job.start_from,
+                checkpoint_interval: self.job.checkpoint_interval.as_duration(),
+                max_epochs_in_flight: usize::try_from(self.job.max_epochs_in_flight).unwrap_or(1),
+                schemas: self.schemas.clone(),
+            },
+            commit: CommitSettings {
+                job: self.job.name.clone(),
+                database: self.clickhouse.database.clone(),
+                table: self.clickhouse.table.clone(),
+                window_size_ms: operator.window.size_ms,
+                out_of_orderness_ms: operator.out_of_orderness_ms,
+                row_shape: self.row_shape(),
+            },
+            tasks: self.tasks(),
+            standby_replicas: self.standby_replicas(),
+            standby_refresh: self.job.standby_refresh.as_duration(),
+            session_timeout: self.job.session_timeout.as_duration(),
+            partition_discovery_interval: self.kafka.partition_discovery_interval.as_duration(),
+            state_dir: self.job.state_dir.clone(),
+            transactional_id: self.transactional_id(),
             source,
             replicas,
         }

@@ -12,7 +12,7 @@ use tally_kafka::SourceConsumer;
 use tokio::runtime::Handle;
 
 use crate::background::Background;
-use crate::config::Config;
+use crate::settings::{JobSettings, TaskSettings};
 
 /// How often a standby's thread looks whether it was asked to stop.
 const POLL: Duration = Duration::from_millis(100);
@@ -21,19 +21,24 @@ const POLL: Duration = Duration::from_millis(100);
 /// catches the state directory up with the changelog (restoring it whole first, if it holds
 /// nothing of the job), so that taking the lease replays only the last few epochs. Dropping the
 /// guard stops and joins the thread; a whole restore in progress is abandoned.
-pub(crate) fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<WarmStandby>> {
-    let every = config.job.standby_refresh.as_duration();
+pub(crate) fn start_warm_standby(
+    job: &Arc<JobSettings>,
+    task: &TaskSettings,
+    rt: &Handle,
+) -> Result<Option<WarmStandby>> {
+    let every = job.standby_refresh;
     if every.is_zero() {
         return Ok(None);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let warm = Arc::new(AtomicBool::new(false));
-    let (config, rt, rounds_done) = (config.clone(), rt.clone(), warm.clone());
+    let (job, task, rt, rounds_done) = (job.clone(), task.clone(), rt.clone(), warm.clone());
     let thread = Background::spawn("tally-standby", stop.clone(), move || {
+        let source = &job.source;
         let reader = match SourceConsumer::connect(
-            &config.kafka_settings(),
-            &config.kafka.source_topic,
-            &config.kafka.consumer_group,
+            &source.kafka,
+            &source.source_topic,
+            &source.consumer_group,
         ) {
             Ok(reader) => reader,
             Err(e) => {
@@ -42,7 +47,7 @@ pub(crate) fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<
             }
         };
         while !stop.load(Ordering::SeqCst) {
-            match crate::restore::make_state_current(&config, &rt, &reader, &stop, false) {
+            match crate::restore::make_state_current(&job, &task, &rt, &reader, &stop, false) {
                 Ok(()) => rounds_done.store(true, Ordering::SeqCst),
                 Err(e) if !stop.load(Ordering::SeqCst) => {
                     tracing::warn!(error = %format!("{e:#}"), "standby: could not bring the state up to the job's; trying again");
@@ -64,7 +69,7 @@ pub(crate) fn start_warm_standby(config: &Config, rt: &Handle) -> Result<Option<
 /// Starts a warm standby of each of `tasks` that has none yet (none at all when
 /// `job.standby_refresh` turns standbys off).
 pub(crate) fn start_standbys(
-    config: &Config,
+    job: &Arc<JobSettings>,
     rt: &Handle,
     standbys: &mut BTreeMap<u32, WarmStandby>,
     tasks: impl IntoIterator<Item = u32>,
@@ -73,7 +78,7 @@ pub(crate) fn start_standbys(
         if standbys.contains_key(&task) {
             continue;
         }
-        match start_warm_standby(&config.for_task(task), rt)? {
+        match start_warm_standby(job, &job.task(task), rt)? {
             Some(standby) => standbys.insert(task, standby),
             None => break,
         };
@@ -97,17 +102,17 @@ pub(crate) struct WarmStandby {
 /// (workers started together share the first assignment). It stops warming and joins if the
 /// other members leave. Returns the standbys, which go on for the tasks it is not given.
 pub(crate) fn warm_up_before_joining(
-    config: &Config,
+    job: &Arc<JobSettings>,
     rt: &Handle,
     shutdown: &AtomicBool,
     reader: &SourceConsumer,
     me: &str,
 ) -> Result<BTreeMap<u32, WarmStandby>> {
     let mut standbys = BTreeMap::new();
-    if config.job.standby_refresh.as_duration().is_zero() {
+    if job.standby_refresh.is_zero() {
         return Ok(standbys);
     }
-    let group = &config.kafka.consumer_group;
+    let group = &job.source.consumer_group;
     // Kafka down or slow: decided by joining, which waits for it.
     let others_running = |reader: &SourceConsumer| {
         reader
@@ -123,10 +128,10 @@ pub(crate) fn warm_up_before_joining(
     };
     tracing::info!(
         others,
-        tasks = config.tasks(),
+        tasks = job.tasks,
         "other workers run the job: warming this worker's copies of its tasks before joining the group"
     );
-    start_standbys(config, rt, &mut standbys, 0..config.tasks())?;
+    start_standbys(job, rt, &mut standbys, 0..job.tasks)?;
     let started = Instant::now();
     let mut checked = Instant::now();
     while !shutdown.load(Ordering::SeqCst) {

@@ -10,9 +10,9 @@ use anyhow::{Context, Result};
 use tally_kafka::SourceConsumer;
 use tokio::runtime::Handle;
 
-use crate::config::Config;
 use crate::health::Readiness;
 use crate::read_side::CommitSignals;
+use crate::settings::JobSettings;
 use crate::standby::{standby_tasks, start_standbys, warm_up_before_joining};
 
 /// How often the group member is polled (the group protocol is served inside polls).
@@ -23,27 +23,28 @@ const STANDBY_PLACEMENT: Duration = Duration::from_secs(5);
 /// Runs the job's tasks this worker is given (one task: the job, once it holds the lease) until
 /// a stop.
 pub fn run(
-    config: Config,
+    job: Arc<JobSettings>,
     rt: Handle,
     shutdown: Arc<AtomicBool>,
     readiness: Arc<Readiness>,
     signals: CommitSignals,
 ) -> Result<()> {
-    if config.tasks() > 1 {
-        return share(&config, &rt, &shutdown, &readiness, &signals);
+    if job.tasks > 1 {
+        return share(&job, &rt, &shutdown, &readiness, &signals);
     }
-    let Some(mut lease) = crate::lease::acquire(&config, &rt, &shutdown, &readiness)? else {
+    let whole = job.whole();
+    let Some(mut lease) = crate::lease::acquire(&job, &whole, &rt, &shutdown, &readiness)? else {
         tracing::info!("stopped while standing by");
         return Ok(());
     };
-    let job = config.job.name.clone();
+    let name = job.name.clone();
     let fenced = lease.take_producer();
     let member = lease.member().clone();
     let result =
-        crate::worker::Worker::start(config, rt, shutdown, readiness, member, fenced, signals)
+        crate::worker::Worker::start(job, whole, rt, shutdown, readiness, member, fenced, signals)
             .and_then(crate::worker::Worker::run);
     if lease.is_lost() {
-        return Err(anyhow::anyhow!(crate::lease::LostLease(job)));
+        return Err(anyhow::anyhow!(crate::lease::LostLease(name)));
     }
     result
 }
@@ -81,32 +82,28 @@ struct RunningTask {
 /// holder carries on from the task's last commit. At SIGTERM every task takes its final
 /// checkpoint, then the worker leaves the group.
 fn share(
-    config: &Config,
+    job: &Arc<JobSettings>,
     rt: &Handle,
     shutdown: &Arc<AtomicBool>,
     readiness: &Arc<Readiness>,
     signals: &crate::read_side::CommitSignals,
 ) -> Result<()> {
-    let lease_topic = config.lease_topic();
-    let tasks = config.tasks();
+    let lease_topic = &job.topics.lease;
+    let tasks = job.tasks;
     readiness.set_standby(true);
     // The group's description (who is in it, who holds which task) is read through a client of
     // its own: the member's requests queue behind its long-polling fetch.
-    let me = crate::lease::instance_id(config)?;
+    let me = crate::lease::instance_id(job)?;
     let describer = SourceConsumer::connect(
-        &config.kafka_settings(),
-        &config.kafka.source_topic,
-        &config.kafka.consumer_group,
+        &job.source.kafka,
+        &job.source.source_topic,
+        &job.source.consumer_group,
     )?;
     // Warm standbys of the tasks this worker does not run (`job.standby_refresh`), so that a
     // task moving here replays only its last few epochs.
-    let mut standbys = warm_up_before_joining(config, rt, shutdown, &describer, &me)?;
-    let member = crate::lease::join_group(
-        config,
-        rt,
-        shutdown,
-        i32::try_from(tasks).unwrap_or(i32::MAX),
-    )?;
+    let mut standbys = warm_up_before_joining(job, rt, shutdown, &describer, &me)?;
+    let member =
+        crate::lease::join_group(job, rt, shutdown, i32::try_from(tasks).unwrap_or(i32::MAX))?;
     let mut running: BTreeMap<u32, RunningTask> = BTreeMap::new();
     // A task the group takes away finishes its epochs before the group may give it to another
     // worker: its final checkpoint commits, and the next holder continues from it instead of
@@ -114,7 +111,7 @@ fn share(
     let draining: Arc<std::sync::Mutex<BTreeMap<u32, TaskEnd>>> = Arc::default();
     {
         let draining = draining.clone();
-        let bound = config.job.session_timeout.as_duration() * 3;
+        let bound = job.session_timeout * 3;
         member.on_revoke(move |partitions| {
             let ends: Vec<(u32, TaskEnd)> = {
                 let tasks = draining
@@ -152,7 +149,7 @@ fn share(
     let mut described: Option<Instant> = None;
     while !shutdown.load(Ordering::SeqCst) {
         let held: Vec<u32> = member
-            .poll_leases(&lease_topic, POLL)
+            .poll_leases(lease_topic, POLL)
             .into_iter()
             .filter_map(|p| u32::try_from(p).ok())
             .filter(|t| *t < tasks)
@@ -208,7 +205,7 @@ fn share(
             // Its standby round in progress ends first: the directory is then between two
             // committed epochs.
             drop(standbys.remove(&task));
-            let run = start_task(config, rt, &member, task, signals.clone())?;
+            let run = start_task(job, rt, &member, task, signals.clone())?;
             draining
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -218,9 +215,9 @@ fn share(
         if described.is_none_or(|at| at.elapsed() >= STANDBY_PLACEMENT) {
             described = Some(Instant::now());
             if let Some(placed) = describer
-                .group_members(&config.kafka.consumer_group, POLL * 20)
+                .group_members(&job.source.consumer_group, POLL * 20)
                 .ok()
-                .and_then(|g| standby_tasks(&me, &g, &lease_topic, config.standby_replicas()))
+                .and_then(|g| standby_tasks(&me, &g, lease_topic, job.standby_replicas))
                 && wanted.as_ref() != Some(&placed)
             {
                 tracing::info!(tasks = ?placed, "keeping warm standbys of these tasks");
@@ -234,7 +231,7 @@ fn share(
                 && wanted.as_ref().is_none_or(|w| w.contains(task))
         };
         standbys.retain(|task, _| keep(task));
-        start_standbys(config, rt, &mut standbys, (0..tasks).filter(|t| keep(t)))?;
+        start_standbys(job, rt, &mut standbys, (0..tasks).filter(|t| keep(t)))?;
         let placed: (Vec<u32>, Vec<u32>) = (
             running.keys().copied().collect(),
             standbys.keys().copied().collect(),
@@ -269,7 +266,7 @@ fn share(
             Err(_) => outcome = Err(anyhow::anyhow!("task {task}'s thread panicked")),
         }
     }
-    leave_group(member, config.job.session_timeout.as_duration() * 3);
+    leave_group(member, job.session_timeout * 3);
     outcome
 }
 
@@ -297,7 +294,7 @@ fn leave_group(member: Arc<SourceConsumer>, within: Duration) {
 /// Starts task `task` on a thread of its own: fences the task's previous holder, makes its
 /// state directory current and runs it until `stop`.
 fn start_task(
-    config: &Config,
+    job: &Arc<JobSettings>,
     rt: &Handle,
     member: &Arc<SourceConsumer>,
     task: u32,
@@ -306,17 +303,26 @@ fn start_task(
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicBool::new(false));
     let readiness = Arc::new(Readiness::default());
-    let config = config.for_task(task);
+    let (job, settings) = (job.clone(), job.task(task));
     let (rt, member, flag, ready) = (rt.clone(), member.clone(), stop.clone(), readiness.clone());
     let ended = SetOnDrop(done.clone());
     let thread = crate::job_scope::spawn(
         std::thread::Builder::new().name(format!("tally-task-{task}")),
         move || -> Result<()> {
             let _ended = ended;
-            tracing::info!(task, state_dir = %config.job.state_dir.display(), "starting task");
-            let producer = crate::lease::fence_and_make_current(&config, &rt, &flag, None)?;
-            crate::worker::Worker::start(config, rt, flag, ready, member, Some(producer), signals)?
-                .run()
+            tracing::info!(task, state_dir = %settings.state_dir.display(), "starting task");
+            let producer = crate::lease::fence_and_make_current(&job, &settings, &rt, &flag, None)?;
+            crate::worker::Worker::start(
+                job,
+                settings,
+                rt,
+                flag,
+                ready,
+                member,
+                Some(producer),
+                signals,
+            )?
+            .run()
         },
     )
     .context("starting a task thread")?;

@@ -28,16 +28,18 @@ use tokio::runtime::Handle;
 use crate::commit::clickhouse::ClickHouseBatches;
 use crate::commit::kafka::KafkaTransactions;
 use crate::commit::{Committer, CommitterParts};
-use crate::config::Config;
 use crate::consume::{Consumer, Stop, rebuild_seen_filters};
 use crate::fault::FaultPlan;
 use crate::health::Readiness;
 use crate::persist::{Handoff, Persisted, Persister};
 use crate::read_side::CommitSignals;
 use crate::retry::{Interrupted, connect_clickhouse, wait_for};
+use crate::settings::{JobSettings, TaskSettings};
 
 /// A job's worker: the consuming part and the committing part.
 pub struct Worker {
+    job: Arc<JobSettings>,
+    task: TaskSettings,
     consumer: Consumer,
     committer: Committer<KafkaTransactions, ClickHouseBatches>,
     fault: FaultPlan,
@@ -46,8 +48,10 @@ pub struct Worker {
 
 impl Worker {
     /// Opens state, connects to both services (waiting for them), validates the sink schema.
+    #[allow(clippy::too_many_arguments)] // the worker's parts, each used here
     pub fn start(
-        config: Config,
+        job: Arc<JobSettings>,
+        task: TaskSettings,
         rt: Handle,
         shutdown: Arc<AtomicBool>,
         readiness: Arc<Readiness>,
@@ -59,35 +63,32 @@ impl Worker {
         if fault.is_armed() {
             tracing::warn!("fault injection is armed (TALLY_FAULT)");
         }
-        std::fs::create_dir_all(&config.job.state_dir).with_context(|| {
-            format!(
-                "creating state directory {}",
-                config.job.state_dir.display()
-            )
-        })?;
+        std::fs::create_dir_all(&task.state_dir)
+            .with_context(|| format!("creating state directory {}", task.state_dir.display()))?;
         let opening = Instant::now();
         let store = Arc::new(StateStore::open_for(
-            &config.job.state_dir,
-            &config.state_identity(),
-            &config.row_shape(),
+            &task.state_dir,
+            &task.state_identity,
+            &job.commit.row_shape,
         )?);
         tracing::info!(
             millis = opening.elapsed().as_millis() as u64,
-            path = %config.job.state_dir.display(),
+            path = %task.state_dir.display(),
             "opened state store"
         );
-        let kafka = config.kafka_settings();
-        let sink = connect_clickhouse(&config.replica_settings(), &rt, &shutdown)?;
+        let kafka = &job.source.kafka;
+        let sink = connect_clickhouse(&job.replicas, &rt, &shutdown)?;
         tracing::info!(version = sink.version(), url = %sink.url(), "connected to clickhouse");
-        if let Some(cluster) = &config.clickhouse.cluster {
-            let down = rt.block_on(tally_clickhouse::check_cluster(&config.replica_settings()))?;
-            tracing::info!(cluster = %cluster, replicas = %config.clickhouse.url, down = ?down, "writing a replicated cluster: every replica serves the view");
+        if let Some(cluster) = &job.sink.cluster {
+            let down = rt.block_on(tally_clickhouse::check_cluster(&job.replicas))?;
+            let urls: Vec<&str> = job.replicas.iter().map(|r| r.url.as_str()).collect();
+            tracing::info!(cluster = %cluster, replicas = %urls.join(","), down = ?down, "writing a replicated cluster: every replica serves the view");
             // Each replica's read side creates its tables too, so a replica down now gets
             // them once it answers.
-            for settings in config.replica_settings() {
+            for settings in &job.replicas {
                 if settings.url != sink.url()
                     && let Ok(other) =
-                        rt.block_on(tally_clickhouse::ClickHouseSink::connect(&settings))
+                        rt.block_on(tally_clickhouse::ClickHouseSink::connect(settings))
                 {
                     match rt.block_on(other.ensure_schema()) {
                         Ok(()) => {}
@@ -113,33 +114,30 @@ impl Worker {
                  every query on the view reads all of it; set enable_optimize_predicate_expression=1 in the readers' profile"
             );
         }
-        let source = SourceConsumer::connect(
-            &kafka,
-            &config.kafka.source_topic,
-            &config.kafka.consumer_group,
-        )?;
+        let source =
+            SourceConsumer::connect(kafka, &job.source.source_topic, &job.source.consumer_group)?;
         // The lease proved the settings; the source's client, not yet assigned, has no fetch
         // for these requests to wait behind, and one connection serves them all (a new client's
         // first request costs about 0.1 s of connecting).
         let partitions = wait_for("kafka", &shutdown, || Ok(source.partitions()?))?;
-        let own_topics = [config.dlq_topic(), config.changelog_topic()];
+        let own_topics = [&job.topics.dead_letters, &job.topics.changelog];
         let in_place = |counts: &BTreeMap<String, usize>| {
             own_topics
                 .iter()
-                .all(|t| counts.get(t).is_some_and(|&n| n >= partitions.len()))
+                .all(|t| counts.get(*t).is_some_and(|&n| n >= partitions.len()))
         };
         wait_for("kafka", &shutdown, || {
             if in_place(&source.partition_counts()?) {
                 return Ok(());
             }
             Ok(crate::partitions::ensure_own_topics(
-                &config,
-                &kafka,
+                &job.topics,
+                kafka,
                 &rt,
                 partitions.len(),
             )?)
         })?;
-        tracing::info!(topic = %config.kafka.source_topic, partitions = partitions.len(), "source partitions");
+        tracing::info!(topic = %job.source.source_topic, partitions = partitions.len(), "source partitions");
         // Registered before any record is consumed: folding waits for each partition's
         // watermark, and one added to the topic since the job began joins at the job's.
         let added = wait_for("clickhouse", &shutdown, || {
@@ -148,7 +146,7 @@ impl Worker {
         let joining = {
             let meta = store.meta();
             let fresh_added = partitions.iter().any(|p| {
-                config.owns(*p)
+                task.owns(*p)
                     && added.contains(p)
                     && meta.as_ref().is_none_or(|m| !m.partitions.contains_key(p))
             });
@@ -162,29 +160,30 @@ impl Worker {
         };
         // One task of several runs its own partitions only.
         let partitions: Vec<PartitionId> =
-            partitions.into_iter().filter(|p| config.owns(*p)).collect();
-        if let Some(task) = config.job.task {
-            tracing::info!(task, partitions = ?partitions, "running task {task} of {}", config.tasks());
+            partitions.into_iter().filter(|p| task.owns(*p)).collect();
+        if let Some(k) = task.task {
+            tracing::info!(task = k, partitions = ?partitions, "running task {k} of {}", task.tasks);
         }
         let committer = Committer::new(
             CommitterParts {
-                config: config.clone(),
+                job: job.clone(),
+                task: task.clone(),
                 shutdown: shutdown.clone(),
                 fault,
                 store: store.clone(),
                 readiness: readiness.clone(),
                 committed: signals.committed,
             },
-            KafkaTransactions::new(&config, rt.clone(), member, fenced)?,
+            KafkaTransactions::new(&job, &task, rt.clone(), member, fenced)?,
             ClickHouseBatches::new(
-                tally_clickhouse::Replicas::new(config.replica_settings(), sink),
+                tally_clickhouse::Replicas::new(job.replicas.clone(), sink),
                 rt.clone(),
-                &config.kafka.source_topic,
+                &job.source.source_topic,
             ),
         )?;
         Ok(Worker {
             consumer: Consumer::new(
-                config,
+                job.consume.clone(),
                 shutdown,
                 store,
                 source,
@@ -196,12 +195,16 @@ impl Worker {
             committer,
             fault,
             rt,
+            job,
+            task,
         })
     }
 
     /// Runs until SIGTERM/SIGINT, then takes a final checkpoint.
     pub fn run(self) -> Result<()> {
         let Worker {
+            job,
+            task,
             mut consumer,
             mut committer,
             fault,
@@ -220,11 +223,12 @@ impl Worker {
         let filters = rebuild_seen_filters(
             consumer.store(),
             operator.partitions_awaiting_seen_filter(),
-            consumer.config().operator().dedup_horizon_ms,
+            job.consume.operator.dedup_horizon_ms,
         )?;
         consumer.assign(&operator)?;
         let (_discovery, added) = match crate::partitions::start_partition_discovery(
-            consumer.config(),
+            &job,
+            &task,
             &rt,
             consumer.partitions(),
         )? {

@@ -340,8 +340,9 @@ fn schema(args: &SchemaArgs) -> Result<()> {
 }
 
 fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
-    let cfg = match (cfg.tasks(), task) {
-        (1, None) => cfg.clone(),
+    let settings = cfg.resolve();
+    let run = match (settings.tasks, task) {
+        (1, None) => settings.whole(),
         (1, Some(_)) => anyhow::bail!("--task: the job has one task (job.tasks = 1)"),
         (tasks, None) => anyhow::bail!(
             "job.tasks = {tasks}: pass --task K (0..{tasks}) to restore one task into <state_dir>/task-K"
@@ -349,16 +350,16 @@ fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
         (tasks, Some(k)) if k >= tasks => {
             anyhow::bail!("--task {k}: the job's tasks are 0..{tasks}")
         }
-        (_, Some(k)) => cfg.for_task(k),
+        (_, Some(k)) => settings.task(k),
     };
     let rt = runtime()?;
-    let marks = tally_runtime::marks::job_commit_marks(&cfg)?;
-    let done = tally_runtime::restore::restore(&cfg, rt.handle(), &marks, None, true)?;
+    let marks = tally_runtime::marks::job_commit_marks(&settings, &run)?;
+    let done = tally_runtime::restore::restore(&settings, &run, rt.handle(), &marks, None, true)?;
     println!(
         "restored epoch {} of writer {} into {}: {} partitions, {} changelog records ({} bytes), {} window values, {} event ids, in {:.2} s{}",
         done.epoch,
         done.writer,
-        cfg.job.state_dir.display(),
+        run.state_dir.display(),
         done.partitions,
         done.records,
         done.bytes,
@@ -374,10 +375,9 @@ fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
     Ok(())
 }
 
-/// Loads the configuration and applies what is the process's, not one store's or client's.
-/// Prints the effective settings and the declared job, and how `run` runs it.
-/// Each job file of `paths` checked and described; several are also checked against each
-/// other as one process would run them.
+/// Each job file of `paths` checked and described (its effective settings, its declaration,
+/// how `run` runs it); several are also checked against each other as one process would run
+/// them.
 fn check_config(paths: &[PathBuf]) -> Result<()> {
     let files = tally_runtime::process::job_files(paths)?;
     for file in &files {

@@ -16,16 +16,17 @@ use tokio::runtime::Handle;
 
 use super::sinks::EpochTransactions;
 use crate::background::Background;
-use crate::config::Config;
 use crate::events::ChangelogTruncated;
 use crate::retry::Failure;
+use crate::settings::{JobSettings, TaskSettings};
 
 /// How often the changelog is truncated below the committed restore points.
 const TRUNCATE_EVERY: Duration = Duration::from_secs(30);
 
 /// [`EpochTransactions`] by the job's transactional producer and a client of its group.
 pub struct KafkaTransactions {
-    config: Config,
+    job: Arc<JobSettings>,
+    task: TaskSettings,
     producer: Option<EpochProducer>,
     /// The producer that fenced the job's previous worker when this one took the lease.
     fencing: Option<EpochProducer>,
@@ -41,23 +42,29 @@ pub struct KafkaTransactions {
 
 impl KafkaTransactions {
     pub fn new(
-        config: &Config,
+        job: &Arc<JobSettings>,
+        task: &TaskSettings,
         rt: Handle,
         group: Arc<SourceConsumer>,
         fencing: Option<EpochProducer>,
     ) -> Result<KafkaTransactions> {
-        let kafka = config.kafka_settings();
+        let source = &job.source;
         Ok(KafkaTransactions {
-            config: config.clone(),
+            job: job.clone(),
+            task: task.clone(),
             producer: None,
             fencing,
             group,
             offsets: SourceConsumer::connect(
-                &kafka,
-                &config.kafka.source_topic,
-                &config.kafka.consumer_group,
+                &source.kafka,
+                &source.source_topic,
+                &source.consumer_group,
             )?,
-            truncator: ChangelogTruncator::start(rt, kafka, config.changelog_topic())?,
+            truncator: ChangelogTruncator::start(
+                rt,
+                source.kafka.clone(),
+                job.topics.changelog.clone(),
+            )?,
         })
     }
 
@@ -81,7 +88,8 @@ impl EpochTransactions for KafkaTransactions {
     fn committed(&self) -> Result<BTreeMap<PartitionId, (i64, CommitMark)>, Failure> {
         Ok(crate::marks::committed_offsets(
             &self.offsets,
-            &self.config,
+            &self.job,
+            &self.task,
         )?)
     }
 
@@ -100,8 +108,8 @@ impl EpochTransactions for KafkaTransactions {
     }
 
     fn fence(&mut self) -> Result<(), Failure> {
-        let producer =
-            crate::lease::unfenced_producer(&self.config).and_then(UnfencedProducer::fence)?;
+        let producer = crate::lease::unfenced_producer(&self.job, &self.task)
+            .and_then(UnfencedProducer::fence)?;
         self.producer = Some(producer);
         Ok(())
     }
@@ -126,7 +134,7 @@ impl EpochTransactions for KafkaTransactions {
     ) -> Result<BTreeMap<PartitionId, i64>, Failure> {
         Ok(self
             .offsets
-            .end_offsets(&self.config.changelog_topic(), partitions.iter().copied())?)
+            .end_offsets(&self.job.topics.changelog, partitions.iter().copied())?)
     }
 
     fn truncate_changelog(&mut self, before: BTreeMap<PartitionId, i64>) {

@@ -28,7 +28,6 @@ use tally_kafka::{CommitMark, EpochCommit};
 use tally_state::StateStore;
 use tally_state::changelog::RestorePoints;
 
-use crate::config::Config;
 use crate::events::{
     BarrierPause, CheckpointCommitted, CommitPhases, EpochBytes, EpochRecovered, SinkRetry,
 };
@@ -36,6 +35,7 @@ use crate::fault::{FaultPlan, FaultPoint};
 use crate::health::Readiness;
 use crate::persist::{Persisted, PreCommitted};
 use crate::retry::{Failure, MAX_BACKOFF, sleep_unless_stopped, wait_for};
+use crate::settings::{JobSettings, TaskSettings};
 use sinks::{BatchSink, EpochTransactions};
 
 /// Where an epoch is in the commit protocol.
@@ -51,7 +51,8 @@ enum CommitStep {
 
 /// What the committer shares with the rest of the worker.
 pub struct CommitterParts {
-    pub config: Config,
+    pub job: Arc<JobSettings>,
+    pub task: TaskSettings,
     pub shutdown: Arc<AtomicBool>,
     pub fault: FaultPlan,
     pub store: Arc<StateStore>,
@@ -62,7 +63,8 @@ pub struct CommitterParts {
 
 /// The commit side of a worker: completes epochs in both sinks and marks them committed.
 pub struct Committer<K, C> {
-    config: Config,
+    job: Arc<JobSettings>,
+    task: TaskSettings,
     shutdown: Arc<AtomicBool>,
     fault: FaultPlan,
     store: Arc<StateStore>,
@@ -84,7 +86,8 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
     pub fn new(parts: CommitterParts, kafka: K, clickhouse: C) -> Result<Committer<K, C>> {
         Ok(Committer {
             restore_points: parts.store.restore_points()?,
-            config: parts.config,
+            job: parts.job,
+            task: parts.task,
             shutdown: parts.shutdown,
             fault: parts.fault,
             store: parts.store,
@@ -107,7 +110,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
     /// worker commits this job.
     pub fn refuse_another_writer(&self) -> Result<(), Failure> {
         let marks = crate::marks::marks_of(self.kafka.committed()?);
-        crate::marks::refuse_another_writer(&marks, &self.store, &self.config)
+        crate::marks::refuse_another_writer(&marks, &self.store, &self.job)
             .map_err(Failure::Permanent)
     }
 
@@ -118,7 +121,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
     pub fn undone_batches(&self) -> Result<Vec<CommittedBatch>> {
         let mut sink_offsets = self.sink_wait(|c| c.committed_offsets())?;
         // Other tasks' partitions are other directories' business.
-        sink_offsets.retain(|p, _| self.config.owns(*p));
+        sink_offsets.retain(|p, _| self.task.owns(*p));
         let state: BTreeMap<PartitionId, i64> = self
             .store
             .meta()
@@ -141,7 +144,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
             .all(|p| kafka.get(p).map(|(o, _)| *o) == state.get(p).copied());
         let batches = self.sink_wait(|c| c.committed_batches())?;
         let past = if kafka_agrees {
-            undone::batches_past(&batches, &state, |p| self.config.owns(p))
+            undone::batches_past(&batches, &state, |p| self.task.owns(p))
         } else {
             Err("the group's committed offsets do not match the state either".to_owned())
         };
@@ -151,8 +154,8 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
                 let why = past.err().unwrap_or_default();
                 let state_offset = state.get(&partition);
                 let names = tally_clickhouse::TableNames::new(
-                    &self.config.clickhouse.database,
-                    &self.config.clickhouse.table,
+                    &self.job.commit.database,
+                    &self.job.commit.table,
                 )?;
                 bail!(
                     "ClickHouse commit log {} has partition {partition} up to offset {offset}, but the state directory {} has it {} ({why}). \
@@ -179,7 +182,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
         for batch in batches {
             let started = Instant::now();
             let remade = undone::remake(
-                &self.config,
+                &self.job,
                 &self.clickhouse,
                 &self.store,
                 operator,
@@ -222,7 +225,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
             let stored = self.stored(epoch)?;
             let started = Instant::now();
             let clickhouse_already_committed =
-                self.sink_wait(|c| c.is_committed(&self.config.batch_of(&stored.checkpoint)))?;
+                self.sink_wait(|c| c.is_committed(&self.job.commit.batch_of(&stored.checkpoint)))?;
             // Whether the Kafka transaction committed is checked by the producer step itself,
             // after its init_transactions has fenced and settled any transaction of the dead
             // process.
@@ -238,7 +241,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
 
     /// An epoch read back from the store (pending, or held after its commit).
     fn stored(&self, epoch: Epoch) -> Result<PreCommitted> {
-        let (checkpoint, changelog) = self.store.pending(epoch, self.config.window.size.0)?;
+        let (checkpoint, changelog) = self.store.pending(epoch, self.job.commit.window_size_ms)?;
         let liveness = tally_state::changelog::liveness_of_records(&changelog)?;
         Ok(PreCommitted {
             checkpoint,
@@ -307,7 +310,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
             epoch,
             kafka_epoch,
             dead_letters: stored.checkpoint.dead_letters.len(),
-            task: self.config.job.task,
+            task: self.task.task,
         }
         .emit();
         self.complete_stored_epoch(&stored, Instant::now())
@@ -325,7 +328,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
             phases: self.phases,
             bytes: EpochBytes::default(),
             recovered: true,
-            task: self.config.job.task,
+            task: self.task.task,
         }
         .emit();
         Ok(())
@@ -349,7 +352,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
                 phases: self.phases,
                 bytes: next.epoch.bytes,
                 recovered: false,
-                task: self.config.job.task,
+                task: self.task.task,
             }
             .emit();
             // The operator may have stopped already; the epoch is committed either way.
@@ -547,7 +550,7 @@ impl<K: EpochTransactions, C: BatchSink> Committer<K, C> {
     }
 
     fn write_clickhouse(&self, checkpoint: &Checkpoint) -> Result<(), Failure> {
-        let batch = self.config.batch_of(checkpoint);
+        let batch = self.job.commit.batch_of(checkpoint);
         let fault = self.fault;
         let epoch = checkpoint.epoch;
         let hook = move |step: WriteStep| {

@@ -19,6 +19,7 @@ use crate::events::BarrierPause;
 use crate::fault::{Crashed, FaultPlan, FaultPoint};
 use crate::health::Readiness;
 use crate::persist::{Persisted, PreCommitted};
+use crate::settings::JobSettings;
 
 const JOB: &str = r#"
 [job]
@@ -35,7 +36,7 @@ url = "http://127.0.0.1:1"
 /// A worker's store and operator over the fake sinks, which outlive its restarts.
 struct Rig {
     dir: tempfile::TempDir,
-    config: Config,
+    job: Arc<JobSettings>,
     store: Option<Arc<StateStore>>,
     kafka: FakeKafka,
     clickhouse: FakeClickHouse,
@@ -57,7 +58,7 @@ impl Rig {
         op.add_partition(0, 0);
         Rig {
             dir,
-            config,
+            job: Arc::new(config.resolve()),
             store: Some(store),
             kafka: FakeKafka::default(),
             clickhouse: FakeClickHouse::default(),
@@ -73,7 +74,8 @@ impl Rig {
     /// A committer of a (re)started process: a new producer-less client of the same sinks.
     fn committer(&self, fault: FaultPlan) -> Committer<FakeKafka, FakeClickHouse> {
         let parts = CommitterParts {
-            config: self.config.clone(),
+            job: self.job.clone(),
+            task: self.job.whole(),
             shutdown: Arc::new(AtomicBool::new(false)),
             fault,
             store: self.store(),

@@ -21,9 +21,9 @@ use tally_core::{CheckpointBarrier, PartitionId, WindowOperator};
 use tally_state::StateStore;
 
 use super::sinks::BatchSink;
-use crate::config::Config;
 use crate::persist::PreCommitted;
 use crate::retry::Failure;
+use crate::settings::JobSettings;
 
 /// The commit log's batches past `state` (per partition, the offset the state ends at), in
 /// order, if they continue it: each starts every one of its partitions where the state (or the
@@ -71,13 +71,13 @@ pub fn batches_past(
 /// starts from) and returns it pre-committed in `store`, once it matches what ClickHouse
 /// recorded of the batch.
 pub fn remake(
-    config: &Config,
+    job: &JobSettings,
     clickhouse: &impl BatchSink,
     store: &StateStore,
     operator: &mut WindowOperator,
     batch: &CommittedBatch,
 ) -> Result<PreCommitted> {
-    let topic = &config.kafka.source_topic;
+    let topic = &job.source.source_topic;
     let ranges: BTreeMap<PartitionId, (i64, Option<i64>)> = batch
         .partitions
         .iter()
@@ -87,7 +87,7 @@ pub fn remake(
         .collect();
     let mut failure = None;
     tally_kafka::read_committed_range(
-        &config.kafka_settings(),
+        &job.source.kafka,
         topic,
         &ranges,
         Duration::from_secs(30),
@@ -125,7 +125,7 @@ pub fn remake(
         is_final: false,
     });
     let remade = PreCommitted::of(store, &cut)?;
-    let ours = config.batch_of(&remade.checkpoint);
+    let ours = job.commit.batch_of(&remade.checkpoint);
     let recorded = clickhouse
         .batch_totals(&batch.partitions, &batch.to_offsets)
         .map_err(Failure::into_error)?;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize, Serializer};
 use tally_clickhouse::Secret;
-use tally_core::{FieldMapping, OperatorConfig, PartitionId, WindowSpec};
+use tally_core::{FieldMapping, OperatorConfig, WindowSpec};
 
 pub use crate::schemas::SchemaRegistryConfig;
 
@@ -195,9 +195,6 @@ pub struct JobConfig {
     /// Fixed for the life of a job.
     #[serde(default = "default_tasks", deserialize_with = "de_u64")]
     pub tasks: u64,
-    /// The task this configuration runs, when the job has several (set by the worker).
-    #[serde(skip)]
-    pub task: Option<u32>,
 }
 
 fn default_checkpoint_interval() -> Millis {
@@ -638,14 +635,6 @@ impl Config {
             .unwrap_or_else(|| format!("{}-changelog", self.kafka.consumer_group))
     }
 
-    /// The ClickHouse batch of `checkpoint` (see [`tally_clickhouse::Batch::of`]).
-    pub fn batch_of<'a>(
-        &'a self,
-        checkpoint: &'a tally_core::Checkpoint,
-    ) -> tally_clickhouse::Batch<'a> {
-        tally_clickhouse::Batch::of(&self.job.name, checkpoint, self.window.out_of_orderness.0)
-    }
-
     pub fn registry_topic(&self) -> String {
         self.kafka.registry_topic.clone()
     }
@@ -655,43 +644,22 @@ impl Config {
         format!("{}-lease", self.kafka.consumer_group)
     }
 
+    /// The job's transactional id; each task of several adds `-task-K` (see
+    /// [`crate::settings::JobSettings::task`]).
     pub fn transactional_id(&self) -> String {
-        let id = self
-            .kafka
+        self.kafka
             .transactional_id
             .clone()
-            .unwrap_or_else(|| format!("tally-{}", self.job.name));
-        match self.job.task {
-            Some(task) => format!("{id}-task-{task}"),
-            None => id,
-        }
+            .unwrap_or_else(|| format!("tally-{}", self.job.name))
     }
 
-    /// The job's task count (at least 1).
     pub fn standby_replicas(&self) -> usize {
         usize::try_from(self.job.standby_replicas).unwrap_or(usize::MAX)
     }
 
+    /// The job's task count (at least 1).
     pub fn tasks(&self) -> u32 {
         u32::try_from(self.job.tasks).unwrap_or(1).max(1)
-    }
-
-    /// The configuration of task `task` of a job of several: its own state directory and
-    /// transactional id, and only its source partitions.
-    pub fn for_task(&self, task: u32) -> Config {
-        let mut config = self.clone();
-        config.job.state_dir = self.job.state_dir.join(format!("task-{task}"));
-        config.job.task = Some(task);
-        config
-    }
-
-    /// Whether this configuration runs source partition `partition`: every one, unless it
-    /// is one task of several.
-    pub fn owns(&self, partition: PartitionId) -> bool {
-        match self.job.task {
-            Some(task) => u32::try_from(partition).is_ok_and(|p| p % self.tasks() == task),
-            None => true,
-        }
     }
 
     pub fn operator(&self) -> OperatorConfig {
@@ -784,14 +752,6 @@ impl Config {
     /// The shape of the job's rows in ClickHouse.
     pub fn sink_shape(&self) -> tally_clickhouse::Shape {
         tally_clickhouse::Shape::of(&self.declared)
-    }
-
-    /// Identity stored in the state directory: the job and the topic it reads.
-    pub fn state_identity(&self) -> String {
-        match self.job.task {
-            Some(task) => format!("{}@{}#task-{task}", self.job.name, self.kafka.source_topic),
-            None => format!("{}@{}", self.job.name, self.kafka.source_topic),
-        }
     }
 }
 

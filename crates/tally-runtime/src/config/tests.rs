@@ -41,18 +41,23 @@ fn defaults_apply() {
 fn a_task_runs_its_partitions_with_its_own_directory_and_transactional_id() {
     let c = parse(BASE, &[("TALLY_JOB__TASKS", "3")]).unwrap();
     assert_eq!(c.tasks(), 3);
+    let s = c.resolve();
+    let whole = s.whole();
     assert!(
-        (0..9).all(|p| c.owns(p)),
+        (0..9).all(|p| whole.owns(p)),
         "the job as a whole runs every partition"
     );
-    let t = c.for_task(1);
+    let t = s.task(1);
     assert_eq!(
         (0..9).filter(|p| t.owns(*p)).collect::<Vec<_>>(),
         vec![1, 4, 7]
     );
-    assert_eq!(t.transactional_id(), "tally-revenue_agg-task-1");
-    assert_eq!(t.job.state_dir, PathBuf::from("/tmp/x/task-1"));
-    assert_ne!(t.state_identity(), c.state_identity());
+    assert_eq!(whole.transactional_id, "tally-revenue_agg");
+    assert_eq!(t.transactional_id, "tally-revenue_agg-task-1");
+    assert_eq!(t.state_dir, PathBuf::from("/tmp/x/task-1"));
+    assert_eq!(whole.state_dir, PathBuf::from("/tmp/x"));
+    assert_eq!(t.state_identity, "revenue_agg@orders#task-1");
+    assert_eq!(whole.state_identity, "revenue_agg@orders");
     let err = refusal(BASE, &[("TALLY_JOB__TASKS", "0")]);
     assert!(err.contains("job.tasks"), "{err}");
 }

@@ -93,3 +93,50 @@ fn one_server_without_folding() {
     assert!(!s.read_side.cluster);
     assert!(s.read_side.fold_interval.is_zero());
 }
+
+/// The parts the worker runs with: tally's own topics, the operator's and the commit
+/// protocol's settings, each task's directory, transactional id and partitions.
+#[test]
+fn the_worker_s_parts_and_its_tasks() {
+    let c = config();
+    let s = c.resolve();
+    assert_eq!(s.topics.dead_letters, "orders.dlq");
+    assert_eq!(s.topics.changelog, "g-changelog");
+    assert_eq!(s.topics.lease, "g-lease");
+    assert_eq!(s.topics.replication_factor, Some(3));
+    assert_eq!(s.sink.url, "http://ch1:8123");
+    assert_eq!(s.consume.operator, c.operator());
+    assert_eq!(s.consume.checkpoint_interval, Duration::from_secs(5));
+    assert_eq!(s.consume.max_epochs_in_flight, 2);
+    assert_eq!(s.commit.window_size_ms, 300_000);
+    assert_eq!(
+        (s.commit.database.as_str(), s.commit.table.as_str()),
+        ("tally", "shop_view")
+    );
+    assert_eq!(s.session_timeout, Duration::from_secs(12));
+    assert_eq!(s.tasks, 3);
+    // The state identity names the task, never the directory: a restore may point the
+    // directory elsewhere (doctor's restore check does).
+    let t = s.task(2);
+    assert_eq!(t.state_dir, std::path::Path::new("/tmp/shop/task-2"));
+    assert_eq!(t.transactional_id, "tally-shop-task-2");
+    assert_eq!(t.state_identity, "shop@orders#task-2");
+    assert_eq!(
+        (0..9).filter(|p| t.owns(*p)).collect::<Vec<_>>(),
+        vec![2, 5, 8]
+    );
+    let w = s.whole();
+    assert_eq!(
+        (
+            w.state_dir.as_path(),
+            w.transactional_id.as_str(),
+            w.state_identity.as_str()
+        ),
+        (
+            std::path::Path::new("/tmp/shop"),
+            "tally-shop",
+            "shop@orders"
+        )
+    );
+    assert!((0..9).all(|p| w.owns(p)));
+}

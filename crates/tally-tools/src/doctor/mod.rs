@@ -197,7 +197,8 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             &config.kafka.source_topic,
             &config.kafka.consumer_group,
         )?;
-        tally_runtime::marks::committed_offsets(&reader, config)?
+        let settings = config.resolve();
+        tally_runtime::marks::committed_offsets(&reader, &settings, &settings.whole())?
     };
     let marks: BTreeMap<i32, tally_kafka::CommitMark> = committed
         .iter()
@@ -205,7 +206,8 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         .collect();
     let writers: std::collections::BTreeSet<&str> =
         marks.values().filter_map(|m| m.writer.as_deref()).collect();
-    rows.push(match tally_state::StateStore::open(&config.job.state_dir, &config.state_identity()) {
+    let whole = config.resolve().whole();
+    rows.push(match tally_state::StateStore::open(&whole.state_dir, &whole.state_identity) {
         Ok(store) => match store.meta() {
             None if !writers.is_empty() => row(
                 "Persisted → Processed",
@@ -698,21 +700,24 @@ async fn restorable(config: &Config) -> Row {
     };
     let mut evidence = Vec::new();
     let mut failed = false;
+    let settings = std::sync::Arc::new(config.resolve());
     for task in tasks {
-        let config = config.clone();
+        let settings = settings.clone();
         let checked = tokio::task::spawn_blocking(move || -> Result<Option<String>> {
             let scratch = tempfile::tempdir()?;
-            let mut config = match task {
-                Some(t) => config.for_task(t),
-                None => config,
+            let mut run = match task {
+                Some(t) => settings.task(t),
+                None => settings.whole(),
             };
-            config.job.state_dir = scratch.path().join("state");
+            // The task's identity, in a directory of its own: the job's is not touched.
+            run.state_dir = scratch.path().join("state");
             let rt = tokio::runtime::Handle::current();
-            let marks = tally_runtime::marks::job_commit_marks(&config)?;
+            let marks = tally_runtime::marks::job_commit_marks(&settings, &run)?;
             if marks.is_empty() {
                 return Ok(None);
             }
-            let restored = tally_runtime::restore::restore(&config, &rt, &marks, None, false)?;
+            let restored =
+                tally_runtime::restore::restore(&settings, &run, &rt, &marks, None, false)?;
             Ok(Some(format!(
                 "{}epoch {} of writer {} ({} records, {} ms)",
                 task.map_or(String::new(), |t| format!("task {t}: ")),
