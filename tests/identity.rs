@@ -186,27 +186,26 @@ async fn two_jobs_writing_one_table_are_refused_in_either_order_even_without_a_s
     .await;
 }
 
-/// A declared job run again with its declaration changed (its filter's status range narrowed) is
-/// refused before it reads anything, naming the declaration and the way to migrate: a new job.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_changed_declaration_is_refused_with_the_way_to_migrate() {
+/// The shipped api_latency job on a topic of its own, with `events` records of loadgen's in it.
+async fn api_latency_with_records(events: u32) -> Job {
     let topic = unique("api_latency");
     create_topic(&topic, 2).await;
     let job = Job::shipped("api_latency.toml", &topic);
     let manifest = job.dir.path().join("m.json");
-    let (ok, out) = tally_command(
-        &job,
-        "loadgen",
-        &[
-            "--events",
-            "600",
-            "--partitions",
-            "2",
-            "--manifest",
-            manifest.to_str().unwrap(),
-        ],
-    );
+    let events = events.to_string();
+    let args = ["--events", &events, "--partitions", "2", "--manifest"];
+    let mut args = args.to_vec();
+    args.push(manifest.to_str().unwrap());
+    let (ok, out) = tally_command(&job, "loadgen", &args);
     assert!(ok, "{out}");
+    job
+}
+
+/// A declared job run again with its declaration changed (its filter's status range narrowed) is
+/// refused before it reads anything, naming the declaration and the way to migrate: a new job.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_changed_declaration_is_refused_with_the_way_to_migrate() {
+    let job = api_latency_with_records(600).await;
     let before = job.log().len();
     let mut worker = job.spawn(&[]);
     job.wait_for_log(before, "checkpoint committed", Duration::from_secs(60))
@@ -234,4 +233,92 @@ async fn a_changed_declaration_is_refused_with_the_way_to_migrate() {
         error.contains("run the new rules as a new job") && error.contains("tally retire"),
         "says how to migrate: {error}"
     );
+}
+
+/// A new version of a running job (`job.version = 2`, its filter narrowed and a column added):
+/// `check-config` reads the running version from the registry, the view and the source and
+/// names what changes; it refuses a version not above the running one and a `restate_from` the
+/// source no longer reaches, naming the key and what the topic holds. `run` refuses to run a
+/// new version, saying so, and the running version is untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_version_is_compared_with_the_running_one_and_refused_where_it_cannot_restate() {
+    let job = api_latency_with_records(400).await;
+    run_once(&job).await;
+
+    let v1 = std::fs::read_to_string(&job.config).unwrap();
+    let v2 = v1.replace("max = 599", "max = 499")
+        + "\n[[aggregation.aggregate]]\ncolumn = \"latency_min_ms\"\nfunction = \"min\"\nfield = \"latency\"\n";
+    write_file(&job.config, &v2);
+    let version = |v: &'static str| [("TALLY_JOB__VERSION", v)];
+    let check_config = |env: &[(&str, &str)]| tally_command_with(&job, "check-config", &[], env);
+
+    let (ok, out) = check_config(&version("2"));
+    eprintln!("{out}");
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("version 2 changes the running version 1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rule aggregation:"),
+        "the declaration's lines: {out}"
+    );
+    assert!(
+        out.contains("100 <= status <= 499"),
+        "the new filter: {out}"
+    );
+    assert!(
+        out.contains("the view gains column latency_min_ms"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rebuilds every window from the whole topic"),
+        "{out}"
+    );
+
+    // restate_from before what the topic holds: refused, naming the key and the partitions.
+    let (ok, out) = check_config(&[
+        ("TALLY_JOB__VERSION", "2"),
+        ("TALLY_JOB__RESTATE_FROM", "2001-01-01T00:00:00Z"),
+    ]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("job.restate_from: the source no longer holds"),
+        "{out}"
+    );
+    assert!(
+        out.contains("partition 0 from") && out.contains("partition 1 from"),
+        "{out}"
+    );
+    // From now on the topic reaches back far enough.
+    let (ok, out) = check_config(&[
+        ("TALLY_JOB__VERSION", "2"),
+        ("TALLY_JOB__RESTATE_FROM", "2100-01-01T00:00:00Z"),
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("restates windows from 2100-01-01T00:00:00.000Z on"),
+        "{out}"
+    );
+
+    // A new version must be above the running one; restate_from needs a new version.
+    let (ok, out) = check_config(&version("0"));
+    assert!(
+        !ok && out.contains("job.version: must be 1 or more"),
+        "{out}"
+    );
+    let (ok, out) = check_config(&[("TALLY_JOB__RESTATE_FROM", "2100-01-01T00:00:00Z")]);
+    assert!(
+        !ok && out.contains("job.restate_from: only a new version"),
+        "{out}"
+    );
+
+    // `run` does not run a new version: it says so and leaves the running one as it was.
+    let (ok, log) = run_to_exit(&job, &version("2"));
+    assert!(!ok, "refused; log:\n{log}");
+    let error = error_line(&log);
+    assert!(error.contains("job.version = 2"), "{error}");
+    assert!(error.contains("check-config"), "{error}");
+    write_file(&job.config, &v1);
+    run_once(&job).await;
 }

@@ -35,7 +35,7 @@ pub use read_side::{ReadLease, ReadSideHolder};
 pub use reads::{BatchAccounting, BatchTotals, Cells, CommittedBatch, ViewKey, ViewTotals};
 pub use replicas::{ClusterMember, Replicas, SYNC_WAIT, check_cluster};
 pub use rows::ColumnType;
-pub use schema::{Cut, Frontier, Shape, TableNames};
+pub use schema::{Cut, Frontier, Shape, TableNames, normalise_type};
 pub use settings::{Secret, SinkSettings};
 pub use sink::{Batch, ClickHouseSink, WriteOutcome, WriteStep};
 pub use tls::https_connector;

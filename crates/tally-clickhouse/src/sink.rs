@@ -303,6 +303,30 @@ impl ClickHouseSink {
         Ok(value != "0")
     }
 
+    /// The columns of the job's view as the server has them, by name and type (as
+    /// [`crate::normalise_type`] writes it); `None`: no view.
+    pub async fn found_view_columns(&self) -> Result<Option<Vec<(String, String)>>> {
+        #[derive(serde::Deserialize)]
+        struct Column {
+            name: String,
+            #[serde(rename = "type")]
+            type_: String,
+        }
+        let sql = format!(
+            "SELECT name, type FROM system.columns WHERE database = '{}' AND table = '{}'",
+            self.names.database, self.names.view
+        );
+        let found: Vec<Column> =
+            crate::schema::json_rows(&self.client, &sql, &self.url, "reading the view's columns")
+                .await?;
+        Ok((!found.is_empty()).then(|| {
+            found
+                .into_iter()
+                .map(|c| (c.name, crate::normalise_type(&c.type_)))
+                .collect()
+        }))
+    }
+
     /// Whether the commit log holds `batch` (written by this worker or any other).
     pub async fn is_committed(&self, batch: &Batch<'_>) -> Result<bool> {
         let sql = self.names.is_committed_sql(

@@ -45,6 +45,9 @@ pub struct IdentitySettings {
     pub replicas: Vec<tally_clickhouse::SinkSettings>,
 }
 
+/// The rule a version above 1 is recorded under.
+pub const VERSION: &str = "job.version";
+
 /// The keys of [`JobIdentity::rules`] that name a resource no two jobs may share.
 const OWNED: &[&str] = &[
     "kafka.consumer_group",
@@ -100,10 +103,22 @@ impl JobIdentity {
                 );
             }
         }
+        // Version 1 is not recorded: every job recorded before versions existed is version 1.
+        if config.job.version > 1 {
+            rules.insert(VERSION.into(), config.job.version.to_string());
+        }
         JobIdentity {
             job: config.job.name.clone(),
             rules,
         }
+    }
+
+    /// The job's version: its `job.version` rule, 1 when not recorded.
+    pub fn version(&self) -> u64 {
+        self.rules
+            .get(VERSION)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
     }
 
     /// `(key, recorded, mine)` for every rule that differs. A rule of several lines (the
@@ -212,6 +227,20 @@ fn current(
     }
     out.sort_by_key(|(at, _)| *at);
     Ok(out)
+}
+
+/// The job's record in Kafka's registry (its running version's identity), without recording
+/// anything; `None`: the registry holds no record of it.
+pub async fn recorded(settings: &IdentitySettings) -> Result<Option<JobIdentity>> {
+    let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
+    if !tally_kafka::check_connection(kafka, Duration::from_secs(10))?.contains_key(topic) {
+        return Ok(None);
+    }
+    let recorded = current(&tally_kafka::job_registry::registrations(kafka, topic)?)?;
+    Ok(recorded
+        .into_iter()
+        .map(|(_, identity)| identity)
+        .find(|r| r.job == settings.identity.job))
 }
 
 /// Checks the job against Kafka's registry, recording it there if it is new.

@@ -165,7 +165,15 @@ async fn run_job(
 ) -> Result<()> {
     // A worker whose rules or resources clash with its job's, or another job's, stops here,
     // before it joins anything.
-    let settings = Arc::new(cfg.resolve());
+    if cfg.job.version > 1 {
+        bail!(
+            "job {}: job.version = {}: running a new version of a job beside the running one is not in this release \
+             (docs/design/restatement.md has the plan); `tally check-config` shows what the new version changes against the running one",
+            cfg.job.name,
+            cfg.job.version
+        );
+    }
+    let settings = Arc::new(cfg.resolve()?);
     if !crate::identity::check(&settings.identity, shutdown).await? {
         tracing::info!("stopped before the job's identity was checked");
         return Ok(());

@@ -273,8 +273,19 @@ pub struct SchemaCache {
     entries: RwLock<HashMap<u32, Entry>>,
     /// Ids being fetched in the background.
     fetching: Mutex<HashSet<u32>>,
-    /// Runs the registry's requests for callers outside an async runtime.
-    runtime: tokio::runtime::Runtime,
+    /// Runs the registry's requests for callers outside an async runtime. Always set until the
+    /// cache is dropped (see its `Drop`).
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// The cache may be dropped anywhere, an async task included, where dropping a runtime the
+/// usual way panics: its runtime shuts down in the background instead.
+impl Drop for SchemaCache {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 impl std::fmt::Debug for SchemaCache {
@@ -305,7 +316,7 @@ impl SchemaCache {
             job,
             entries: RwLock::new(HashMap::new()),
             fetching: Mutex::new(HashSet::new()),
-            runtime,
+            runtime: Some(runtime),
         })
     }
 
@@ -373,7 +384,13 @@ impl SchemaCache {
             // On a thread of its own: a caller inside an async runtime cannot block on another.
             let answer = std::thread::scope(|scope| {
                 scope
-                    .spawn(|| self.runtime.block_on(self.resolve(id)))
+                    .spawn(|| match &self.runtime {
+                        Some(runtime) => runtime.block_on(self.resolve(id)),
+                        None => Err(SchemaRegistryError::Unreachable {
+                            url: self.registry.url().to_owned(),
+                            reason: "the client is closed".into(),
+                        }),
+                    })
                     .join()
                     .unwrap_or_else(|_| {
                         Err(SchemaRegistryError::Unreachable {
@@ -412,10 +429,15 @@ impl SchemaCache {
     pub fn check_latest(&self, subject: &str) -> Result<Option<(u32, Vec<String>)>> {
         let latest = std::thread::scope(|scope| {
             scope
-                .spawn(|| self.runtime.block_on(self.registry.latest(subject)))
+                .spawn(|| {
+                    self.runtime
+                        .as_ref()
+                        .map(|runtime| runtime.block_on(self.registry.latest(subject)))
+                })
                 .join()
                 .map_err(|_| anyhow::anyhow!("the registry request's thread ended"))
-        })??;
+        })?
+        .ok_or_else(|| anyhow::anyhow!("the registry's client is closed"))??;
         let Some((id, fetched)) = latest else {
             return Ok(None);
         };

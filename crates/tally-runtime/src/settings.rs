@@ -1,8 +1,8 @@
 //! A job's settings, resolved once from its file at start: what each part of the runtime runs
 //! with. The file is parsed and validated by [`crate::config`], naming the key of each mistake;
 //! [`Config::resolve`] then derives every part's settings from it (topic names, ClickHouse
-//! replicas, fold rules, each task's directory and transactional id), so that no part
-//! re-derives them, and none holds the whole file.
+//! replicas, fold rules, each task's directory and transactional id, the schema registry's
+//! client), so that no part re-derives them, and none holds the whole file.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,7 +12,7 @@ use tally_clickhouse::{Batch, FoldRules, SinkSettings};
 use tally_core::{Checkpoint, OperatorConfig, PartitionId, Program, RowShape};
 use tally_kafka::KafkaSettings;
 
-use crate::config::{Config, StartFrom};
+use crate::config::{Config, ConfigError, StartFrom};
 use crate::identity::IdentitySettings;
 use crate::schemas::SchemaCache;
 
@@ -169,8 +169,10 @@ impl JobSettings {
 }
 
 impl Config {
-    /// The job's settings, derived once from the validated file.
-    pub fn resolve(&self) -> JobSettings {
+    /// The job's settings, derived once from the validated file. Fails only on a job of Avro or
+    /// Protobuf records whose schema registry client cannot be made (naming `registry`).
+    pub fn resolve(&self) -> Result<JobSettings, ConfigError> {
+        let schemas = self.schema_cache()?;
         let source = SourceGroup {
             kafka: self.kafka_settings(),
             source_topic: self.kafka.source_topic.clone(),
@@ -178,7 +180,7 @@ impl Config {
         };
         let replicas = self.replica_settings();
         let operator = self.operator();
-        JobSettings {
+        Ok(JobSettings {
             name: self.job.name.clone(),
             topics: JobTopics {
                 dead_letters: self.dlq_topic(),
@@ -207,11 +209,11 @@ impl Config {
             consume: ConsumeSettings {
                 source_topic: self.kafka.source_topic.clone(),
                 operator,
-                program: self.program(),
+                program: self.program_with(schemas.clone()),
                 start_from: self.job.start_from,
                 checkpoint_interval: self.job.checkpoint_interval.as_duration(),
                 max_epochs_in_flight: usize::try_from(self.job.max_epochs_in_flight).unwrap_or(1),
-                schemas: self.schemas.clone(),
+                schemas,
             },
             commit: CommitSettings {
                 job: self.job.name.clone(),
@@ -230,7 +232,7 @@ impl Config {
             transactional_id: self.transactional_id(),
             source,
             replicas,
-        }
+        })
     }
 }
 

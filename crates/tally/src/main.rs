@@ -114,11 +114,11 @@ fn real_main(cli: Cli) -> Result<()> {
             )
         }
         Command::Fold { config } => {
-            let settings = load_config(&config)?.resolve();
+            let settings = load_config(&config)?.resolve()?;
             runtime()?.block_on(tally_runtime::read_side::fold_now(&settings.read_side))
         }
         Command::Retire { config } => {
-            let settings = load_config(&config)?.resolve();
+            let settings = load_config(&config)?.resolve()?;
             runtime()?.block_on(tally_runtime::identity::retire(&settings.identity))
         }
         Command::Probe {
@@ -340,7 +340,7 @@ fn schema(args: &SchemaArgs) -> Result<()> {
 }
 
 fn restore(cfg: &Config, task: Option<u32>) -> Result<()> {
-    let settings = cfg.resolve();
+    let settings = cfg.resolve()?;
     let run = match (settings.tasks, task) {
         (1, None) => settings.whole(),
         (1, Some(_)) => anyhow::bail!("--task: the job has one task (job.tasks = 1)"),
@@ -398,10 +398,7 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: cannot show the settings: {e}", path.display()))?;
     println!("# {}, every default filled in\n{settings}", path.display());
     print!("{}", tally_runtime::declaration::describe(&job));
-    if job.format.is_framed() {
-        let registry = tally_runtime::schemas::SchemaRegistry::new(&cfg.registry)?;
-        let cache =
-            tally_runtime::schemas::SchemaCache::new(registry, std::sync::Arc::new(job.clone()))?;
+    if let Some(cache) = cfg.schema_cache()? {
         let subject = cfg.registry_subject();
         match cache.check_latest(&subject)? {
             None => println!(
@@ -416,6 +413,24 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
                 problems.join("\n  ")
             ),
         }
+    }
+    if cfg.job.version > 1 {
+        // A new version: what it changes against the running one, read from the services.
+        let running = runtime()?.block_on(tally_tools::version_change::read(&cfg))?;
+        let change = tally_tools::version_change::compare(
+            &tally_runtime::identity::JobIdentity::of(&cfg),
+            &cfg.sink_shape().view_columns(),
+            cfg.restate_from_ms(),
+            tally_tools::version_change::lead_ms(&cfg),
+            &running,
+        )
+        .map_err(|refused| anyhow::anyhow!("{}: {refused}", path.display()))?;
+        print!("{change}");
+        println!(
+            "`tally run` does not run a new version beside the running one yet (docs/design/restatement.md)"
+        );
+        println!("{}: ok", path.display());
+        return Ok(());
     }
     println!("runs as declared");
     // What loadgen makes of the same declaration, so that the two never disagree unsaid.

@@ -94,7 +94,8 @@ pub(super) fn check(
     problems
 }
 
-pub(super) fn normalise(ty: &str) -> String {
+/// A column type as tally compares it: without spaces, `DateTime` without its zone.
+pub fn normalise(ty: &str) -> String {
     let ty: String = ty.chars().filter(|c| !c.is_whitespace()).collect();
     // A current server may print DateTime with its zone.
     if ty.starts_with("DateTime(") {

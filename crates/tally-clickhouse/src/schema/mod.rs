@@ -15,6 +15,7 @@ mod shape;
 
 pub(crate) use cluster::{REPLICA_MACRO_SQL, cluster_members_sql, member_macro_sql};
 pub(crate) use ensure::ensure;
+pub use ensure::normalise as normalise_type;
 #[cfg(test)]
 use ensure::*;
 pub use shape::Shape;

@@ -51,14 +51,14 @@ impl Rig {
         let store = Arc::new(StateStore::open(dir.path(), "unit@orders").expect("store"));
         let mut op = WindowOperator::restore(
             config.operator(),
-            config.program(),
+            config.program().expect("a JSON job's program"),
             Epoch(0),
             &BTreeMap::new(),
         );
         op.add_partition(0, 0);
         Rig {
             dir,
-            job: Arc::new(config.resolve()),
+            job: Arc::new(config.resolve().expect("resolves")),
             store: Some(store),
             kafka: FakeKafka::default(),
             clickhouse: FakeClickHouse::default(),

@@ -133,9 +133,9 @@ pub struct Config {
     /// `[fields]` section (the job files of the releases before declarations).
     #[serde(skip)]
     pub declared: std::sync::Arc<tally_core::declare::Job>,
-    /// A job of Avro or Protobuf records: its writer schemas, from the registry, by id.
+    /// The file the job was read from, for errors found after parsing.
     #[serde(skip)]
-    pub schemas: Option<std::sync::Arc<crate::schemas::SchemaCache>>,
+    pub file: String,
 }
 
 /// The job file as written.
@@ -195,6 +195,16 @@ pub struct JobConfig {
     /// Fixed for the life of a job.
     #[serde(default = "default_tasks", deserialize_with = "de_u64")]
     pub tasks: u64,
+    /// The job's version (1 when absent). A higher version of a running job is a restatement
+    /// (docs/design/restatement.md): `check-config` shows what it changes against the running
+    /// version; `run` does not run one yet.
+    #[serde(default = "default_version", deserialize_with = "de_u64")]
+    pub version: u64,
+    /// A new version's restatement: windows from this time on (RFC 3339) are recomputed, earlier
+    /// ones kept as the running version published them. Absent: the whole history the source
+    /// holds is rebuilt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restate_from: Option<String>,
 }
 
 fn default_checkpoint_interval() -> Millis {
@@ -222,6 +232,9 @@ fn default_partition_discovery_interval() -> Millis {
     Millis(30_000)
 }
 fn default_tasks() -> u64 {
+    1
+}
+fn default_version() -> u64 {
     1
 }
 fn default_standby_replicas() -> u64 {
@@ -585,7 +598,7 @@ impl Config {
                 file: file.to_owned(),
                 error,
             })?;
-        let mut config = Config {
+        let config = Config {
             job: parsed.job,
             kafka: parsed.kafka,
             window: parsed.window,
@@ -594,25 +607,31 @@ impl Config {
             source: parsed.source,
             registry: parsed.registry,
             declared: std::sync::Arc::new(job),
-            schemas: None,
+            file: file.to_owned(),
         };
         config.validate().map_err(invalid)?;
-        if config.declared.format.is_framed() {
-            let cache = crate::schemas::SchemaRegistry::new(&config.registry)
-                .and_then(|registry| {
-                    crate::schemas::SchemaCache::new(
-                        registry,
-                        std::sync::Arc::clone(&config.declared),
-                    )
-                })
-                .map_err(|e| ConfigError::Key {
-                    file: file.to_owned(),
-                    key: "registry".into(),
-                    message: format!("{e:#}"),
-                })?;
-            config.schemas = Some(std::sync::Arc::new(cache));
-        }
         Ok(config)
+    }
+
+    /// A job of Avro or Protobuf records: a client of its schema registry with an empty cache
+    /// of writer schemas. Made when the job starts, not when the file is read: the client has
+    /// threads of its own.
+    pub fn schema_cache(
+        &self,
+    ) -> Result<Option<std::sync::Arc<crate::schemas::SchemaCache>>, ConfigError> {
+        if !self.declared.format.is_framed() {
+            return Ok(None);
+        }
+        crate::schemas::SchemaRegistry::new(&self.registry)
+            .and_then(|registry| {
+                crate::schemas::SchemaCache::new(registry, std::sync::Arc::clone(&self.declared))
+            })
+            .map(|cache| Some(std::sync::Arc::new(cache)))
+            .map_err(|e| ConfigError::Key {
+                file: self.file.clone(),
+                key: "registry".into(),
+                message: format!("{e:#}"),
+            })
     }
 
     /// The names revenue_agg reads its fields under, when the job is revenue_agg's shape (its
@@ -655,6 +674,14 @@ impl Config {
 
     pub fn standby_replicas(&self) -> usize {
         usize::try_from(self.job.standby_replicas).unwrap_or(usize::MAX)
+    }
+
+    /// `job.restate_from` in milliseconds since the epoch (validated at parse).
+    pub fn restate_from_ms(&self) -> Option<i64> {
+        self.job
+            .restate_from
+            .as_deref()
+            .and_then(tally_core::time::parse_rfc3339_ms)
     }
 
     /// The job's task count (at least 1).
@@ -732,15 +759,21 @@ impl Config {
         }
     }
 
-    /// What the operator reads records as.
-    pub fn program(&self) -> tally_core::Program {
+    /// What the operator reads records as, with a client of the schema registry for a job
+    /// of Avro or Protobuf records ([`Config::schema_cache`]).
+    pub fn program(&self) -> Result<tally_core::Program, ConfigError> {
+        Ok(self.program_with(self.schema_cache()?))
+    }
+
+    /// What the operator reads records as, its writer schemas (if any) from `schemas`.
+    pub fn program_with(
+        &self,
+        schemas: Option<std::sync::Arc<crate::schemas::SchemaCache>>,
+    ) -> tally_core::Program {
         tally_core::Program {
             job: std::sync::Arc::clone(&self.declared),
             max_record_bytes: usize::try_from(self.job.max_record_bytes).unwrap_or(usize::MAX),
-            schemas: self
-                .schemas
-                .clone()
-                .map(|s| s as std::sync::Arc<dyn tally_core::declare::Schemas>),
+            schemas: schemas.map(|s| s as std::sync::Arc<dyn tally_core::declare::Schemas>),
         }
     }
 

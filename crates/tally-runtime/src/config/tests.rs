@@ -41,7 +41,7 @@ fn defaults_apply() {
 fn a_task_runs_its_partitions_with_its_own_directory_and_transactional_id() {
     let c = parse(BASE, &[("TALLY_JOB__TASKS", "3")]).unwrap();
     assert_eq!(c.tasks(), 3);
-    let s = c.resolve();
+    let s = c.resolve().expect("a JSON job resolves");
     let whole = s.whole();
     assert!(
         (0..9).all(|p| whole.owns(p)),
@@ -465,4 +465,47 @@ fn durations_show_in_the_largest_unit_that_holds_them() {
         let text = toml::Value::try_from(Millis(ms)).unwrap();
         assert_eq!(Millis::parse(text.as_str().unwrap()), Ok(Millis(ms)));
     }
+}
+
+/// `job.version` is 1 when absent; `job.restate_from` is an RFC 3339 time, and only a new
+/// version restates: each mistake names its key.
+#[test]
+fn a_version_and_its_restatement_are_checked_naming_the_key() {
+    let c = parse(BASE, &[]).unwrap();
+    assert_eq!((c.job.version, c.restate_from_ms()), (1, None));
+    let c = parse(
+        BASE,
+        &[
+            ("TALLY_JOB__VERSION", "2"),
+            ("TALLY_JOB__RESTATE_FROM", "2026-12-01T00:00:00Z"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.job.version, 2);
+    assert_eq!(c.restate_from_ms(), Some(1_796_083_200_000));
+    let err = refusal(BASE, &[("TALLY_JOB__VERSION", "0")]);
+    assert!(err.contains("job.version: must be 1 or more"), "{err}");
+    let err = refusal(
+        BASE,
+        &[
+            ("TALLY_JOB__VERSION", "2"),
+            ("TALLY_JOB__RESTATE_FROM", "yesterday"),
+        ],
+    );
+    assert!(
+        err.contains("job.restate_from: \"yesterday\" is not an RFC 3339 time"),
+        "{err}"
+    );
+    let err = refusal(BASE, &[("TALLY_JOB__RESTATE_FROM", "2026-12-01T00:00:00Z")]);
+    assert!(
+        err.contains("job.restate_from: only a new version"),
+        "{err}"
+    );
+    // Version 1 is not recorded in the identity: deployed jobs keep theirs.
+    assert!(
+        !crate::identity::JobIdentity::of(&parse(BASE, &[]).unwrap())
+            .rules
+            .contains_key("job.version")
+    );
+    assert_eq!(crate::identity::JobIdentity::of(&c).version(), 2);
 }

@@ -21,6 +21,23 @@ impl Config {
                     .into(),
             ));
         }
+        if self.job.version == 0 {
+            return Err(("job.version", "must be 1 or more (1 when absent)".into()));
+        }
+        if let Some(at) = &self.job.restate_from {
+            if tally_core::time::parse_rfc3339_ms(at).is_none() {
+                return Err((
+                    "job.restate_from",
+                    format!("{at:?} is not an RFC 3339 time such as \"2026-12-01T00:00:00Z\""),
+                ));
+            }
+            if self.job.version == 1 {
+                return Err((
+                    "job.restate_from",
+                    "only a new version of a job restates its history: raise job.version above the running one's".into(),
+                ));
+            }
+        }
         // A job of changes names its rows by primary key and keeps no event ids.
         let changes = self.declared.format.is_changes();
         let dedup = !changes;

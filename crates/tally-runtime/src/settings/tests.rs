@@ -35,7 +35,7 @@ fn config() -> Config {
 #[test]
 fn the_settings_are_what_the_file_says() {
     let c = config();
-    let s = c.resolve();
+    let s = c.resolve().expect("a JSON job resolves");
     assert_eq!(s.name, "shop");
     assert_eq!(s.source.source_topic, "orders");
     assert_eq!(s.source.consumer_group, "g");
@@ -71,7 +71,12 @@ fn the_settings_are_what_the_file_says() {
 /// workers refuse to start ("rules differ").
 #[test]
 fn the_identity_s_rules_keep_their_bytes() {
-    let rules = config().resolve().identity.identity.rules;
+    let rules = config()
+        .resolve()
+        .expect("resolves")
+        .identity
+        .identity
+        .rules;
     assert_eq!(rules["window.size"], "300000ms");
     assert_eq!(rules["kafka.transactional_id"], "tally-shop");
     assert_eq!(rules["clickhouse.table"], "tally.shop_view");
@@ -88,7 +93,10 @@ fn one_server_without_folding() {
         )
         .replace("cluster = \"two\"\n", "")
         .replace("fold_interval = \"20s\"", "fold_interval = \"0s\"");
-    let s = Config::parse("shop.toml", &text, &[]).unwrap().resolve();
+    let s = Config::parse("shop.toml", &text, &[])
+        .unwrap()
+        .resolve()
+        .expect("resolves");
     assert_eq!(s.replicas.len(), 1);
     assert!(!s.read_side.cluster);
     assert!(s.read_side.fold_interval.is_zero());
@@ -99,7 +107,7 @@ fn one_server_without_folding() {
 #[test]
 fn the_worker_s_parts_and_its_tasks() {
     let c = config();
-    let s = c.resolve();
+    let s = c.resolve().expect("a JSON job resolves");
     assert_eq!(s.topics.dead_letters, "orders.dlq");
     assert_eq!(s.topics.changelog, "g-changelog");
     assert_eq!(s.topics.lease, "g-lease");

@@ -14,6 +14,7 @@ use tally_clickhouse::ClickHouseSink;
 use crate::prove::{self, ReconcileFilter};
 use replication::replication_verdict;
 use tally_runtime::config::Config;
+use tally_runtime::settings::JobSettings;
 
 /// Every fate a consumed record can have (a change job's `stale` and `tombstones` are 0 for
 /// jobs of events), and the offsets they add up to.
@@ -60,6 +61,7 @@ fn committed_ranges(batches: &[tally_clickhouse::CommittedBatch]) -> BTreeMap<i3
 /// Checks every hop of the deployment `config` describes; `since` bounds the reconciliation.
 pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
+    let settings = std::sync::Arc::new(config.resolve()?);
     let kafka = config.kafka_settings();
     let topic = &config.kafka.source_topic;
     tally_kafka::check_connection(&kafka, Duration::from_secs(10))?;
@@ -197,7 +199,6 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
             &config.kafka.source_topic,
             &config.kafka.consumer_group,
         )?;
-        let settings = config.resolve();
         tally_runtime::marks::committed_offsets(&reader, &settings, &settings.whole())?
     };
     let marks: BTreeMap<i32, tally_kafka::CommitMark> = committed
@@ -206,7 +207,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         .collect();
     let writers: std::collections::BTreeSet<&str> =
         marks.values().filter_map(|m| m.writer.as_deref()).collect();
-    let whole = config.resolve().whole();
+    let whole = settings.whole();
     rows.push(match tally_state::StateStore::open(&whole.state_dir, &whole.state_identity) {
         Ok(store) => match store.meta() {
             None if !writers.is_empty() => row(
@@ -305,7 +306,7 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
 
     // The state survives its directory: each task's changelog restores the group's committed
     // epoch (a dry run into a scratch directory, as a takeover elsewhere would).
-    rows.push(restorable(config).await);
+    rows.push(restorable(&settings).await);
 
     // Processed → Written: the commit log is one contiguous chain; the DLQ matches it.
     let gaps = prove::commit_log_gaps(&batches);
@@ -691,16 +692,15 @@ async fn commits_missing(
 
 /// Restores each task's state from the changelog into a scratch directory, as a worker taking
 /// the task over on another machine would, and checks it reaches the group's committed epoch.
-async fn restorable(config: &Config) -> Row {
+async fn restorable(settings: &std::sync::Arc<JobSettings>) -> Row {
     let invariant = "each task's changelog restores the group's committed epoch (a takeover elsewhere loses nothing)";
-    let tasks: Vec<Option<u32>> = if config.tasks() > 1 {
-        (0..config.tasks()).map(Some).collect()
+    let tasks: Vec<Option<u32>> = if settings.tasks > 1 {
+        (0..settings.tasks).map(Some).collect()
     } else {
         vec![None]
     };
     let mut evidence = Vec::new();
     let mut failed = false;
-    let settings = std::sync::Arc::new(config.resolve());
     for task in tasks {
         let settings = settings.clone();
         let checked = tokio::task::spawn_blocking(move || -> Result<Option<String>> {
@@ -753,7 +753,7 @@ async fn restorable(config: &Config) -> Row {
         if failed { Status::Fail } else { Status::Pass },
         format!(
             "restored from {}: {}",
-            config.changelog_topic(),
+            settings.topics.changelog,
             evidence.join("; ")
         ),
     )

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tally_clickhouse::ClickHouseSink;
-use tally_core::{Epoch, WindowAgg};
+use tally_core::{Epoch, Program, WindowAgg};
 
 use super::reconcile::{ReconcileFilter, Reconciliation, WindowRows};
 use super::replay::{SourceReplay, chain_gaps};
@@ -33,25 +33,34 @@ pub(crate) struct IncrementalReconciler {
     full_every: u64,
     rounds: u64,
     rows: WindowRows,
+    /// What the replays read records as.
+    program: Program,
     /// Final windows are let go between rounds.
     replay: SourceReplay<RowKey, WindowAgg>,
 }
 
 impl IncrementalReconciler {
-    pub(crate) fn new(config: &Config, full_every: u64, rows: WindowRows) -> IncrementalReconciler {
-        IncrementalReconciler {
+    pub(crate) fn new(
+        config: &Config,
+        full_every: u64,
+        rows: WindowRows,
+    ) -> Result<IncrementalReconciler> {
+        // One client of the schema registry for every round: its cache outlives a full round.
+        let program = config.program()?;
+        Ok(IncrementalReconciler {
             config: config.clone(),
             full_every: full_every.max(1),
             rounds: 0,
-            replay: SourceReplay::new(config, rows.row()),
+            replay: SourceReplay::new(config, program.clone(), rows.row()),
+            program,
             rows,
-        }
+        })
     }
 
     pub(crate) async fn round(&mut self, filter: &ReconcileFilter) -> Result<Round> {
         let full = self.rounds.is_multiple_of(self.full_every);
         if full {
-            self.replay = SourceReplay::new(&self.config, self.rows.row());
+            self.replay = SourceReplay::new(&self.config, self.program.clone(), self.rows.row());
         }
         self.rounds += 1;
         let sink = ClickHouseSink::connect(&self.config.sink_settings()).await?;
@@ -141,7 +150,7 @@ pub async fn reconcile_every(
     .await?;
     let rows = WindowRows::of(config, &config.declared)?;
     every_round(
-        IncrementalReconciler::new(config, full_every, rows),
+        IncrementalReconciler::new(config, full_every, rows)?,
         filter,
         every,
     )

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tally_clickhouse::ClickHouseSink;
-use tally_core::{CheckpointBarrier, Epoch, MemStore, OutputRow, WindowOperator};
+use tally_core::{CheckpointBarrier, Epoch, MemStore, OutputRow, Program, WindowOperator};
 
 use tally_runtime::config::Config;
 
@@ -34,14 +34,10 @@ pub(crate) struct ReadBack<K> {
 }
 
 impl<K: Ord + Clone, V> SourceReplay<K, V> {
-    pub(crate) fn new(config: &Config, row: fn(&OutputRow) -> (K, V)) -> Self {
+    /// A replay of `config`'s job reading records as `program` does.
+    pub(crate) fn new(config: &Config, program: Program, row: fn(&OutputRow) -> (K, V)) -> Self {
         SourceReplay {
-            op: WindowOperator::restore(
-                config.operator(),
-                config.program(),
-                Epoch(0),
-                &BTreeMap::new(),
-            ),
+            op: WindowOperator::restore(config.operator(), program, Epoch(0), &BTreeMap::new()),
             store: MemStore::default(),
             values: BTreeMap::new(),
             read_to: BTreeMap::new(),
@@ -204,7 +200,7 @@ where
     let replay_config = config.clone();
     let (replay, duplicates) =
         tokio::task::spawn_blocking(move || -> Result<(SourceReplay<K, V>, u64)> {
-            let mut replay = SourceReplay::new(&replay_config, row);
+            let mut replay = SourceReplay::new(&replay_config, replay_config.program()?, row);
             let back = replay.read(&replay_config, &ranges, 100_000)?;
             Ok((replay, back.duplicates))
         })

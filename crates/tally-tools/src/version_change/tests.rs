@@ -1,0 +1,142 @@
+use std::collections::BTreeMap;
+
+use super::*;
+
+const HOUR: i64 = 3_600_000;
+
+fn identity(version: u64, filter: &str) -> JobIdentity {
+    let mut rules: BTreeMap<String, String> = [
+        ("kafka.source_topic", "orders"),
+        ("window.size", "60000ms"),
+        ("aggregation", filter),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    if version > 1 {
+        rules.insert(VERSION.into(), version.to_string());
+    }
+    JobIdentity {
+        job: "shop".into(),
+        rules,
+    }
+}
+
+fn columns(names: &[(&str, &str)]) -> Vec<(String, String)> {
+    names
+        .iter()
+        .map(|(n, t)| ((*n).to_owned(), (*t).to_owned()))
+        .collect()
+}
+
+/// Version 1 runs with a filter and three columns; its source holds records from hour 10 on.
+fn running() -> Running {
+    Running {
+        identity: Some(identity(1, "filter status = paid\nsum amount")),
+        view_columns: Some(columns(&[
+            ("window_start", "DateTime"),
+            ("orders", "UInt64"),
+            ("revenue", "Decimal(18, 4)"),
+        ])),
+        earliest: BTreeMap::from([(0, Some(10 * HOUR)), (1, Some(11 * HOUR)), (2, None)]),
+    }
+}
+
+fn new_columns() -> Vec<(String, String)> {
+    columns(&[
+        ("window_start", "DateTime"),
+        ("orders", "UInt64"),
+        ("revenue", "Decimal(38, 4)"),
+        ("refunds", "UInt64"),
+    ])
+}
+
+#[test]
+fn a_new_version_lists_each_rule_and_column_it_changes_but_not_its_version() {
+    let mine = identity(
+        2,
+        "filter status in (paid, shipped)\nsum amount\ncount refunds",
+    );
+    let change = compare(&mine, &new_columns(), Some(12 * HOUR), HOUR, &running()).unwrap();
+    assert_eq!((change.running, change.new), (1, 2));
+    let keys: Vec<&str> = change.rules.iter().map(|(k, _, _)| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        ["aggregation"],
+        "the version is not a rule that changed"
+    );
+    assert_eq!(change.columns_added, ["refunds"]);
+    assert!(change.columns_removed.is_empty());
+    assert_eq!(
+        change.columns_retyped,
+        [(
+            "revenue".to_owned(),
+            "Decimal(18,4)".to_owned(),
+            "Decimal(38,4)".to_owned()
+        )]
+    );
+    assert_eq!(change.reads_from, Some(11 * HOUR));
+    assert_eq!(change.earliest, Some(10 * HOUR));
+    let shown = change.to_string();
+    assert!(shown.contains("the view gains column refunds"), "{shown}");
+    assert!(shown.contains("reading the source from"), "{shown}");
+}
+
+#[test]
+fn a_version_not_above_the_running_one_is_refused() {
+    let mut run = running();
+    run.identity = Some(identity(3, "filter status = paid\nsum amount"));
+    for version in [2, 3] {
+        let refused = compare(&identity(version, "x"), &new_columns(), None, HOUR, &run)
+            .expect_err("not above 3");
+        assert_eq!(refused.key, "job.version");
+        assert!(refused.message.contains("running version 3"), "{refused}");
+        assert!(refused.message.contains("is 4 or more"), "{refused}");
+    }
+    let not_running = Running {
+        identity: None,
+        ..running()
+    };
+    let refused = compare(&identity(2, "x"), &new_columns(), None, HOUR, &not_running)
+        .expect_err("nothing runs");
+    assert_eq!(refused.key, "job.version");
+}
+
+#[test]
+fn a_restatement_the_source_no_longer_reaches_is_refused_naming_what_it_holds() {
+    let mine = identity(2, "x");
+    // Reads from hour 10.5: partition 0 reaches it, partition 1 (from hour 11) does not.
+    let refused = compare(
+        &mine,
+        &new_columns(),
+        Some(11 * HOUR + HOUR / 2),
+        HOUR,
+        &running(),
+    )
+    .expect_err("partition 1 starts too late");
+    assert_eq!(refused.key, "job.restate_from");
+    assert!(
+        refused
+            .message
+            .contains("partition 1 from 1970-01-01T11:00:00.000Z"),
+        "{refused}"
+    );
+    assert!(!refused.message.contains("partition 0"), "{refused}");
+    // From hour 12 on, both reach; without restate_from the whole topic is rebuilt.
+    assert!(compare(&mine, &new_columns(), Some(12 * HOUR), HOUR, &running()).is_ok());
+    let whole = compare(&mine, &new_columns(), None, HOUR, &running()).unwrap();
+    assert_eq!(whole.reads_from, None);
+    assert!(
+        whole.to_string().contains("rebuilds every window"),
+        "{whole}"
+    );
+}
+
+/// The rebuild reads a window's size, the out-of-orderness and the lateness before
+/// `restate_from`: a record of the first restated window can be that far back in the source.
+#[test]
+fn the_rebuild_reads_as_far_back_as_a_record_of_its_first_window_can_be() {
+    let text = include_str!("../../../../config/api_latency.toml");
+    let config = Config::parse("api_latency.toml", text, &[]).expect("the shipped job parses");
+    assert_eq!(lead_ms(&config), 60_000 + 5_000 + 60_000);
+}
