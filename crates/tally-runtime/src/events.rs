@@ -61,7 +61,7 @@ pub struct CheckpointCommitted<'a> {
     pub phases: CommitPhases,
     pub bytes: EpochBytes,
     pub recovered: bool,
-    /// The task of a job of several (`job.task`): labels its series `task`.
+    /// The task of a job of several (`TaskSettings::task`): labels its series `task`.
     pub task: Option<u32>,
 }
 
