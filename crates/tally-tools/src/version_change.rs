@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 use tally_clickhouse::ClickHouseSink;
 use tally_runtime::config::Config;
 use tally_runtime::identity::{JobIdentity, VERSION};
+use tally_runtime::settings::JobSettings;
 
 /// What the running version is, as the services hold it.
 #[derive(Debug, Clone, Default)]
@@ -158,10 +159,9 @@ pub fn compare(
     })
 }
 
-/// Reads the running version from the services `config` names: its record in the registry of
-/// jobs, its view's columns, and the source topic's earliest records.
-pub async fn read(config: &Config) -> Result<Running> {
-    let settings = config.resolve()?;
+/// Reads the running version from the services the job's `settings` name: its record in the
+/// registry of jobs, its view's columns, and the source topic's earliest records.
+pub async fn read(settings: &JobSettings) -> Result<Running> {
     let identity = tally_runtime::identity::recorded(&settings.identity)
         .await
         .context("reading the registry of jobs")?;

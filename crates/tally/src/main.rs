@@ -398,7 +398,9 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: cannot show the settings: {e}", path.display()))?;
     println!("# {}, every default filled in\n{settings}", path.display());
     print!("{}", tally_runtime::declaration::describe(&job));
-    if let Some(cache) = cfg.schema_cache()? {
+    // Once: the registry's client (a job of Avro or Protobuf) and the identity come from here.
+    let resolved = cfg.resolve()?;
+    if let Some(cache) = &resolved.consume.schemas {
         let subject = cfg.registry_subject();
         match cache.check_latest(&subject)? {
             None => println!(
@@ -416,9 +418,9 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
     }
     if cfg.job.version > 1 {
         // A new version: what it changes against the running one, read from the services.
-        let running = runtime()?.block_on(tally_tools::version_change::read(&cfg))?;
+        let running = runtime()?.block_on(tally_tools::version_change::read(&resolved))?;
         let change = tally_tools::version_change::compare(
-            &tally_runtime::identity::JobIdentity::of(&cfg),
+            &resolved.identity.identity,
             &cfg.sink_shape().view_columns(),
             cfg.restate_from_ms(),
             tally_tools::version_change::lead_ms(&cfg),
