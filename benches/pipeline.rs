@@ -48,6 +48,7 @@ fn rules() -> OperatorConfig {
         out_of_orderness_ms: 5_000,
         allowed_lateness_ms: 60_000,
         dedup_horizon_ms: 3_600_000,
+        windows_from_ms: None,
     }
 }
 

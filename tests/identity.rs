@@ -238,8 +238,8 @@ async fn a_changed_declaration_is_refused_with_the_way_to_migrate() {
 /// A new version of a running job (`job.version = 2`, its filter narrowed and a column added):
 /// `check-config` reads the running version from the registry, the view and the source and
 /// names what changes; it refuses a version not above the running one and a `restate_from` the
-/// source no longer reaches, naming the key and what the topic holds. `run` refuses to run a
-/// new version, saying so, and the running version is untouched.
+/// source no longer reaches, naming the key and what the topic holds; the running version is
+/// untouched. (`tests/restate.rs` runs a new version.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_version_is_compared_with_the_running_one_and_refused_where_it_cannot_restate() {
     let job = api_latency_with_records(400).await;
@@ -313,12 +313,6 @@ async fn a_new_version_is_compared_with_the_running_one_and_refused_where_it_can
         "{out}"
     );
 
-    // `run` does not run a new version: it says so and leaves the running one as it was.
-    let (ok, log) = run_to_exit(&job, &version("2"));
-    assert!(!ok, "refused; log:\n{log}");
-    let error = error_line(&log);
-    assert!(error.contains("job.version = 2"), "{error}");
-    assert!(error.contains("check-config"), "{error}");
     write_file(&job.config, &v1);
     run_once(&job).await;
 }

@@ -14,24 +14,6 @@ use common::*;
 const PARTITIONS: i32 = 4;
 const CATCH_UP: Duration = Duration::from_secs(120);
 
-/// The tasks a worker's log says it started, in order.
-fn started_tasks(job: &Job, from: usize) -> Vec<u32> {
-    job.log()
-        .get(from..)
-        .unwrap_or("")
-        .lines()
-        .filter(|l| l.contains("starting task"))
-        .filter_map(|l| {
-            let at = l.find("task=")? + "task=".len();
-            l[at..]
-                .split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse()
-                .ok()
-        })
-        .collect()
-}
-
 /// Each task's newest checkpoint over every worker's directory: balanced per partition, each
 /// partition consumed exactly up to its offset, summing to `produced`.
 fn assert_tasks_account_for(workers: &[&Job], produced: u64) {

@@ -88,6 +88,7 @@ pub fn rules() -> OperatorConfig {
         out_of_orderness_ms: 5_000,
         allowed_lateness_ms: 60_000,
         dedup_horizon_ms: 3_600_000,
+        windows_from_ms: None,
     }
 }
 
@@ -698,6 +699,24 @@ pub fn reconcile_rounds(text: &str, kind: &str) -> Vec<(u64, u64)> {
                     .unwrap_or(0)
             };
             (num(" records read"), num(" differ"))
+        })
+        .collect()
+}
+
+/// The tasks a worker's log says it started, in order.
+pub fn started_tasks(job: &Job, from: usize) -> Vec<u32> {
+    job.log()
+        .get(from..)
+        .unwrap_or("")
+        .lines()
+        .filter(|l| l.contains("starting task"))
+        .filter_map(|l| {
+            let at = l.find("task=")? + "task=".len();
+            l[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
         })
         .collect()
 }

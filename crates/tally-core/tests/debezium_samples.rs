@@ -95,6 +95,7 @@ fn operator() -> (WindowOperator, Arc<tally_core::declare::Job>) {
         out_of_orderness_ms: 0,
         allowed_lateness_ms: rules.allowed_lateness_ms,
         dedup_horizon_ms: 0,
+        windows_from_ms: None,
     };
     let program = Program::declared(Arc::clone(&job), 1 << 20);
     (

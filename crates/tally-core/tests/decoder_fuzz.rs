@@ -110,6 +110,7 @@ proptest! {
             out_of_orderness_ms: 5_000,
             allowed_lateness_ms: 60_000,
             dedup_horizon_ms: 3_600_000,
+            windows_from_ms: None,
         };
         let program = Program::revenue_agg(&FieldMapping::default(), &config, 4096).expect("revenue_agg");
         let mut op = WindowOperator::restore(config, program.clone(), Epoch(0), &BTreeMap::new());

@@ -17,6 +17,7 @@ const CONFIG: OperatorConfig = OperatorConfig {
     out_of_orderness_ms: 2_000,
     allowed_lateness_ms: 5_000,
     dedup_horizon_ms: 20_000,
+    windows_from_ms: None,
 };
 
 #[derive(Debug, Clone)]

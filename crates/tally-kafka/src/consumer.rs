@@ -17,11 +17,52 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// How long dropping a source waits for its consumer to close (to leave its group).
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The first offset of `topic/partition` whose record is at or after `at` (ms, record time),
+/// within `(low, high)`; `high` when no record is.
+fn offset_at<C: Consumer<X>, X: rdkafka::consumer::ConsumerContext>(
+    consumer: &C,
+    topic: &str,
+    partition: PartitionId,
+    at: i64,
+    (low, high): (Offset, Offset),
+) -> Result<Offset> {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, KOffset::Offset(at))
+        .map_err(kafka("building a lookup by time"))?;
+    let found = consumer
+        .offsets_for_times(tpl, TIMEOUT)
+        .map_err(kafka(format!("looking up {topic}/{partition} at {at} ms")))?;
+    Ok(
+        match found.find_partition(topic, partition).map(|e| e.offset()) {
+            Some(KOffset::Offset(o)) => o.clamp(low, high),
+            _ => high,
+        },
+    )
+}
+
+/// Where `topic/partition`, holding `(low, high)`, starts for a job that starts `from`.
+pub(crate) fn start_within<C: Consumer<X>, X: rdkafka::consumer::ConsumerContext>(
+    consumer: &C,
+    topic: &str,
+    partition: PartitionId,
+    from: StartFrom,
+    (low, high): (Offset, Offset),
+) -> Result<Offset> {
+    Ok(match from {
+        StartFrom::Earliest => low,
+        StartFrom::Latest => high,
+        StartFrom::Time(at) => offset_at(consumer, topic, partition, at, (low, high))?,
+    })
+}
+
 /// Where a partition without a checkpoint starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StartFrom {
     Earliest,
     Latest,
+    /// The first record whose timestamp is at or after this time (ms since the epoch); the
+    /// end when none is.
+    Time(i64),
 }
 
 pub struct SourceConsumer {
@@ -413,11 +454,8 @@ impl SourceConsumer {
     /// A concrete start offset for a partition with no checkpoint, so the first checkpoint
     /// records where it really began.
     pub fn resolve_start(&self, partition: PartitionId, from: StartFrom) -> Result<Offset> {
-        let (low, high) = self.watermarks(partition)?;
-        Ok(match from {
-            StartFrom::Earliest => low,
-            StartFrom::Latest => high,
-        })
+        let bounds = self.watermarks(partition)?;
+        start_within(self.consumer(), &self.topic, partition, from, bounds)
     }
 
     pub fn assign(&self, offsets: &BTreeMap<PartitionId, Offset>) -> Result<()> {

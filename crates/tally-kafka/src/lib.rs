@@ -16,7 +16,7 @@ pub use consumer::{
     record_of,
 };
 pub use error::{Error, Result};
-pub use reader::{read_committed_range, topic_extent};
+pub use reader::{read_committed_range, topic_extent, topic_starts};
 pub use settings::{KafkaSettings, check_connection};
 pub use topics::{
     PartitionReplicas, RecordDeleter, TopicChange, TopicDurability, TopicSpec, ensure_topic,

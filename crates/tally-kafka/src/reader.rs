@@ -177,6 +177,14 @@ pub fn topic_extent(
     topic: &str,
 ) -> Result<BTreeMap<PartitionId, (Offset, Offset)>> {
     let (consumer, metadata) = topic_metadata(settings, topic)?;
+    extent_of(&consumer, &metadata, topic)
+}
+
+fn extent_of<C: Consumer<X>, X: ConsumerContext>(
+    consumer: &C,
+    metadata: &rdkafka::metadata::Metadata,
+    topic: &str,
+) -> Result<BTreeMap<PartitionId, (Offset, Offset)>> {
     let mut out = BTreeMap::new();
     let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
         return Ok(out);
@@ -188,6 +196,22 @@ pub fn topic_extent(
         out.insert(p.id(), wm);
     }
     Ok(out)
+}
+
+/// Where each partition of `topic` starts for a job that starts `from` (see
+/// [`crate::SourceConsumer::resolve_start`]).
+pub fn topic_starts(
+    settings: &KafkaSettings,
+    topic: &str,
+    from: crate::StartFrom,
+) -> Result<BTreeMap<PartitionId, Offset>> {
+    let (consumer, metadata) = topic_metadata(settings, topic)?;
+    extent_of(&consumer, &metadata, topic)?
+        .into_iter()
+        .map(|(p, bounds)| {
+            crate::consumer::start_within(&consumer, topic, p, from, bounds).map(|o| (p, o))
+        })
+        .collect()
 }
 
 #[cfg(test)]

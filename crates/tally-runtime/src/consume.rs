@@ -17,7 +17,6 @@ use tally_core::{
 use tally_kafka::{SourceConsumer, StartFrom};
 use tally_state::StateStore;
 
-use crate::config;
 use crate::events::{BarrierPause, CheckpointCut, LagMeasured, PartitionsAdded};
 use crate::health::Readiness;
 use crate::partitions::AddedPartitions;
@@ -190,6 +189,8 @@ pub struct Consumer {
     joining: Option<i64>,
     /// When consumer lag was last measured.
     last_lag: Option<Instant>,
+    /// A new version: its progress through the history it rebuilds (made at the first report).
+    rebuild: Option<crate::rebuild::Progress>,
     readiness: Arc<Readiness>,
     pressure: Arc<CommitPressure>,
     /// A job of Avro or Protobuf records: partitions waiting for a writer schema.
@@ -219,6 +220,7 @@ impl Consumer {
             added,
             joining,
             last_lag: None,
+            rebuild: None,
             readiness,
             pressure,
         }
@@ -476,16 +478,42 @@ impl Consumer {
             return;
         }
         self.last_lag = Some(Instant::now());
+        let mut ends = Vec::with_capacity(next_offsets.len());
         for (&partition, &next) in next_offsets {
             match self.source.watermarks(partition) {
-                Ok((_, high)) => LagMeasured {
-                    partition,
-                    lag: (high - next).max(0),
+                Ok((_, high)) => {
+                    LagMeasured {
+                        partition,
+                        lag: (high - next).max(0),
+                    }
+                    .emit();
+                    ends.push((partition, next, high));
                 }
-                .emit(),
                 Err(e) => {
                     tracing::debug!(partition, error = %e, "could not read the high watermark")
                 }
+            }
+        }
+        if self.settings.rebuilds && ends.len() == next_offsets.len() {
+            if self.rebuild.is_none() {
+                // Where each partition's rebuild began: the same lookup as its first start.
+                let starts: Result<BTreeMap<PartitionId, i64>, _> = next_offsets
+                    .keys()
+                    .map(|&p| {
+                        self.source
+                            .resolve_start(p, self.settings.start_from)
+                            .map(|o| (p, o))
+                    })
+                    .collect();
+                match starts {
+                    Ok(starts) => self.rebuild = Some(crate::rebuild::Progress::new(starts)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "could not look up where the rebuild began")
+                    }
+                }
+            }
+            if let Some(progress) = &mut self.rebuild {
+                progress.observe(Instant::now(), ends).emit();
             }
         }
     }
@@ -507,10 +535,7 @@ impl Consumer {
             epoch,
             &partitions,
         );
-        let from = match self.settings.start_from {
-            config::StartFrom::Earliest => StartFrom::Earliest,
-            config::StartFrom::Latest => StartFrom::Latest,
-        };
+        let from = self.settings.start_from;
         // `start_from` places a new job in its topic. A partition added to the topic after the
         // job's first checkpoint holds only records that came after the job started: all of them.
         let from = if partitions.is_empty() {

@@ -390,6 +390,34 @@ impl LagMeasured {
     }
 }
 
+/// A new version's rebuild: how far it is through the history it reads (`crate::rebuild`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RebuildProgress {
+    pub read: u64,
+    pub to_read: u64,
+    /// Records read per second over the last minute; `None` before a second sample.
+    pub per_second: Option<f64>,
+    pub time_left: Option<Duration>,
+}
+
+impl RebuildProgress {
+    pub fn emit(&self) {
+        let lag = self.to_read.saturating_sub(self.read);
+        tracing::info!(
+            read = self.read,
+            to_read = self.to_read,
+            per_second = self.per_second.map_or(-1, |r| r.round() as i64),
+            time_left_s = self.time_left.map_or(-1, |t| t.as_secs() as i64),
+            "rebuild progress: {} of {} records read",
+            self.read,
+            self.to_read
+        );
+        gauge!("tally_restate_records_read").set(self.read as f64);
+        gauge!("tally_restate_records_to_read").set(self.to_read as f64);
+        gauge!("tally_restate_lag_records").set(lag as f64);
+    }
+}
+
 /// Where the process's memory is, sampled once a second (`crate::memory`).
 #[derive(Debug, Clone, Copy)]
 pub struct MemoryMeasured {

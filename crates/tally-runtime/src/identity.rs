@@ -48,6 +48,9 @@ pub struct IdentitySettings {
 /// The rule a version above 1 is recorded under.
 pub const VERSION: &str = "job.version";
 
+/// The rule a version's `restate_from` is recorded under: its workers must agree on it.
+pub const RESTATE_FROM: &str = "job.restate_from";
+
 /// The keys of [`JobIdentity::rules`] that name a resource no two jobs may share.
 const OWNED: &[&str] = &[
     "kafka.consumer_group",
@@ -67,9 +70,10 @@ impl JobIdentity {
             ),
             ("kafka.source_topic", config.kafka.source_topic.clone()),
             ("kafka.consumer_group", config.kafka.consumer_group.clone()),
-            ("kafka.changelog_topic", config.changelog_topic()),
-            ("kafka.dlq_topic", config.dlq_topic()),
-            ("kafka.transactional_id", config.transactional_id()),
+            // The file's names: a version's own are derived from them.
+            ("kafka.changelog_topic", config.file_changelog_topic()),
+            ("kafka.dlq_topic", config.file_dlq_topic()),
+            ("kafka.transactional_id", config.file_transactional_id()),
             ("window.size", w.size.to_string()),
             ("window.out_of_orderness", w.out_of_orderness.to_string()),
             ("window.allowed_lateness", w.allowed_lateness.to_string()),
@@ -106,6 +110,9 @@ impl JobIdentity {
         // Version 1 is not recorded: every job recorded before versions existed is version 1.
         if config.job.version > 1 {
             rules.insert(VERSION.into(), config.job.version.to_string());
+        }
+        if let Some(at) = &config.job.restate_from {
+            rules.insert(RESTATE_FROM.into(), at.clone());
         }
         JobIdentity {
             job: config.job.name.clone(),
@@ -202,11 +209,58 @@ fn first_claimant<'a>(
     None
 }
 
-/// The registry's current records (the newest per job, retired ones left out), in the order
-/// of their first record.
-fn current(
-    registrations: &[tally_kafka::job_registry::Registration],
-) -> Result<Vec<(i64, JobIdentity)>> {
+/// What a new version's record in the registry says (key `<job>@v<N>`, beside the job's own
+/// record, which names the version that holds the job).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum VersionState {
+    /// Rebuilding beside the version that holds the job, by these rules.
+    Rebuilding(JobIdentity),
+    /// Stopped by `tally retire` before it took over: its resources are never reused.
+    Aborted,
+}
+
+/// The registry's key of version `version` of `job` (a job's name has no `@`).
+fn version_key(job: &str, version: u64) -> String {
+    format!("{job}@v{version}")
+}
+
+/// The registry as it stands: each job's record (the newest per job, retired ones left out) in
+/// the order of their first record, and the new versions' records of each job.
+#[derive(Debug, Default)]
+struct Registry {
+    jobs: Vec<(i64, JobIdentity)>,
+    /// By job: `(first offset, version, state)`, oldest first.
+    versions: BTreeMap<String, Vec<(i64, u64, VersionState)>>,
+}
+
+impl Registry {
+    fn job(&self, job: &str) -> Option<&JobIdentity> {
+        self.jobs.iter().map(|(_, r)| r).find(|r| r.job == job)
+    }
+
+    /// The version of `job` rebuilding above `holds`: of two that recorded themselves, the
+    /// first (every worker reads the partition in one order).
+    fn rebuilding(&self, job: &str, holds: u64) -> Option<&JobIdentity> {
+        self.versions
+            .get(job)?
+            .iter()
+            .find_map(|(_, v, state)| match state {
+                VersionState::Rebuilding(id) if *v > holds => Some(id),
+                _ => None,
+            })
+    }
+
+    fn aborted(&self, job: &str, version: u64) -> bool {
+        self.versions.get(job).is_some_and(|vs| {
+            vs.iter()
+                .any(|(_, v, s)| *v == version && *s == VersionState::Aborted)
+        })
+    }
+}
+
+/// The registry's current records.
+fn current(registrations: &[tally_kafka::job_registry::Registration]) -> Result<Registry> {
     let mut first: BTreeMap<&str, i64> = BTreeMap::new();
     let mut newest: BTreeMap<&str, Option<&[u8]>> = BTreeMap::new();
     for r in registrations {
@@ -216,34 +270,95 @@ fn current(
             first.remove(r.job.as_str());
         }
     }
-    let mut out = Vec::new();
-    for (job, value) in newest {
-        let (Some(value), Some(&at)) = (value, first.get(job)) else {
+    let mut registry = Registry::default();
+    for (key, value) in newest {
+        let (Some(value), Some(&at)) = (value, first.get(key)) else {
             continue;
         };
-        let identity: JobIdentity = serde_json::from_slice(value)
-            .with_context(|| format!("the registry's record of job {job} is not tally's"))?;
-        out.push((at, identity));
+        match key.split_once("@v") {
+            None => {
+                let identity: JobIdentity = serde_json::from_slice(value).with_context(|| {
+                    format!("the registry's record of job {key} is not tally's")
+                })?;
+                registry.jobs.push((at, identity));
+            }
+            Some((job, version)) => {
+                let version: u64 = version
+                    .parse()
+                    .with_context(|| format!("the registry's key {key} is not tally's"))?;
+                let state: VersionState = serde_json::from_slice(value)
+                    .with_context(|| format!("the registry's record of {key} is not tally's"))?;
+                registry
+                    .versions
+                    .entry(job.to_owned())
+                    .or_default()
+                    .push((at, version, state));
+            }
+        }
     }
-    out.sort_by_key(|(at, _)| *at);
-    Ok(out)
+    registry.jobs.sort_by_key(|(at, _)| *at);
+    for versions in registry.versions.values_mut() {
+        versions.sort_by_key(|(at, _, _)| *at);
+    }
+    Ok(registry)
+}
+
+fn read_registry(settings: &IdentitySettings) -> Result<Registry> {
+    current(&tally_kafka::job_registry::registrations(
+        &settings.kafka,
+        &settings.registry_topic,
+    )?)
+}
+
+/// The registry as it stands, without recording anything; `None`: no registry topic yet.
+fn read_registry_if_any(settings: &IdentitySettings) -> Result<Option<Registry>> {
+    let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
+    if !tally_kafka::check_connection(kafka, Duration::from_secs(10))?.contains_key(topic) {
+        return Ok(None);
+    }
+    read_registry(settings).map(Some)
 }
 
 /// The job's record in Kafka's registry (its running version's identity), without recording
 /// anything; `None`: the registry holds no record of it.
 pub async fn recorded(settings: &IdentitySettings) -> Result<Option<JobIdentity>> {
-    let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
-    if !tally_kafka::check_connection(kafka, Duration::from_secs(10))?.contains_key(topic) {
-        return Ok(None);
-    }
-    let recorded = current(&tally_kafka::job_registry::registrations(kafka, topic)?)?;
-    Ok(recorded
-        .into_iter()
-        .map(|(_, identity)| identity)
-        .find(|r| r.job == settings.identity.job))
+    Ok(read_registry_if_any(settings)?.and_then(|r| r.job(&settings.identity.job).cloned()))
 }
 
-/// Checks the job against Kafka's registry, recording it there if it is new.
+/// The versions of a job the registry holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versions {
+    /// The version that holds the job (and its view).
+    pub holds: u64,
+    /// A new version rebuilding beside it.
+    pub rebuilding: Option<u64>,
+    /// Versions aborted (`tally retire` before they took over): their numbers are not reused.
+    pub aborted: Vec<u64>,
+}
+
+/// The job's versions as the registry holds them, without recording anything; `None`: the
+/// registry holds no record of the job.
+pub async fn versions(settings: &IdentitySettings) -> Result<Option<Versions>> {
+    let job = &settings.identity.job;
+    Ok(read_registry_if_any(settings)?.and_then(|r| {
+        let holds = r.job(job)?.version();
+        Some(Versions {
+            holds,
+            rebuilding: r.rebuilding(job, holds).map(JobIdentity::version),
+            aborted: r
+                .versions
+                .get(job)
+                .into_iter()
+                .flatten()
+                .filter(|(_, _, s)| *s == VersionState::Aborted)
+                .map(|(_, v, _)| *v)
+                .collect(),
+        })
+    }))
+}
+
+/// Checks the job against Kafka's registry, recording it there if it is new, or as the version
+/// rebuilding beside the one that holds the job if it is a new version.
 pub async fn check_registry(settings: &IdentitySettings) -> Result<()> {
     let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
     tally_kafka::job_registry::ensure_job_registry(kafka, topic, settings.replication_factor)
@@ -252,8 +367,8 @@ pub async fn check_registry(settings: &IdentitySettings) -> Result<()> {
     let place = format!("Kafka topic {topic}");
     let mut recorded_now = false;
     loop {
-        let recorded = current(&tally_kafka::job_registry::registrations(kafka, topic)?)?;
-        if let Some((key, value, other)) = first_claimant(&recorded, mine) {
+        let registry = read_registry(settings)?;
+        if let Some((key, value, other)) = first_claimant(&registry.jobs, mine) {
             bail!(IdentityRefused(format!(
                 "job {}: {key} {value:?} belongs to job {} (recorded in {place} first): two jobs cannot share it \
                  (one would wait for ever for the other's lease, or truncate, fence or overwrite the other's records). \
@@ -261,17 +376,63 @@ pub async fn check_registry(settings: &IdentitySettings) -> Result<()> {
                 mine.job, other.job, other.job
             )));
         }
-        if let Some((_, own)) = recorded.iter().find(|(_, r)| r.job == mine.job) {
-            refuse_differences(own, mine, &place)?;
-            return Ok(());
-        }
+        let (key, value) = match registry.job(&mine.job) {
+            Some(own) => {
+                let (holds, new) = (own.version(), mine.version());
+                if new == holds {
+                    refuse_differences(own, mine, &place)?;
+                    return Ok(());
+                }
+                if new < holds {
+                    bail!(IdentityRefused(format!(
+                        "job {}: version {holds} holds the job (recorded in {place}); this worker runs version {new}, an earlier one. \
+                         Run the job's workers with version {holds}'s file; going back is one more version with the old rules",
+                        mine.job
+                    )));
+                }
+                if registry.aborted(&mine.job, new) {
+                    bail!(IdentityRefused(format!(
+                        "job {}: version {new} was aborted (`tally retire` of it, recorded in {place}) and its resources are not reused: \
+                         run the change as version {}",
+                        mine.job,
+                        new + 1
+                    )));
+                }
+                match registry.rebuilding(&mine.job, holds) {
+                    Some(r) if r.version() == new => {
+                        refuse_differences(r, mine, &place)?;
+                        tracing::info!(job = %mine.job, version = new, holds, "rebuilding beside the version that holds the job");
+                        return Ok(());
+                    }
+                    Some(r) => bail!(IdentityRefused(format!(
+                        "job {}: version {} is rebuilding already (recorded in {place}), one version at a time: \
+                         let it take over, or stop its workers and `tally retire --config <its file>` (an abort), then run this one as version {}",
+                        mine.job,
+                        r.version(),
+                        r.version().max(new) + 1
+                    ))),
+                    None => (
+                        version_key(&mine.job, new),
+                        serde_json::to_vec(&VersionState::Rebuilding(mine.clone())),
+                    ),
+                }
+            }
+            None if mine.version() > 1 => bail!(IdentityRefused(format!(
+                "job {}: version {} is a new version of a running job, but the registry ({place}) holds no record of the job: \
+                 start it at job.version = 1 (or leave job.version out)",
+                mine.job,
+                mine.version()
+            ))),
+            None => (mine.job.clone(), serde_json::to_vec(mine)),
+        };
         if recorded_now {
             bail!("job {}: recorded in {topic}, but not read back", mine.job);
         }
-        let value = serde_json::to_vec(mine).context("encoding the job's identity")?;
-        tally_kafka::job_registry::record(kafka, topic, &mine.job, Some(&value)).await?;
-        tracing::info!(job = %mine.job, topic = %topic, "recorded the job in the registry of jobs");
-        // Read back: a job that claimed one of these resources just before wins.
+        let value = value.context("encoding the job's identity")?;
+        tally_kafka::job_registry::record(kafka, topic, &key, Some(&value)).await?;
+        tracing::info!(job = %mine.job, version = mine.version(), topic = %topic, "recorded the job in the registry of jobs");
+        // Read back: a job that claimed one of these resources, or a version recorded
+        // rebuilding, just before wins.
         recorded_now = true;
     }
 }
@@ -352,14 +513,38 @@ pub async fn check(
     }
 }
 
-/// `tally retire`: frees the job's name and resources in the registry and beside its tables.
+/// `tally retire`: frees the job's name and resources in the registry and beside its tables;
+/// of a new version still rebuilding, aborts it (the version that holds the job runs on).
 pub async fn retire(settings: &IdentitySettings) -> Result<()> {
     let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
-    let job = &settings.identity.job;
+    let mine = &settings.identity;
+    let job = &mine.job;
     tally_kafka::job_registry::ensure_job_registry(kafka, topic, settings.replication_factor)
         .await?;
-    tally_kafka::job_registry::record(kafka, topic, job, None).await?;
-    println!("retired job {job} in {topic}");
+    let registry = read_registry(settings)?;
+    let holds = registry.job(job).map(JobIdentity::version);
+    let version = mine.version();
+    if holds.is_some_and(|h| version > h) {
+        if registry
+            .rebuilding(job, holds.unwrap_or(1))
+            .is_none_or(|r| r.version() != version)
+        {
+            bail!(
+                "job {job}: version {version} is not rebuilding (recorded in {topic}): there is nothing of it to retire"
+            );
+        }
+        let aborted = serde_json::to_vec(&VersionState::Aborted).context("encoding the abort")?;
+        tally_kafka::job_registry::record(kafka, topic, &version_key(job, version), Some(&aborted))
+            .await?;
+        println!(
+            "aborted version {version} of job {job} in {topic}: version {} holds the job and runs on; a new attempt is version {}",
+            holds.unwrap_or(1),
+            version + 1
+        );
+    } else {
+        tally_kafka::job_registry::record(kafka, topic, job, None).await?;
+        println!("retired job {job} in {topic}");
+    }
     // A table of each replica, replicated or not: dropped on every one.
     for replica in &settings.replicas {
         let sink = ClickHouseSink::connect(replica)
@@ -367,7 +552,7 @@ pub async fn retire(settings: &IdentitySettings) -> Result<()> {
             .with_context(|| format!("retiring job {job} on {}", replica.url))?;
         sink.forget_identity().await?;
         println!(
-            "dropped {} on {} (the job's tables and topics stay; drop them when no reader needs them)",
+            "dropped {} on {} (the version's tables and topics stay; drop them when no reader needs them)",
             sink.names().identity(),
             replica.url
         );
@@ -444,7 +629,9 @@ mod tests {
             "b",
             &[("kafka.consumer_group", "g"), ("clickhouse.table", "t.b")],
         );
-        let recorded = current(&[registration(0, &a), registration(1, &b)]).unwrap_or_default();
+        let recorded = current(&[registration(0, &a), registration(1, &b)])
+            .unwrap_or_default()
+            .jobs;
         let (key, _, owner) = first_claimant(&recorded, &b).unwrap_or(("", "", &b));
         assert_eq!((key, owner.job.as_str()), ("kafka.consumer_group", "a"));
         assert!(first_claimant(&recorded, &a).is_none(), "a is first");
@@ -455,7 +642,8 @@ mod tests {
             value: None,
         };
         let recorded = current(&[registration(0, &a), registration(1, &b), retired.clone()])
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .jobs;
         assert!(first_claimant(&recorded, &b).is_none());
         let again = current(&[
             registration(0, &a),
@@ -463,8 +651,51 @@ mod tests {
             retired,
             registration(3, &a),
         ])
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .jobs;
         assert!(first_claimant(&again, &b).is_none());
         assert!(first_claimant(&again, &a).is_some());
+    }
+
+    fn claim(offset: i64, job: &str, version: u64, state: &VersionState) -> Registration {
+        Registration {
+            offset,
+            job: version_key(job, version),
+            value: serde_json::to_vec(state).ok(),
+        }
+    }
+
+    #[test]
+    fn of_two_new_versions_the_first_recorded_rebuilds_and_an_aborted_one_is_not_reused() {
+        let v1 = identity("a", &[("kafka.consumer_group", "g")]);
+        let with_version = |n: &str| identity("a", &[("kafka.consumer_group", "g"), (VERSION, n)]);
+        let (v2, v3) = (with_version("2"), with_version("3"));
+        let registry = current(&[
+            registration(0, &v1),
+            claim(1, "a", 3, &VersionState::Rebuilding(v3.clone())),
+            claim(2, "a", 2, &VersionState::Rebuilding(v2.clone())),
+        ])
+        .unwrap_or_default();
+        // The holder's record is the job's, not taken for another's: nothing is claimed twice.
+        assert_eq!(registry.jobs.len(), 1);
+        assert!(first_claimant(&registry.jobs, &v2).is_none());
+        assert_eq!(registry.rebuilding("a", 1), Some(&v3), "recorded first");
+        assert_eq!(registry.rebuilding("a", 3), None, "at or below the holder");
+        let aborted = current(&[
+            registration(0, &v1),
+            claim(1, "a", 3, &VersionState::Rebuilding(v3)),
+            claim(2, "a", 3, &VersionState::Aborted),
+        ])
+        .unwrap_or_default();
+        assert_eq!(aborted.rebuilding("a", 1), None);
+        assert!(aborted.aborted("a", 3));
+        assert!(!aborted.aborted("a", 4));
+        // A record of the releases before versions reads as before.
+        let old = serde_json::to_vec(&v1).unwrap_or_default();
+        assert_eq!(
+            serde_json::from_slice::<JobIdentity>(&old).ok(),
+            Some(v1.clone())
+        );
+        assert_eq!(v1.version(), 1);
     }
 }

@@ -23,6 +23,7 @@ pub mod partitions;
 pub mod persist;
 pub mod process;
 pub mod read_side;
+mod rebuild;
 pub mod restore;
 pub mod retry;
 pub mod schemas;

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use tally_clickhouse::{Batch, FoldRules, SinkSettings};
 use tally_core::{Checkpoint, OperatorConfig, PartitionId, Program, RowShape};
-use tally_kafka::KafkaSettings;
+use tally_kafka::{KafkaSettings, StartFrom};
 
-use crate::config::{Config, ConfigError, StartFrom};
+use crate::config::{Config, ConfigError};
 use crate::identity::IdentitySettings;
 use crate::schemas::SchemaCache;
 
@@ -21,6 +21,9 @@ use crate::schemas::SchemaCache;
 #[derive(Debug, Clone)]
 pub struct JobSettings {
     pub name: String,
+    /// `clickhouse.table`: the job's view, which the version that holds the job installs (a
+    /// new version's tables and its own view are `<table>__v<N>…`).
+    pub view: String,
     /// The source topic read in the job's consumer group.
     pub source: SourceGroup,
     /// tally's own topics of the job.
@@ -43,8 +46,10 @@ pub struct JobSettings {
     pub session_timeout: Duration,
     /// `kafka.partition_discovery_interval`; zero: no discovery.
     pub partition_discovery_interval: Duration,
-    /// The job's state directory (not a task's): it names this worker in the group.
+    /// The version's state directory (not a task's): it names this worker in the group.
     pub state_dir: PathBuf,
+    /// `job.version`: a version above 1 runs in resources of its own.
+    pub version: u64,
     /// `kafka.transactional_id`, or its default: a task's adds `-task-K`.
     transactional_id: String,
 }
@@ -92,8 +97,11 @@ pub struct ConsumeSettings {
     pub operator: OperatorConfig,
     /// What records are read as.
     pub program: Program,
-    /// Where a new job starts in its topic.
+    /// Where a partition without a checkpoint starts: `job.start_from`, or where a new
+    /// version's restatement reads from ([`Config::start_from`]).
     pub start_from: StartFrom,
+    /// A new version (`job.version` above 1): it reports its progress through the history.
+    pub rebuilds: bool,
     pub checkpoint_interval: Duration,
     pub max_epochs_in_flight: usize,
     /// A job of Avro or Protobuf records: its writer schemas, from the registry.
@@ -145,6 +153,15 @@ impl TaskSettings {
 }
 
 impl JobSettings {
+    /// What a version above 1 adds to its state's identity: another version's directory is
+    /// not its.
+    fn of_version(&self) -> String {
+        match self.version {
+            0 | 1 => String::new(),
+            n => format!("/v{n}"),
+        }
+    }
+
     /// The job run whole, by one worker (`job.tasks = 1`).
     pub fn whole(&self) -> TaskSettings {
         TaskSettings {
@@ -152,7 +169,12 @@ impl JobSettings {
             tasks: self.tasks,
             state_dir: self.state_dir.clone(),
             transactional_id: self.transactional_id.clone(),
-            state_identity: format!("{}@{}", self.name, self.source.source_topic),
+            state_identity: format!(
+                "{}@{}{}",
+                self.name,
+                self.source.source_topic,
+                self.of_version()
+            ),
         }
     }
 
@@ -163,7 +185,12 @@ impl JobSettings {
             tasks: self.tasks,
             state_dir: self.state_dir.join(format!("task-{task}")),
             transactional_id: format!("{}-task-{task}", self.transactional_id),
-            state_identity: format!("{}@{}#task-{task}", self.name, self.source.source_topic),
+            state_identity: format!(
+                "{}@{}{}#task-{task}",
+                self.name,
+                self.source.source_topic,
+                self.of_version()
+            ),
         }
     }
 }
@@ -176,12 +203,13 @@ impl Config {
         let source = SourceGroup {
             kafka: self.kafka_settings(),
             source_topic: self.kafka.source_topic.clone(),
-            consumer_group: self.kafka.consumer_group.clone(),
+            consumer_group: self.consumer_group(),
         };
         let replicas = self.replica_settings();
         let operator = self.operator();
         Ok(JobSettings {
             name: self.job.name.clone(),
+            view: self.clickhouse.table.clone(),
             topics: JobTopics {
                 dead_letters: self.dlq_topic(),
                 changelog: self.changelog_topic(),
@@ -196,7 +224,7 @@ impl Config {
                 // validate refuses a negative interval: 0 is the only one that is no folding.
                 fold_interval: self.clickhouse.fold_interval.as_duration(),
                 fold_rules: self.fold_rules(),
-                holder_dir: self.job.state_dir.clone(),
+                holder_dir: self.state_dir(),
                 source: source.clone(),
             },
             identity: IdentitySettings {
@@ -210,7 +238,8 @@ impl Config {
                 source_topic: self.kafka.source_topic.clone(),
                 operator,
                 program: self.program_with(schemas.clone()),
-                start_from: self.job.start_from,
+                start_from: self.start_from(),
+                rebuilds: self.job.version > 1,
                 checkpoint_interval: self.job.checkpoint_interval.as_duration(),
                 max_epochs_in_flight: usize::try_from(self.job.max_epochs_in_flight).unwrap_or(1),
                 schemas,
@@ -228,7 +257,8 @@ impl Config {
             standby_refresh: self.job.standby_refresh.as_duration(),
             session_timeout: self.job.session_timeout.as_duration(),
             partition_discovery_interval: self.kafka.partition_discovery_interval.as_duration(),
-            state_dir: self.job.state_dir.clone(),
+            state_dir: self.state_dir(),
+            version: self.job.version,
             transactional_id: self.transactional_id(),
             source,
             replicas,

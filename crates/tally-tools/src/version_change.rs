@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tally_clickhouse::ClickHouseSink;
-use tally_runtime::config::Config;
-use tally_runtime::identity::{JobIdentity, VERSION};
+use tally_runtime::identity::{JobIdentity, RESTATE_FROM, VERSION};
 use tally_runtime::settings::JobSettings;
 
 /// What the running version is, as the services hold it.
@@ -23,6 +22,10 @@ pub struct Running {
     pub view_columns: Option<Vec<(String, String)>>,
     /// Each source partition's earliest record time still held (`None`: the partition is empty).
     pub earliest: BTreeMap<i32, Option<i64>>,
+    /// A new version rebuilding beside the running one.
+    pub rebuilding: Option<u64>,
+    /// Versions aborted before they took over.
+    pub aborted: Vec<u64>,
 }
 
 /// What the new version changes.
@@ -60,17 +63,6 @@ impl fmt::Display for Refusal {
 
 impl std::error::Error for Refusal {}
 
-/// How far before `restate_from` the rebuild reads: a record of a window that starts at
-/// `restate_from` may come this much earlier in the source (its window's size, the
-/// out-of-orderness and the lateness the rules allow).
-pub fn lead_ms(config: &Config) -> i64 {
-    let w = &config.window;
-    w.size
-        .0
-        .saturating_add(w.out_of_orderness.0)
-        .saturating_add(w.allowed_lateness.0)
-}
-
 /// Compares the new version's identity and view with the running version's.
 pub fn compare(
     mine: &JobIdentity,
@@ -98,6 +90,23 @@ pub fn compare(
             ),
         });
     }
+    if running.aborted.contains(&new) {
+        return Err(Refusal {
+            key: "job.version",
+            message: format!(
+                "version {new} was aborted (`tally retire` of it) and its resources are not reused: make the change version {}",
+                running.aborted.iter().max().map_or(new, |a| *a.max(&new)) + 1
+            ),
+        });
+    }
+    if let Some(other) = running.rebuilding.filter(|r| *r != new) {
+        return Err(Refusal {
+            key: "job.version",
+            message: format!(
+                "version {other} is rebuilding already, one version at a time: let it take over, or stop its workers and `tally retire --config <its file>` (an abort)"
+            ),
+        });
+    }
     let earliest = running.earliest.values().flatten().copied().min();
     let reads_from = restate_from.map(|at| at.saturating_sub(lead_ms));
     if let Some(from) = reads_from {
@@ -121,7 +130,7 @@ pub fn compare(
     let rules = recorded
         .differences(mine)
         .into_iter()
-        .filter(|(k, _, _)| k != VERSION)
+        .filter(|(k, _, _)| k != VERSION && k != RESTATE_FROM)
         .collect();
     let found = running.view_columns.clone().unwrap_or_default();
     let named = |cs: &[(String, String)]| {
@@ -165,7 +174,19 @@ pub async fn read(settings: &JobSettings) -> Result<Running> {
     let identity = tally_runtime::identity::recorded(&settings.identity)
         .await
         .context("reading the registry of jobs")?;
-    let sink = ClickHouseSink::connect_first(&settings.replicas).await?;
+    let versions = tally_runtime::identity::versions(&settings.identity)
+        .await
+        .context("reading the registry of jobs")?;
+    // The job's view, which the running version holds (not this version's own).
+    let replicas: Vec<_> = settings
+        .replicas
+        .iter()
+        .map(|r| tally_clickhouse::SinkSettings {
+            table: settings.view.clone(),
+            ..r.clone()
+        })
+        .collect();
+    let sink = ClickHouseSink::connect_first(&replicas).await?;
     let view_columns = sink.found_view_columns().await?;
     let kafka = settings.source.kafka.clone();
     let topic = settings.source.source_topic.clone();
@@ -176,6 +197,8 @@ pub async fn read(settings: &JobSettings) -> Result<Running> {
         identity,
         view_columns,
         earliest,
+        rebuilding: versions.as_ref().and_then(|v| v.rebuilding),
+        aborted: versions.map(|v| v.aborted).unwrap_or_default(),
     })
 }
 

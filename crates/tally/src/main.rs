@@ -423,13 +423,14 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
             &resolved.identity.identity,
             &cfg.sink_shape().view_columns(),
             cfg.restate_from_ms(),
-            tally_tools::version_change::lead_ms(&cfg),
+            cfg.restatement_lead_ms(),
             &running,
         )
         .map_err(|refused| anyhow::anyhow!("{}: {refused}", path.display()))?;
         print!("{change}");
         println!(
-            "`tally run` does not run a new version beside the running one yet (docs/design/restatement.md)"
+            "`tally run` of this file rebuilds it beside the running version, in resources of its own (its view {}); `tally retire` of it aborts it. Taking the view over is not in this release (docs/design/restatement.md)",
+            resolved.sink.table
         );
         println!("{}: ok", path.display());
         return Ok(());

@@ -32,6 +32,7 @@ fn operator(allowed_lateness_ms: i64) -> (WindowOperator, Arc<Job>) {
         out_of_orderness_ms: 0,
         allowed_lateness_ms: rules.allowed_lateness_ms,
         dedup_horizon_ms: rules.dedup_horizon_ms,
+        windows_from_ms: None,
     };
     let program = Program::declared(Arc::clone(&job), 4096);
     (

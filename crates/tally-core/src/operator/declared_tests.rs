@@ -27,6 +27,7 @@ fn config_of(job: &Job, rules: WindowRules) -> OperatorConfig {
         out_of_orderness_ms: OUT_OF_ORDERNESS_MS,
         allowed_lateness_ms: rules.allowed_lateness_ms,
         dedup_horizon_ms: rules.dedup_horizon_ms,
+        windows_from_ms: None,
     }
 }
 

@@ -55,9 +55,18 @@ pub struct OperatorConfig {
     pub out_of_orderness_ms: i64,
     pub allowed_lateness_ms: i64,
     pub dedup_horizon_ms: i64,
+    /// A new version's `restate_from`: only windows starting then or later are computed (the
+    /// earlier ones stay the running version's), and a record of none of them is filtered out.
+    pub windows_from_ms: Option<i64>,
 }
 
 impl OperatorConfig {
+    /// Whether the version computes the window starting at `window_start_ms`.
+    fn computes(&self, window_start_ms: i64) -> bool {
+        self.windows_from_ms
+            .is_none_or(|from| window_start_ms >= from)
+    }
+
     /// Why an event at `event_time_ms` is late at `watermark`, if it is: the newest window
     /// holding it is closed (with hopping windows the older ones close first, and a record still
     /// adds to those that are open).
@@ -490,6 +499,12 @@ impl WindowOperator {
             .watermark
             .current(cfg.out_of_orderness_ms)
             .unwrap_or(i64::MIN);
+        // Its newest window is before the restatement: so is every other.
+        if !cfg.computes(cfg.window.start_of(event.event_time_ms)) {
+            state.epoch.filtered += 1;
+            state.totals.filtered += 1;
+            return Ok(Outcome::Filtered);
+        }
 
         let id_hash = seen_filter::id_hash(event.event_id.as_bytes());
         if let Some(seen_at) =
@@ -539,7 +554,7 @@ impl WindowOperator {
             let open = cfg
                 .window
                 .starts_of(event_time_ms)
-                .filter(|&start| !cfg.window_closed(start, watermark));
+                .filter(|&start| cfg.computes(start) && !cfg.window_closed(start, watermark));
             add_to_windows(
                 windows,
                 store,

@@ -4,12 +4,17 @@ use crate::declare::FieldMapping;
 use crate::mem::MemStore;
 
 fn operator() -> WindowOperator {
-    let config = OperatorConfig {
+    operator_of(OperatorConfig {
         window: WindowSpec::tumbling(60_000),
         out_of_orderness_ms: 5_000,
         allowed_lateness_ms: 60_000,
         dedup_horizon_ms: 3_600_000,
-    };
+        windows_from_ms: None,
+    })
+}
+
+/// revenue_agg's operator by `config`, new.
+fn operator_of(config: OperatorConfig) -> WindowOperator {
     WindowOperator::restore(
         config,
         Program::revenue_agg(&FieldMapping::default(), &config, 4096).expect("revenue_agg"),
@@ -232,18 +237,13 @@ fn duplicates_are_counted_not_aggregated_across_checkpoints() {
 
 #[test]
 fn dedup_entries_expire_by_event_time() {
-    let config = OperatorConfig {
+    let mut op = operator_of(OperatorConfig {
         window: WindowSpec::tumbling(10),
         out_of_orderness_ms: 0,
         allowed_lateness_ms: 0,
         dedup_horizon_ms: 100,
-    };
-    let mut op = WindowOperator::restore(
-        config,
-        Program::revenue_agg(&FieldMapping::default(), &config, 4096).expect("revenue_agg"),
-        Epoch(0),
-        &BTreeMap::new(),
-    );
+        windows_from_ms: None,
+    });
     let store = MemStore::default();
     assert_eq!(
         feed(&mut op, &store, 0, &order("a", "1", 1_000)),
@@ -317,4 +317,57 @@ fn records_below_the_checkpointed_offset_are_not_processed_twice() {
         Outcome::AlreadyProcessed
     );
     assert_eq!(op.next_offsets().get(&0), Some(&6));
+}
+
+/// A new version's `restate_from`: windows that start before it are not computed, and a record
+/// of none other is filtered out, counted as such.
+#[test]
+fn a_restatement_computes_only_the_windows_from_its_start() {
+    let run = |window: WindowSpec| {
+        let mut op = operator_of(OperatorConfig {
+            window,
+            out_of_orderness_ms: 5_000,
+            allowed_lateness_ms: 60_000,
+            dedup_horizon_ms: 3_600_000,
+            windows_from_ms: Some(120_000),
+        });
+        let store = MemStore::default();
+        let outcomes: Vec<Outcome> = [30_000, 119_999, 120_000, 130_000]
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let offset = i64::try_from(i).unwrap_or_default();
+                feed(&mut op, &store, offset, &order(&format!("id-{i}"), "1", t))
+            })
+            .collect();
+        let cp = op.handle_checkpoint(CheckpointBarrier {
+            epoch: Epoch(1),
+            is_final: false,
+        });
+        let starts: Vec<i64> = cp.rows.iter().map(|r| r.key.window_start_ms).collect();
+        let acc = cp.accounting();
+        (outcomes, starts, acc)
+    };
+    let (outcomes, starts, acc) = run(WindowSpec::tumbling(60_000));
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Filtered,
+            Outcome::Filtered,
+            Outcome::Aggregated,
+            Outcome::Aggregated
+        ]
+    );
+    assert_eq!(starts, [120_000]);
+    assert_eq!((acc.consumed, acc.filtered, acc.aggregated), (4, 2, 2));
+    assert!(acc.balances());
+    // Hopping: 130 s is also in the window from 60 s, which is not computed.
+    let (outcomes, starts, acc) = run(WindowSpec {
+        size_ms: 120_000,
+        slide_ms: 60_000,
+    });
+    assert_eq!(outcomes[..2], [Outcome::Filtered, Outcome::Filtered]);
+    assert_eq!(starts, [120_000]);
+    assert_eq!((acc.filtered, acc.aggregated), (2, 2));
+    assert!(acc.balances());
 }

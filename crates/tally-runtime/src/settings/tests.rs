@@ -148,3 +148,58 @@ fn the_worker_s_parts_and_its_tasks() {
     );
     assert!((0..9).all(|p| w.owns(p)));
 }
+
+/// Version 2 runs in resources of its own, named after version 1's; the job's view and the
+/// identity's names stay the file's.
+#[test]
+fn a_new_version_has_resources_of_its_own() {
+    let v2 = Config::parse(
+        "shop.toml",
+        JOB,
+        &[
+            ("TALLY_JOB__VERSION".into(), "2".into()),
+            (
+                "TALLY_JOB__RESTATE_FROM".into(),
+                "2026-12-01T00:00:00Z".into(),
+            ),
+        ],
+    )
+    .expect("version 2 parses");
+    let s = v2.resolve().expect("resolves");
+    assert_eq!(s.source.consumer_group, "g-v2");
+    assert_eq!(s.topics.changelog, "g-v2-changelog");
+    assert_eq!(s.topics.lease, "g-v2-lease");
+    assert_eq!(s.topics.dead_letters, "orders.dlq.v2");
+    assert_eq!(s.state_dir, std::path::PathBuf::from("/tmp/shop/v2"));
+    assert_eq!(s.sink.table, "shop_view__v2");
+    assert_eq!(s.view, "shop_view");
+    let task = s.task(1);
+    assert_eq!(task.transactional_id, "tally-shop-v2-task-1");
+    assert_eq!(
+        task.state_dir,
+        std::path::PathBuf::from("/tmp/shop/v2/task-1")
+    );
+    assert_eq!(task.state_identity, "shop@orders/v2#task-1");
+    // It reads from restate_from less a window, out_of_orderness (default 5 s) and lateness
+    // (default 60 s), by record time.
+    let from = tally_core::time::parse_rfc3339_ms("2026-12-01T00:00:00Z").unwrap_or_default();
+    assert_eq!(
+        s.consume.start_from,
+        tally_kafka::StartFrom::Time(from - 300_000 - 5_000 - 60_000)
+    );
+    assert!(s.consume.rebuilds);
+    assert_eq!(s.consume.operator.windows_from_ms, Some(from));
+    let rules = &s.identity.identity.rules;
+    assert_eq!(rules["kafka.consumer_group"], "g");
+    assert_eq!(rules["kafka.dlq_topic"], "orders.dlq");
+    assert_eq!(rules["job.version"], "2");
+    assert_eq!(rules["job.restate_from"], "2026-12-01T00:00:00Z");
+    // Version 1 keeps today's names, and starts where job.start_from says.
+    let v1 = config().resolve().expect("resolves");
+    assert_eq!(
+        (v1.source.consumer_group.as_str(), v1.sink.table.as_str()),
+        ("g", "shop_view")
+    );
+    assert_eq!(v1.consume.start_from, tally_kafka::StartFrom::Earliest);
+    assert!(!v1.consume.rebuilds);
+}

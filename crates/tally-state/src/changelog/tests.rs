@@ -16,6 +16,7 @@ fn rules() -> OperatorConfig {
         out_of_orderness_ms: 1_000,
         allowed_lateness_ms: 5_000,
         dedup_horizon_ms: 30_000,
+        windows_from_ms: None,
     }
 }
 

@@ -58,6 +58,31 @@ fn committed_ranges(batches: &[tally_clickhouse::CommittedBatch]) -> BTreeMap<i3
     ranges
 }
 
+/// Which version's view the report reads, when the job has more than one: this version
+/// rebuilding beside the one that holds the job, or one rebuilding beside this.
+async fn versions_said(settings: &tally_runtime::settings::JobSettings) -> Option<String> {
+    let versions = tally_runtime::identity::versions(&settings.identity)
+        .await
+        .inspect_err(|e| tracing::debug!(error = %e, "could not read the registry of jobs"))
+        .ok()??;
+    let mine = settings.version;
+    let (db, view, own) = (
+        &settings.sink.database,
+        &settings.view,
+        &settings.sink.table,
+    );
+    match versions.rebuilding {
+        Some(n) if n == mine => Some(format!(
+            "version {mine} rebuilds beside version {}: this is its own view {db}.{own}; the job's view {db}.{view} is version {}'s",
+            versions.holds, versions.holds
+        )),
+        Some(n) if versions.holds == mine => Some(format!(
+            "the job's view {db}.{view} is this version's ({mine}); version {n} rebuilds beside it in tables of its own"
+        )),
+        _ => None,
+    }
+}
+
 /// Checks every hop of the deployment `config` describes; `since` bounds the reconciliation.
 pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
@@ -196,8 +221,8 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
     let committed = {
         let reader = tally_kafka::SourceConsumer::connect(
             &kafka,
-            &config.kafka.source_topic,
-            &config.kafka.consumer_group,
+            &settings.source.source_topic,
+            &settings.source.consumer_group,
         )?;
         tally_runtime::marks::committed_offsets(&reader, &settings, &settings.whole())?
     };
@@ -216,14 +241,14 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
                 Status::Warn,
                 format!(
                     "no checkpoint in {}, and writer(s) {writers:?} commit the job: a standby's directory (it restores the job from the changelog when it takes over), or not the job's",
-                    config.job.state_dir.display()
+                    whole.state_dir.display()
                 ),
             ),
             None => row(
                 "Persisted → Processed",
                 PROCESSED_INVARIANT,
                 Status::Warn,
-                format!("no checkpoint in {}", config.job.state_dir.display()),
+                format!("no checkpoint in {}", whole.state_dir.display()),
             ),
             Some(meta) => {
                 let mut broken = Vec::new();
@@ -367,16 +392,18 @@ pub async fn diagnose(config: &Config, since: Duration) -> Result<Vec<Row>> {
         },
     ));
 
-    rows.push(
-        queryable::written_to_queryable(
-            config,
-            &sink,
-            committed_events,
-            committed_revenue.clone(),
-            ranges.len(),
-        )
-        .await?,
-    );
+    let mut queryable = queryable::written_to_queryable(
+        config,
+        &sink,
+        committed_events,
+        committed_revenue.clone(),
+        ranges.len(),
+    )
+    .await?;
+    if let Some(versions) = versions_said(&settings).await {
+        queryable.evidence = format!("{versions}; {}", queryable.evidence);
+    }
+    rows.push(queryable);
 
     if with_source {
         let recent = ReconcileFilter {

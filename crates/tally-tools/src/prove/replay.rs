@@ -136,13 +136,12 @@ pub(crate) async fn committed(config: &Config, sink: &ClickHouseSink) -> Result<
     // A commit log that claims offsets the topic never had is corrupt: say so, and read only
     // what exists rather than wait for records that will never come.
     let extent = tally_kafka::topic_extent(&settings, &config.kafka.source_topic)?;
-    if matches!(
-        config.job.start_from,
-        tally_runtime::config::StartFrom::Earliest
-    ) {
+    // Where the job (a new version: its restatement) began reading each partition.
+    let from = config.start_from();
+    if from != tally_kafka::StartFrom::Latest {
         let starts: BTreeMap<i32, i64> = ranges.iter().map(|(p, (s, _))| (*p, *s)).collect();
-        let lows: BTreeMap<i32, i64> = extent.iter().map(|(p, (low, _))| (*p, *low)).collect();
-        gaps.extend(missing_first_batches(&starts, &lows));
+        let began = tally_kafka::topic_starts(&settings, &config.kafka.source_topic, from)?;
+        gaps.extend(missing_first_batches(&starts, &began));
     }
     for (p, (_, end)) in ranges.iter_mut() {
         let high = extent.get(p).map_or(0, |(_, high)| *high);
@@ -303,8 +302,8 @@ pub(super) fn chain_gaps(
     gaps
 }
 
-/// For a job that read its partitions from their earliest offsets: a partition whose first
-/// committed batch starts after the topic's first offset lacks the batches before it (epochs
+/// For a job that read its partitions from where they began (`lows`: the earliest offsets, or
+/// a restatement's): a partition whose first committed batch starts after it lacks the batches before it (epochs
 /// are numbered per writer, so only the offsets can tell that the first one is gone).
 fn missing_first_batches(starts: &BTreeMap<i32, i64>, lows: &BTreeMap<i32, i64>) -> Vec<String> {
     starts
@@ -313,7 +312,7 @@ fn missing_first_batches(starts: &BTreeMap<i32, i64>, lows: &BTreeMap<i32, i64>)
             let low = lows.get(p).copied().unwrap_or(0);
             (*from > low).then(|| {
                 format!(
-                    "partition {p}'s first committed batch starts at offset {from}, but the topic holds it from {low}: the batches before it are missing"
+                    "partition {p}'s first committed batch starts at offset {from}, but the job began it at {low}: the batches before it are missing"
                 )
             })
         })

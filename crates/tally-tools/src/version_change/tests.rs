@@ -1,6 +1,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
+use tally_runtime::config::Config;
 
 const HOUR: i64 = 3_600_000;
 
@@ -39,6 +40,8 @@ fn running() -> Running {
             ("revenue", "Decimal(18, 4)"),
         ])),
         earliest: BTreeMap::from([(0, Some(10 * HOUR)), (1, Some(11 * HOUR)), (2, None)]),
+        rebuilding: None,
+        aborted: Vec::new(),
     }
 }
 
@@ -100,6 +103,35 @@ fn a_version_not_above_the_running_one_is_refused() {
     let refused = compare(&identity(2, "x"), &new_columns(), None, HOUR, &not_running)
         .expect_err("nothing runs");
     assert_eq!(refused.key, "job.version");
+    // One version rebuilds at a time, and an aborted number is not used again.
+    let rebuilding = Running {
+        rebuilding: Some(2),
+        aborted: vec![3],
+        ..running()
+    };
+    let refused = compare(&identity(4, "x"), &new_columns(), None, HOUR, &rebuilding)
+        .expect_err("2 rebuilds");
+    assert_eq!(refused.key, "job.version");
+    assert!(
+        refused.message.contains("version 2 is rebuilding already"),
+        "{refused}"
+    );
+    assert!(compare(&identity(2, "x"), &new_columns(), None, HOUR, &rebuilding).is_ok());
+    let aborted = Running {
+        aborted: vec![2, 3],
+        ..running()
+    };
+    let refused = compare(&identity(3, "x"), &new_columns(), None, HOUR, &aborted)
+        .expect_err("3 was aborted");
+    assert!(
+        refused.message.contains("version 3 was aborted"),
+        "{refused}"
+    );
+    assert!(
+        refused.message.contains("make the change version 4"),
+        "{refused}"
+    );
+    assert!(compare(&identity(4, "x"), &new_columns(), None, HOUR, &aborted).is_ok());
 }
 
 #[test]
@@ -138,5 +170,5 @@ fn a_restatement_the_source_no_longer_reaches_is_refused_naming_what_it_holds() 
 fn the_rebuild_reads_as_far_back_as_a_record_of_its_first_window_can_be() {
     let text = include_str!("../../../../config/api_latency.toml");
     let config = Config::parse("api_latency.toml", text, &[]).expect("the shipped job parses");
-    assert_eq!(lead_ms(&config), 60_000 + 5_000 + 60_000);
+    assert_eq!(config.restatement_lead_ms(), 60_000 + 5_000 + 60_000);
 }
