@@ -287,6 +287,23 @@ def scenario(engine, database, check):
     answers["retained.read.view"] = normal(run("read.view", by_name["read.view"]))
     check.that(answers["retained.read.view"] == normal(f"{EXPECTED_VIEW[3]}\n{T0 - 86400}\tc9\tEUR\t2\t3.5"),
                f"{engine.name}: after retention: {answers['retained.read.view']}")
+    # A new version's takeover: the windows before the frontier kept as the view shows them,
+    # the job's view (here `revenue_agg_taken`) swapped for one over the version's own view
+    # (here the view itself) from the frontier on and the kept windows before it; the takeover
+    # logged for a later holder of the read side to read.
+    run("takeover.job_view", f"CREATE VIEW {database}.revenue_agg_taken AS SELECT 1 AS x")
+    for s in statements:
+        if s["name"].startswith("takeover."):
+            run(s["name"], s["sql"])
+    read_taken = by_name["read.view"].replace(f" FROM {database}.revenue_agg", f" FROM {database}.revenue_agg_taken")
+    check.that(read_taken != by_name["read.view"], f"read.view names the view: {by_name['read.view']}")
+    answers["taken.view"] = normal(run("taken", read_taken))
+    check.that(answers["taken.view"] == answers["retained.read.view"],
+               f"{engine.name}: the taken-over view differs from the view: {answers['taken.view']}")
+    answers["taken.kept"] = normal(run("kept", f"SELECT count() FROM {database}.revenue_agg_kept"))
+    answers["taken.read.taken_over_by"] = normal(run("read.taken_over_by", by_name["read.taken_over_by"]))
+    check.that(answers["taken.read.taken_over_by"] == ["version 2 sqlcheck"],
+               f"{engine.name}: the takeover's log row: {answers['taken.read.taken_over_by']}")
     # The release drops the generation's database; from then on the server refuses every
     # statement of that generation that changes what readers see (the fence).
     for s in statements:

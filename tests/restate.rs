@@ -1,6 +1,7 @@
 //! A new version of a job rebuilds beside the running one, in resources of its own, from
 //! where its `restate_from` needs, and is aborted by `tally retire` without touching the
-//! running version (docs/design/restatement.md, slice 2; real Kafka and ClickHouse).
+//! running version, or takes the job's view over atomically once caught up
+//! (docs/design/restatement.md; real Kafka and ClickHouse).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 mod common;
@@ -8,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rdkafka::producer::FutureRecord;
+use rdkafka::producer::{FutureRecord, Producer};
 
 const MINUTE: i64 = 60_000;
 
@@ -109,6 +110,23 @@ fn write_version_2(job: &Job, restate_from: i64) {
         "restate_from",
         &tally_core::time::format_ms(restate_from),
     );
+    // Checked beside the running version first; the takeover has a test of its own.
+    job.set("job", "takeover", "hold");
+}
+
+/// api_latency's version 1 on a new two-partition topic of `total` requests from two hours ago,
+/// once its view counts them all: (job, its worker, the first request's time).
+async fn version_1_counting(total: usize) -> (Job, Worker, i64) {
+    let topic = unique("api_latency");
+    create_topic(&topic, 2).await;
+    let job = Job::shipped("api_latency.toml", &topic);
+    let base = two_hours_ago();
+    Requests::produce(&topic, 0, total, base).await;
+    let before = job.log().len();
+    let v1 = job.spawn(&[]);
+    job.wait_until_consuming(before).await;
+    wait_for_requests(&job, &format!("{}.api_latency", job.database), total as u64).await;
+    (job, v1, base)
 }
 
 /// `tally probe` of the job file `config`: a reader polling its view every 50 ms.
@@ -155,19 +173,11 @@ fn refused(job: &Job, env: &[(&str, &str)]) -> String {
 /// running version reads on.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_version_rebuilds_beside_the_running_one_and_is_aborted_without_touching_it() {
-    let topic = unique("api_latency");
-    create_topic(&topic, 2).await;
-    let job = Job::shipped("api_latency.toml", &topic);
-    let base = two_hours_ago();
     let total = 720;
-    Requests::produce(&topic, 0, total, base).await;
+    let (job, mut v1, base) = version_1_counting(total).await;
+    let topic = job.topic.clone();
     let view_v1 = format!("{}.api_latency", job.database);
     let view_v2 = format!("{}.api_latency__v2", job.database);
-
-    let before = job.log().len();
-    let mut v1 = job.spawn(&[]);
-    job.wait_until_consuming(before).await;
-    wait_for_requests(&job, &view_v1, total as u64).await;
 
     // Version 2: the filter fixed, a column added, the last hour restated.
     let restate_from = base + 60 * MINUTE;
@@ -436,6 +446,7 @@ async fn an_avro_job_restates_from_the_middle_of_its_stream() {
         "restate_from",
         &tally_core::time::format_ms(i64::try_from(restate_from_s).unwrap() * 1000),
     );
+    job.set("job", "takeover", "hold");
     let before = job.log().len();
     let mut v2 = job.spawn(&[]);
     wait_until(Duration::from_secs(120), || rebuilt(&job, before).is_some()).await;
@@ -464,4 +475,202 @@ async fn an_avro_job_restates_from_the_middle_of_its_stream() {
         sigterm(w);
         assert!(wait_exit(w, Duration::from_secs(60)).is_some_and(|s| s.success()));
     }
+}
+
+/// What a reader of `view` sees, as (the sum of its rows' hashes over `columns`, rows): one
+/// entry per change, polled every 50 ms until `stop`. A read that fails is recorded too.
+fn watch_view(
+    view: String,
+    columns: Vec<String>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<(String, u64)>> {
+    tokio::spawn(async move {
+        let hashed: Vec<String> = columns.iter().map(|c| format!("toString({c})")).collect();
+        let sql = format!(
+            "SELECT toString(sum(cityHash64({}))), count() FROM {view}",
+            hashed.join(", ")
+        );
+        let mut seen: Vec<(String, u64)> = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let state = match clickhouse().query(&sql).fetch_one::<(String, u64)>().await {
+                Ok(state) => state,
+                Err(e) => (format!("error: {e}"), 0),
+            };
+            if seen.last() != Some(&state) {
+                seen.push(state);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        seen
+    })
+}
+
+/// The view's state as [`watch_view`] records it, read once.
+async fn view_state(view: &str, columns: &[String], filter: &str) -> (String, u64) {
+    let hashed: Vec<String> = columns.iter().map(|c| format!("toString({c})")).collect();
+    clickhouse()
+        .query(&format!(
+            "SELECT toString(sum(cityHash64({}))), count() FROM {view} WHERE {filter}",
+            hashed.join(", ")
+        ))
+        .fetch_one()
+        .await
+        .unwrap()
+}
+
+/// api_latency runs with a filter too wide; version 2 (the filter fixed, a column added, the
+/// last hour restated) rebuilds beside it and, once caught up, takes the job's view over: the
+/// running version's workers stop by themselves (exit 0, naming version 2), a kill -9 of
+/// version 2 after it claimed the running version's read side and another after it installed
+/// the view are finished by its next start, and a reader polling the job's view all along sees
+/// version 1's answer, then the new one, and nothing else: before `restate_from` the windows
+/// version 1 published, from it on version 2's own. Version 1's tables, topics and group are
+/// gone, its file no longer runs, and new records reach the view through version 2.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_version_takes_the_view_over_atomically_across_kills() {
+    let total = 720;
+    let (job, mut v1, base) = version_1_counting(total).await;
+    let topic = job.topic.clone();
+    let view = format!("{}.api_latency", job.database);
+    let view_v2 = format!("{}.api_latency__v2", job.database);
+
+    let restate_from = base + 60 * MINUTE;
+    let r = restate_from / 1000;
+    let columns: Vec<String> = clickhouse()
+        .query(&format!(
+            "SELECT name FROM system.columns WHERE database = '{}' AND table = 'api_latency'",
+            job.database
+        ))
+        .fetch_all()
+        .await
+        .unwrap();
+    let old_answer = view_state(&view, &columns, "1").await;
+    let old_before = view_state(&view, &columns, &format!("toUInt32(window_start) < {r}")).await;
+    let v1_file = job.dir.path().join("v1.toml");
+    std::fs::copy(&job.config, &v1_file).unwrap();
+    write_version_2(&job, restate_from);
+    job.set("job", "takeover", "auto");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = watch_view(view.clone(), columns.clone(), stop.clone());
+
+    // Killed once it fenced version 1 and claimed its read side.
+    let before = job.log().len();
+    let mut v2 = job.spawn(&[("TALLY_FAULT", "takeover_after_claim")]);
+    let status = wait_exit(&mut v2, Duration::from_secs(240));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "killed at takeover_after_claim; log:\n{}",
+        job.log()
+    );
+    assert!(
+        job.log()[before..].contains("caught up: taking the job's view over"),
+        "log:\n{}",
+        job.log()
+    );
+    // Version 1's workers stop by themselves.
+    let status = wait_exit(&mut v1, Duration::from_secs(60));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "version 1 exits 0; log:\n{}",
+        job.log()
+    );
+    assert!(
+        job.log()
+            .contains("version 2 took over the job from version 1: this worker stops"),
+        "log:\n{}",
+        job.log()
+    );
+    // Killed again once the view is installed; its next start retires version 1.
+    let mut v2 = job.spawn(&[("TALLY_FAULT", "takeover_after_install")]);
+    let status = wait_exit(&mut v2, Duration::from_secs(120));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "killed at takeover_after_install; log:\n{}",
+        job.log()
+    );
+    let before = job.log().len();
+    let mut v2 = job.spawn(&[]);
+    job.wait_for_log(before, "version 1 is retired", Duration::from_secs(240))
+        .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seen = reader.await.unwrap();
+
+    // The new answer: version 1's windows before restate_from, version 2's from it on.
+    let from_hour = (360..total).filter(|&i| Requests::status(i) == 200).count() as u64;
+    assert_eq!(requests_in(&view).await, 360 + from_hour);
+    let new_before = view_state(&view, &columns, &format!("toUInt32(window_start) < {r}")).await;
+    assert_eq!(
+        new_before, old_before,
+        "the windows before restate_from are kept"
+    );
+    let with_column: Vec<String> = columns
+        .iter()
+        .cloned()
+        .chain(["latency_min_ms".to_owned()])
+        .collect();
+    let from_r = format!("toUInt32(window_start) >= {r}");
+    assert_eq!(
+        view_state(&view, &with_column, &from_r).await,
+        view_state(&view_v2, &with_column, &from_r).await,
+        "from restate_from on, version 2's own answer"
+    );
+    let new_answer = view_state(&view, &columns, "1").await;
+    assert_ne!(new_answer, old_answer);
+    // The reader saw the old answer, then the new one: no gap, no key twice, no half.
+    assert_eq!(
+        seen,
+        vec![old_answer, new_answer],
+        "what the reader saw; log:\n{}",
+        job.log()
+    );
+
+    // Version 1 is retired: its tables are gone, the registry names version 2, and its file
+    // stops at once.
+    assert_eq!(
+        ch_count(&format!(
+            "SELECT count() FROM system.tables WHERE database = '{}' AND name IN ('api_latency_data', 'api_latency_commits', 'api_latency_live')",
+            job.database
+        ))
+        .await,
+        0
+    );
+    let metadata = producer()
+        .client()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .unwrap();
+    let topics: Vec<&str> = metadata.topics().iter().map(|t| t.name()).collect();
+    let group = format!("tally-{topic}");
+    for gone in [format!("{group}-changelog"), format!("{group}-lease")] {
+        assert!(!topics.contains(&gone.as_str()), "{gone} deleted");
+    }
+    assert!(
+        topics.contains(&format!("{group}-v2-changelog").as_str()),
+        "version 2's changelog stays"
+    );
+    assert!(
+        !job.log().contains("delete it by hand") && !job.log().contains("delete them by hand"),
+        "version 1's group deleted; log:\n{}",
+        job.log()
+    );
+    let mut old = std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["run", "--config", v1_file.to_str().unwrap()])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut old, Duration::from_secs(60));
+    let mut err = String::new();
+    std::io::Read::read_to_string(old.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(
+        status.is_some_and(|s| s.success()) && err.contains("version 2 took over the job"),
+        "{err}"
+    );
+    // New records reach the job's view through version 2.
+    Requests::produce(&topic, total, 60, base).await;
+    let more = (total..total + 60)
+        .filter(|&i| Requests::status(i) == 200)
+        .count() as u64;
+    wait_for_requests(&job, &view, 360 + from_hour + more).await;
+    sigterm(&v2);
+    assert!(wait_exit(&mut v2, Duration::from_secs(60)).is_some_and(|s| s.success()));
+    eprintln!("{}", job.log());
 }

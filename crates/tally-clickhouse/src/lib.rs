@@ -26,6 +26,7 @@ mod rows;
 mod schema;
 mod settings;
 mod sink;
+mod takeover;
 mod tls;
 
 pub use error::{Result, SinkError};

@@ -74,6 +74,13 @@ fn not_behind(newer: &Cut, older: &Cut) -> bool {
         .all(|(p, o)| newer.0.get(p).is_none_or(|n| n >= o))
 }
 
+impl Cut {
+    /// Whether this cut is at least as far as `other` on every partition both name.
+    pub fn reaches(&self, other: &Cut) -> bool {
+        not_behind(self, other)
+    }
+}
+
 impl ClickHouseSink {
     /// Where the published snapshot was computed; `None` while it is empty.
     pub async fn published(&self) -> Result<Option<Published>> {

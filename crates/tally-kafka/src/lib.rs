@@ -19,8 +19,8 @@ pub use error::{Error, Result};
 pub use reader::{read_committed_range, topic_extent, topic_starts};
 pub use settings::{KafkaSettings, check_connection};
 pub use topics::{
-    PartitionReplicas, RecordDeleter, TopicChange, TopicDurability, TopicSpec, ensure_topic,
-    ensure_topics, topic_durability,
+    PartitionReplicas, RecordDeleter, TopicChange, TopicDurability, TopicSpec,
+    delete_topics_and_group, ensure_topic, ensure_topics, topic_durability,
 };
 pub use transaction::{
     CommitMark, EpochCommit, EpochProducer, EpochTopics, HEADER_ERROR, HEADER_REASON,

@@ -188,6 +188,53 @@ impl RecordDeleter {
     }
 }
 
+/// Deletes `topics` and the consumer group `group` (a retired version's); a topic or group
+/// already gone is no error. Each one's failure is named. `false`: the group still has
+/// members (one that stopped a moment ago, until the group drops it), and is kept.
+pub async fn delete_topics_and_group(
+    settings: &KafkaSettings,
+    topics: &[&str],
+    group: &str,
+) -> Result<bool> {
+    let admin: AdminClient<DefaultClientContext> = settings
+        .client_config()
+        .create()
+        .map_err(kafka("creating admin client"))?;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let deleted = admin
+        .delete_topics(topics, &opts)
+        .await
+        .map_err(kafka(format!("deleting topics {topics:?}")))?;
+    for result in deleted {
+        if let Err((topic, code)) = result
+            && code != RDKafkaErrorCode::UnknownTopicOrPartition
+        {
+            return Err(Error::Kafka {
+                context: format!("deleting topic {topic}"),
+                source: KafkaError::AdminOp(code),
+            });
+        }
+    }
+    let groups = admin
+        .delete_groups(&[group], &opts)
+        .await
+        .map_err(kafka(format!("deleting consumer group {group}")))?;
+    for result in groups {
+        if let Err((_, RDKafkaErrorCode::NonEmptyGroup)) = result {
+            return Ok(false);
+        }
+        if let Err((group, code)) = result
+            && code != RDKafkaErrorCode::GroupIdNotFound
+        {
+            return Err(Error::Kafka {
+                context: format!("deleting consumer group {group}"),
+                source: KafkaError::AdminOp(code),
+            });
+        }
+    }
+    Ok(true)
+}
+
 /// How durable a topic is on its cluster: what `tally doctor` checks for the hops up to
 /// Persisted.
 #[derive(Debug, Clone, PartialEq, Eq)]

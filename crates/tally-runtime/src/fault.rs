@@ -34,10 +34,22 @@ pub enum FaultPoint {
     /// had committed; the kill comes once it is marked committed. Stands for a committed
     /// transaction that Kafka undid afterwards (a hanging one aborted by hand).
     KafkaCommitLost,
+    /// A new version recorded that it takes the job over; the holder is not fenced yet.
+    TakeoverAfterRecord,
+    /// The holder's transactional ids are fenced; its read side is not.
+    TakeoverAfterFence,
+    /// A generation of the holder's read side is claimed and the takeover logged in it.
+    TakeoverAfterClaim,
+    /// The windows before `restate_from` are kept; the job's view is the holder's still.
+    TakeoverAfterCopy,
+    /// The job's view reads the new version; the holder's tables are not dropped yet.
+    TakeoverAfterInstall,
+    /// The holder's tables are dropped on the replica; the registry still names the holder.
+    TakeoverDuringRetire,
 }
 
 impl FaultPoint {
-    pub const ALL: [FaultPoint; 15] = [
+    pub const ALL: [FaultPoint; 21] = [
         FaultPoint::AfterPreCommit,
         FaultPoint::TwoInFlight,
         FaultPoint::AfterDeadLetterCommit,
@@ -53,6 +65,12 @@ impl FaultPoint {
         FaultPoint::PublishAfterStage,
         FaultPoint::PublishAfterReplace,
         FaultPoint::KafkaCommitLost,
+        FaultPoint::TakeoverAfterRecord,
+        FaultPoint::TakeoverAfterFence,
+        FaultPoint::TakeoverAfterClaim,
+        FaultPoint::TakeoverAfterCopy,
+        FaultPoint::TakeoverAfterInstall,
+        FaultPoint::TakeoverDuringRetire,
     ];
 
     pub fn name(self) -> &'static str {
@@ -72,6 +90,12 @@ impl FaultPoint {
             FaultPoint::PublishAfterStage => "publish_after_stage",
             FaultPoint::PublishAfterReplace => "publish_after_replace",
             FaultPoint::KafkaCommitLost => "kafka_commit_lost",
+            FaultPoint::TakeoverAfterRecord => "takeover_after_record",
+            FaultPoint::TakeoverAfterFence => "takeover_after_fence",
+            FaultPoint::TakeoverAfterClaim => "takeover_after_claim",
+            FaultPoint::TakeoverAfterCopy => "takeover_after_copy",
+            FaultPoint::TakeoverAfterInstall => "takeover_after_install",
+            FaultPoint::TakeoverDuringRetire => "takeover_during_retire",
         }
     }
 }

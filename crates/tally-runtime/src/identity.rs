@@ -170,6 +170,15 @@ impl JobIdentity {
 #[error("{0}")]
 pub struct IdentityRefused(pub String);
 
+/// A worker of a version that a later one took over (or is taking over): it stops, exit 0.
+#[derive(Debug, thiserror::Error)]
+#[error("job {job}: version {by} took over the job from version {mine}: this worker stops")]
+pub struct Superseded {
+    pub job: String,
+    pub mine: u64,
+    pub by: u64,
+}
+
 fn refuse_differences(
     recorded: &JobIdentity,
     mine: &JobIdentity,
@@ -218,6 +227,10 @@ enum VersionState {
     Rebuilding(JobIdentity),
     /// Stopped by `tally retire` before it took over: its resources are never reused.
     Aborted,
+    /// Taking the view over from the version that holds the job (its workers stop).
+    TakingOver(JobIdentity),
+    /// Took the job over: the job's record is its identity.
+    TookOver,
 }
 
 /// The registry's key of version `version` of `job` (a job's name has no `@`).
@@ -246,9 +259,27 @@ impl Registry {
             .get(job)?
             .iter()
             .find_map(|(_, v, state)| match state {
-                VersionState::Rebuilding(id) if *v > holds => Some(id),
+                VersionState::Rebuilding(id) | VersionState::TakingOver(id) if *v > holds => {
+                    Some(id)
+                }
                 _ => None,
             })
+    }
+
+    /// The version taking `job` over from `holds`, if one is.
+    fn taking_over(&self, job: &str, holds: u64) -> Option<u64> {
+        self.versions.get(job)?.iter().find_map(|(_, v, state)| {
+            matches!(state, VersionState::TakingOver(_) if *v > holds).then_some(*v)
+        })
+    }
+
+    /// The version that took or is taking `job` over from `mine`, if one did.
+    fn superseding(&self, job: &str, mine: u64) -> Option<u64> {
+        let holds = self.job(job)?.version();
+        if holds > mine {
+            return Some(holds);
+        }
+        self.taking_over(job, holds).filter(|_| holds == mine)
     }
 
     fn aborted(&self, job: &str, version: u64) -> bool {
@@ -334,6 +365,8 @@ pub struct Versions {
     pub rebuilding: Option<u64>,
     /// Versions aborted (`tally retire` before they took over): their numbers are not reused.
     pub aborted: Vec<u64>,
+    /// The rebuilding version is taking the view over.
+    pub taking_over: bool,
 }
 
 /// The job's versions as the registry holds them, without recording anything; `None`: the
@@ -353,8 +386,81 @@ pub async fn versions(settings: &IdentitySettings) -> Result<Option<Versions>> {
                 .filter(|(_, _, s)| *s == VersionState::Aborted)
                 .map(|(_, v, _)| *v)
                 .collect(),
+            taking_over: r.taking_over(job, holds).is_some(),
         })
     }))
+}
+
+/// The version that took or is taking the job over from this worker's, if one did: a
+/// blocking read of the registry.
+pub fn superseded(settings: &IdentitySettings) -> Result<Option<Superseded>> {
+    let mine = &settings.identity;
+    Ok(read_registry_if_any(settings)?
+        .and_then(|r| r.superseding(&mine.job, mine.version()))
+        .map(|by| Superseded {
+            job: mine.job.clone(),
+            mine: mine.version(),
+            by,
+        }))
+}
+
+/// The takeover's record: this version (rebuilding) is taking the job over. Idempotent.
+pub async fn record_taking_over(settings: &IdentitySettings) -> Result<()> {
+    let mine = &settings.identity;
+    let registry = read_registry(settings)?;
+    let holds = registry.job(&mine.job).map_or(0, JobIdentity::version);
+    if holds >= mine.version() || registry.taking_over(&mine.job, holds) == Some(mine.version()) {
+        return Ok(());
+    }
+    if registry
+        .rebuilding(&mine.job, holds)
+        .is_none_or(|r| r != mine)
+    {
+        bail!(
+            "job {}: version {} is not the version rebuilding (recorded in {}): it cannot take the job over",
+            mine.job,
+            mine.version(),
+            settings.registry_topic
+        );
+    }
+    let value = serde_json::to_vec(&VersionState::TakingOver(mine.clone()))
+        .context("encoding the takeover")?;
+    tally_kafka::job_registry::record(
+        &settings.kafka,
+        &settings.registry_topic,
+        &version_key(&mine.job, mine.version()),
+        Some(&value),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The takeover's end: the job's record becomes this version's identity. Idempotent.
+pub async fn record_took_over(settings: &IdentitySettings) -> Result<()> {
+    let mine = &settings.identity;
+    let registry = read_registry(settings)?;
+    if registry.job(&mine.job) == Some(mine) {
+        return Ok(());
+    }
+    let (kafka, topic) = (&settings.kafka, &settings.registry_topic);
+    let job = serde_json::to_vec(mine).context("encoding the job's identity")?;
+    tally_kafka::job_registry::record(kafka, topic, &mine.job, Some(&job)).await?;
+    let done = serde_json::to_vec(&VersionState::TookOver).context("encoding the takeover")?;
+    tally_kafka::job_registry::record(
+        kafka,
+        topic,
+        &version_key(&mine.job, mine.version()),
+        Some(&done),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The identity of the version that holds the job, as the registry records it.
+pub fn holder(settings: &IdentitySettings) -> Result<Option<JobIdentity>> {
+    Ok(read_registry(settings)?
+        .job(&settings.identity.job)
+        .cloned())
 }
 
 /// Checks the job against Kafka's registry, recording it there if it is new, or as the version
@@ -379,6 +485,13 @@ pub async fn check_registry(settings: &IdentitySettings) -> Result<()> {
         let (key, value) = match registry.job(&mine.job) {
             Some(own) => {
                 let (holds, new) = (own.version(), mine.version());
+                if let Some(by) = registry.superseding(&mine.job, new) {
+                    bail!(Superseded {
+                        job: mine.job.clone(),
+                        mine: new,
+                        by
+                    });
+                }
                 if new == holds {
                     refuse_differences(own, mine, &place)?;
                     return Ok(());
@@ -489,6 +602,7 @@ pub async fn check(
             Ok(()) => return Ok(true),
             Err(e)
                 if e.is::<IdentityRefused>()
+                    || e.is::<Superseded>()
                     || e.downcast_ref::<tally_clickhouse::SinkError>()
                         .is_some_and(|e| {
                             !matches!(e, tally_clickhouse::SinkError::Server { .. })
@@ -531,6 +645,12 @@ pub async fn retire(settings: &IdentitySettings) -> Result<()> {
         {
             bail!(
                 "job {job}: version {version} is not rebuilding (recorded in {topic}): there is nothing of it to retire"
+            );
+        }
+        if registry.taking_over(job, holds.unwrap_or(1)) == Some(version) {
+            bail!(
+                "job {job}: version {version} is taking the view over (recorded in {topic}): too late to abort; \
+                 let it finish (its next holder of the read side does), and go back as one more version with the old rules"
             );
         }
         let aborted = serde_json::to_vec(&VersionState::Aborted).context("encoding the abort")?;
@@ -697,5 +817,47 @@ mod tests {
             Some(v1.clone())
         );
         assert_eq!(v1.version(), 1);
+    }
+
+    #[test]
+    fn a_version_taking_over_supersedes_the_holder_and_is_still_the_one_rebuilding() {
+        let v1 = identity("a", &[("kafka.consumer_group", "g")]);
+        let v2 = identity("a", &[("kafka.consumer_group", "g"), (VERSION, "2")]);
+        let rebuilding = current(&[
+            registration(0, &v1),
+            claim(1, "a", 2, &VersionState::Rebuilding(v2.clone())),
+        ])
+        .unwrap_or_default();
+        assert_eq!(rebuilding.superseding("a", 1), None, "rebuilding only");
+        let taking = current(&[
+            registration(0, &v1),
+            claim(1, "a", 2, &VersionState::Rebuilding(v2.clone())),
+            claim(2, "a", 2, &VersionState::TakingOver(v2.clone())),
+        ])
+        .unwrap_or_default();
+        assert_eq!(taking.superseding("a", 1), Some(2), "the holder stops");
+        assert_eq!(taking.superseding("a", 2), None, "not itself");
+        assert_eq!(
+            taking.rebuilding("a", 1),
+            Some(&v2),
+            "its workers still start"
+        );
+        assert_eq!(taking.taking_over("a", 1), Some(2));
+        let took = current(&[
+            registration(0, &v1),
+            claim(1, "a", 2, &VersionState::TakingOver(v2.clone())),
+            registration(2, &v2),
+            claim(3, "a", 2, &VersionState::TookOver),
+        ])
+        .unwrap_or_default();
+        assert_eq!(took.job("a").map(JobIdentity::version), Some(2));
+        assert_eq!(
+            took.superseding("a", 1),
+            Some(2),
+            "a late start of version 1 stops"
+        );
+        assert_eq!(took.superseding("a", 2), None);
+        assert_eq!(took.rebuilding("a", 2), None);
+        assert_eq!(took.taking_over("a", 2), None);
     }
 }

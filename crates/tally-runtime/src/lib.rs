@@ -3,8 +3,8 @@
 //! The pipeline, in the order a record goes: [`consume`] (records into the operator, epochs cut
 //! at barriers) → [`persist`] (the pre-commit) → [`commit`] (the Kafka transaction and the
 //! ClickHouse batch) → [`read_side`] (publish and fold), wired by [`worker`] and run, one task or
-//! several, by [`tasks`] under the job's [`lease`]. A job's [`settings`] are resolved once from
-//! its [`config`].
+//! several, by [`tasks`] under the job's [`lease`]; a new version of a job takes its view over
+//! from the read side (`takeover`). A job's [`settings`] are resolved once from its [`config`].
 
 mod background;
 pub mod commit;
@@ -29,5 +29,6 @@ pub mod retry;
 pub mod schemas;
 pub mod settings;
 mod standby;
+mod takeover;
 pub mod tasks;
 pub mod worker;

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
@@ -174,16 +175,34 @@ async fn run_job(
         );
     }
     let settings = Arc::new(cfg.resolve()?);
-    if !crate::identity::check(&settings.identity, shutdown).await? {
-        tracing::info!("stopped before the job's identity was checked");
-        return Ok(());
+    match crate::identity::check(&settings.identity, shutdown).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::info!("stopped before the job's identity was checked");
+            return Ok(());
+        }
+        Err(e) if e.is::<crate::identity::Superseded>() => {
+            tracing::info!("{e}");
+            return Ok(());
+        }
+        Err(e) => return Err(e),
     }
     let handle = tokio::runtime::Handle::current();
+    // The job's own stop: the process's, or a later version taking the job over.
+    let stop = Arc::new(AtomicBool::new(false));
+    let superseded = Arc::new(std::sync::OnceLock::new());
+    let watcher = handle.spawn(watch_for_takeover(
+        settings.identity.clone(),
+        shutdown.clone(),
+        stop.clone(),
+        superseded.clone(),
+    ));
     // Every worker of the job may hold its read side, standing by or not.
     let signals = crate::read_side::CommitSignals::default();
     let read_side =
         crate::read_side::ReadSide::start(&settings.read_side, handle.clone(), signals.clone())?;
-    let (flag, readiness) = (shutdown.clone(), readiness.clone());
+    let (flag, readiness) = (stop.clone(), readiness.clone());
+    let identity = settings.identity.clone();
     let result = tokio::task::spawn_blocking(move || {
         let result = crate::tasks::run(settings, handle, flag, readiness, signals);
         // A clean stop publishes what it committed and hands the read side on; otherwise it
@@ -197,6 +216,24 @@ async fn run_job(
     })
     .await
     .context("worker thread")?;
+    watcher.abort();
+    // Fenced by the version taking over (its commit failed), or stopped by the watcher.
+    let superseded = match superseded.get() {
+        Some(s) => Some(s.to_string()),
+        None if result.is_err() => {
+            tokio::task::spawn_blocking(move || crate::identity::superseded(&identity))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .flatten()
+                .map(|s| s.to_string())
+        }
+        None => None,
+    };
+    if let Some(s) = superseded {
+        tracing::info!("{s}");
+        return Ok(());
+    }
     match result {
         // Asked to stop while still waiting for a service: nothing to checkpoint.
         Err(e) if e.is::<Interrupted>() && shutdown.load(Ordering::SeqCst) => {
@@ -204,6 +241,37 @@ async fn run_job(
             Ok(())
         }
         other => other,
+    }
+}
+
+/// How often a running version reads the registry for a later version taking the job over.
+const TAKEOVER_POLL: Duration = Duration::from_secs(3);
+
+/// Sets `stop` when the process is asked to stop, or when a later version of the job takes it
+/// over (recording which in `superseded`).
+async fn watch_for_takeover(
+    identity: crate::identity::IdentitySettings,
+    shutdown: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    superseded: Arc<std::sync::OnceLock<crate::identity::Superseded>>,
+) {
+    let mut next_read = tokio::time::Instant::now() + TAKEOVER_POLL;
+    loop {
+        if shutdown.load(Ordering::SeqCst) {
+            stop.store(true, Ordering::SeqCst);
+            return;
+        }
+        if tokio::time::Instant::now() >= next_read {
+            let id = identity.clone();
+            let read = tokio::task::spawn_blocking(move || crate::identity::superseded(&id)).await;
+            if let Ok(Ok(Some(s))) = read {
+                let _ = superseded.set(s);
+                stop.store(true, Ordering::SeqCst);
+                return;
+            }
+            next_read = tokio::time::Instant::now() + TAKEOVER_POLL;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -30,6 +30,7 @@ use crate::background::Background;
 use crate::events::{Folded, Published, ReadSideChanged};
 use crate::fault::{FaultPlan, FaultPoint};
 use crate::settings::ReadSideSettings;
+use crate::takeover::{Progress as TakeoverProgress, Takeover};
 
 /// How often the holder looks at the commit log for batches other processes committed.
 const PUBLISH_POLL: Duration = Duration::from_millis(500);
@@ -353,13 +354,36 @@ impl Agent {
         )
         .inspect_err(|e| tracing::warn!(error = %e, "the read side has no Kafka client; folding counts the registered partitions only"))
         .ok();
+        let mut takeover = self.settings.takeover.clone().map(|t| {
+            Takeover::new(
+                t,
+                self.settings.source.clone(),
+                self.replica.clone(),
+                self.peers.iter().map(|(p, _)| p.clone()).collect(),
+                self.holder.clone(),
+            )
+        });
         self.rt.block_on(async {
             loop {
                 let Some(lease) = self.watch(&sink, &mut signal).await else {
                     return;
                 };
+                // A later version took the view over: this version's read side is done.
+                match sink.taken_over_by().await {
+                    Ok(Some(by)) => {
+                        tracing::info!(by = %by, "a later version of the job took its view over: this read side stops");
+                        self.release(&sink, &lease, false).await;
+                        return;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read whether a later version took the view over; giving the read side up");
+                        self.release(&sink, &lease, false).await;
+                        continue;
+                    }
+                }
                 match self
-                    .hold(&sink, &lease, partitions.as_ref(), &mut signal)
+                    .hold(&sink, &lease, partitions.as_ref(), &mut takeover, &mut signal)
                     .await
                 {
                     Held::Lost => continue,
@@ -448,6 +472,7 @@ impl Agent {
         sink: &ClickHouseSink,
         lease: &ReadLease,
         partitions: Option<&SourceConsumer>,
+        takeover: &mut Option<Takeover>,
         signal: &mut watch::Receiver<Signal>,
     ) -> Held {
         ReadSideChanged::Claimed {
@@ -539,6 +564,25 @@ impl Agent {
                     failed_publishes.saturating_add(1)
                 };
                 last_publish = Some(Instant::now());
+                // A new version takes the job's view over between its publishes.
+                if installed
+                    && result.is_ok()
+                    && let Some(t) = takeover.as_mut()
+                {
+                    let fault = |p: FaultPoint| self.faults.hit(p);
+                    let step = self.beating(sink, lease, t.advance(sink, &fault));
+                    let outcome = tokio::select! {
+                        outcome = step => outcome,
+                        _ = signal.changed() => return self.stopped(signal),
+                    };
+                    match outcome {
+                        Ok(TakeoverProgress::Done) => *takeover = None,
+                        Ok(TakeoverProgress::Waiting) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %format!("{e:#}"), "the takeover of the job's view failed; trying again")
+                        }
+                    }
+                }
                 // The view of an earlier layout (or a fresh holder's) reads the published
                 // answer once there is one.
                 if !installed && result.is_ok() {

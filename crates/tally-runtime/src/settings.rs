@@ -88,6 +88,52 @@ pub struct ReadSideSettings {
     pub holder_dir: PathBuf,
     /// Asked for the source's partition count before each fold step.
     pub source: SourceGroup,
+    /// A new version (`job.version` above 1) takes the job's view over once it has caught up.
+    pub takeover: Option<TakeoverSettings>,
+}
+
+/// What a new version takes the job's view over with (docs/design/restatement.md).
+#[derive(Debug, Clone)]
+pub struct TakeoverSettings {
+    /// The job's view (`clickhouse.table`): whichever version holds the job serves it.
+    pub view: String,
+    /// This version's own view (`<table>__v<N>`).
+    pub own_view: String,
+    /// `job.restate_from`: windows before it are kept as the version that holds the job
+    /// published them; `None`: every window is rebuilt.
+    pub restate_from_ms: Option<i64>,
+    /// Where the rebuild starts on each partition (a partition it has committed nothing on
+    /// yet has read nothing).
+    pub start_from: tally_kafka::StartFrom,
+    /// The resources of each version below this one: the holder's are retired.
+    pub earlier: std::collections::BTreeMap<u64, VersionResources>,
+    /// The registry's records of the takeover.
+    pub identity: IdentitySettings,
+}
+
+/// What one version of a job owns (docs/design/restatement.md, "each version has its own").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionResources {
+    pub consumer_group: String,
+    pub changelog_topic: String,
+    pub lease_topic: String,
+    pub dead_letters: String,
+    /// Its tables' prefix and its own view (the job's view for version 1).
+    pub table: String,
+    /// Its transactional id; a task of several adds `-task-K`.
+    pub transactional_id: String,
+}
+
+impl VersionResources {
+    /// Its workers' transactional ids when the version runs `tasks` tasks.
+    pub fn transactional_ids(&self, tasks: u32) -> Vec<String> {
+        if tasks <= 1 {
+            return vec![self.transactional_id.clone()];
+        }
+        (0..tasks)
+            .map(|k| format!("{}-task-{k}", self.transactional_id))
+            .collect()
+    }
 }
 
 /// What the operator's thread runs with.
@@ -196,6 +242,20 @@ impl JobSettings {
 }
 
 impl Config {
+    /// What version `version` of this job owns (the same file's names, at that version).
+    pub fn resources_of(&self, version: u64) -> VersionResources {
+        let mut at = self.clone();
+        at.job.version = version;
+        VersionResources {
+            consumer_group: at.consumer_group(),
+            changelog_topic: at.changelog_topic(),
+            lease_topic: at.lease_topic(),
+            dead_letters: at.dlq_topic(),
+            table: at.version_table(),
+            transactional_id: at.transactional_id(),
+        }
+    }
+
     /// The job's settings, derived once from the validated file. Fails only on a job of Avro or
     /// Protobuf records whose schema registry client cannot be made (naming `registry`).
     pub fn resolve(&self) -> Result<JobSettings, ConfigError> {
@@ -207,6 +267,13 @@ impl Config {
         };
         let replicas = self.replica_settings();
         let operator = self.operator();
+        let identity = IdentitySettings {
+            identity: crate::identity::JobIdentity::of(self),
+            kafka: self.kafka_settings(),
+            registry_topic: self.registry_topic(),
+            replication_factor: self.kafka.topic_replication_factor,
+            replicas: replicas.clone(),
+        };
         Ok(JobSettings {
             name: self.job.name.clone(),
             view: self.clickhouse.table.clone(),
@@ -226,14 +293,20 @@ impl Config {
                 fold_rules: self.fold_rules(),
                 holder_dir: self.state_dir(),
                 source: source.clone(),
+                takeover: (self.job.version > 1
+                    && self.job.takeover == crate::config::TakeoverMode::Auto)
+                    .then(|| TakeoverSettings {
+                        view: self.clickhouse.table.clone(),
+                        own_view: self.version_table(),
+                        restate_from_ms: self.restate_from_ms(),
+                        start_from: self.start_from(),
+                        earlier: (1..self.job.version)
+                            .map(|v| (v, self.resources_of(v)))
+                            .collect(),
+                        identity: identity.clone(),
+                    }),
             },
-            identity: IdentitySettings {
-                identity: crate::identity::JobIdentity::of(self),
-                kafka: self.kafka_settings(),
-                registry_topic: self.registry_topic(),
-                replication_factor: self.kafka.topic_replication_factor,
-                replicas: replicas.clone(),
-            },
+            identity,
             consume: ConsumeSettings {
                 source_topic: self.kafka.source_topic.clone(),
                 operator,

@@ -428,8 +428,16 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         )
         .map_err(|refused| anyhow::anyhow!("{}: {refused}", path.display()))?;
         print!("{change}");
+        let takeover = if resolved.read_side.takeover.is_some() {
+            format!(
+                "once it has caught up with the stream it takes the job's view {} over in one swap, and the running version's workers stop (job.takeover = \"auto\")",
+                resolved.view
+            )
+        } else {
+            "it does not take the job's view over while job.takeover = \"hold\" (run it with \"auto\" to)".to_owned()
+        };
         println!(
-            "`tally run` of this file rebuilds it beside the running version, in resources of its own (its view {}); `tally retire` of it aborts it. Taking the view over is not in this release (docs/design/restatement.md)",
+            "`tally run` of this file rebuilds it beside the running version, in resources of its own (its view {}); {takeover}. Until then `tally retire` of it aborts it (docs/design/restatement.md)",
             resolved.sink.table
         );
         println!("{}: ok", path.display());

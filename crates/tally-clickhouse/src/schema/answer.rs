@@ -285,24 +285,12 @@ impl TableNames {
         atomic_database: bool,
         lease_database: &str,
     ) -> Vec<String> {
-        let view = self.view_q();
-        let (next, old) = (
-            format!("{lease_database}.next_view"),
-            format!("{lease_database}.old_view"),
-        );
-        let mut sql = vec![
-            format!("DROP TABLE IF EXISTS {old}"),
-            format!("DROP TABLE IF EXISTS {next}"),
-            self.create_view(&next, frontier),
-        ];
-        if atomic_database {
-            sql.push(format!("EXCHANGE TABLES {view} AND {next}"));
-            sql.push(format!("DROP TABLE IF EXISTS {next}"));
-        } else {
-            sql.push(format!("RENAME TABLE {view} TO {old}, {next} TO {view}"));
-            sql.push(format!("DROP TABLE IF EXISTS {old}"));
-        }
-        sql
+        TableNames::replace_view_sql(
+            &self.view_q(),
+            |next| self.create_view(next, frontier),
+            atomic_database,
+            lease_database,
+        )
     }
 
     pub(crate) fn database_engine_sql(&self) -> String {

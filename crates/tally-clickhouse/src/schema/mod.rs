@@ -531,6 +531,41 @@ impl TableNames {
             "drop.retained".into(),
             self.drop_partition_sql(&self.final_rows, day),
         ));
+        // A new version's takeover of the job's view `<view>_taken`: the windows before `to`
+        // kept from the view, the job's view over the view and those, the takeover logged.
+        let columns: Vec<String> = self
+            .shape
+            .view_columns()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        let (taken, kept) = (
+            format!("{}_taken", self.view),
+            format!("{}_kept", self.view),
+        );
+        let takeover = self
+            .keep_windows_sql(
+                &format!("{lease_db}.kept"),
+                &self.view,
+                &self.view,
+                &kept,
+                &columns,
+                to.seconds,
+            )
+            .into_iter()
+            .chain(self.install_job_view_sql(
+                &taken,
+                &columns,
+                &self.view,
+                Some((&kept, to.seconds)),
+                atomic_database,
+                &lease_db,
+            ))
+            .chain([self.log_took_over_sql("version 2 sqlcheck", &format!("{lease_db}.lease"))]);
+        for (i, sql) in takeover.enumerate() {
+            out.push((format!("takeover.{i}"), sql));
+        }
+        out.push(("read.taken_over_by".into(), self.taken_over_by_sql()));
         for (i, sql) in self.release_sql(1).into_iter().enumerate() {
             out.push((format!("release.{i}"), sql));
         }

@@ -205,6 +205,20 @@ pub struct JobConfig {
     /// holds is rebuilt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restate_from: Option<String>,
+    /// When a new version takes the job's view over: `auto`, once it has caught up with the
+    /// stream; `hold`, never while it runs so (its own view can be checked first; run it with
+    /// `auto` to take over). Not one of the rules: its workers may differ in it.
+    #[serde(default)]
+    pub takeover: TakeoverMode,
+}
+
+/// `job.takeover`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TakeoverMode {
+    #[default]
+    Auto,
+    Hold,
 }
 
 fn default_checkpoint_interval() -> Millis {

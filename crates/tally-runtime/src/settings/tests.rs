@@ -202,4 +202,61 @@ fn a_new_version_has_resources_of_its_own() {
     );
     assert_eq!(v1.consume.start_from, tally_kafka::StartFrom::Earliest);
     assert!(!v1.consume.rebuilds);
+    assert!(
+        v1.read_side.takeover.is_none(),
+        "version 1 takes nothing over"
+    );
+    // Version 2 takes the job's view over from whichever earlier version holds it: it knows
+    // what each owns, by the same file's names.
+    let t = s
+        .read_side
+        .takeover
+        .as_ref()
+        .expect("a new version takes over");
+    assert_eq!(
+        (t.view.as_str(), t.own_view.as_str()),
+        ("shop_view", "shop_view__v2")
+    );
+    assert_eq!(t.restate_from_ms, Some(from));
+    let v1_owns = &t.earlier[&1];
+    assert_eq!(
+        v1_owns,
+        &crate::settings::VersionResources {
+            consumer_group: "g".into(),
+            changelog_topic: "g-changelog".into(),
+            lease_topic: "g-lease".into(),
+            dead_letters: "orders.dlq".into(),
+            table: "shop_view".into(),
+            transactional_id: "tally-shop".into(),
+        }
+    );
+    assert_eq!(v1_owns.transactional_ids(1), vec!["tally-shop"]);
+    assert_eq!(
+        v1_owns.transactional_ids(2),
+        vec!["tally-shop-task-0", "tally-shop-task-1"]
+    );
+    assert!(!t.earlier.contains_key(&2));
+    // Held: it rebuilds beside the running version and never takes over.
+    let held = Config::parse(
+        "shop.toml",
+        JOB,
+        &[
+            ("TALLY_JOB__VERSION".into(), "2".into()),
+            ("TALLY_JOB__TAKEOVER".into(), "hold".into()),
+        ],
+    )
+    .expect("parses");
+    let held = held.resolve().expect("resolves");
+    assert!(held.read_side.takeover.is_none());
+    assert_eq!(
+        held.identity.identity.rules,
+        s.identity
+            .identity
+            .rules
+            .iter()
+            .filter(|(k, _)| *k != "job.restate_from")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        "job.takeover is not one of the rules"
+    );
 }

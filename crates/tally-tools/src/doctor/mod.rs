@@ -72,6 +72,10 @@ async fn versions_said(settings: &tally_runtime::settings::JobSettings) -> Optio
         &settings.sink.table,
     );
     match versions.rebuilding {
+        Some(n) if n == mine && versions.taking_over => Some(format!(
+            "version {mine} is taking the job's view {db}.{view} over from version {}: this is its own view {db}.{own}",
+            versions.holds
+        )),
         Some(n) if n == mine => Some(format!(
             "version {mine} rebuilds beside version {}: this is its own view {db}.{own}; the job's view {db}.{view} is version {}'s",
             versions.holds, versions.holds
