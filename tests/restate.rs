@@ -21,8 +21,16 @@ struct Requests;
 impl Requests {
     const EVERY_MS: i64 = 10_000;
 
+    /// The requests from `LIVE` on, after the first two hours, are all answered: both
+    /// versions count them alike.
+    const LIVE: usize = 720;
+
     fn status(i: usize) -> u16 {
-        if i.is_multiple_of(5) { 550 } else { 200 }
+        if i.is_multiple_of(5) && i < Self::LIVE {
+            550
+        } else {
+            200
+        }
     }
 
     async fn produce(topic: &str, first: usize, count: usize, base_ms: i64) {
@@ -329,7 +337,8 @@ async fn a_new_version_rebuilds_beside_the_running_one_and_is_aborted_without_to
 
 /// Two workers rebuild version 2 together, as workers share a job: its two tasks spread over
 /// them (its own lease topic and transactional ids), and its own view is exact from
-/// `restate_from` on, while one worker runs version 1 whole.
+/// `restate_from` on, while one worker runs version 1 whole; then version 2 takes the job's
+/// view over and version 1's worker stops by itself.
 #[tokio::test(flavor = "multi_thread")]
 async fn several_workers_rebuild_a_version_together() {
     let topic = unique("api_latency");
@@ -347,6 +356,7 @@ async fn several_workers_rebuild_a_version_together() {
     let restate_from = base + 90 * MINUTE;
     write_version_2(&job, restate_from);
     job.set("job", "tasks", "2");
+    job.set("job", "takeover", "auto");
     let other = job.replica();
     let mut workers = [job.spawn(&[]), other.spawn(&[])];
     let view_v2 = format!("{}.api_latency__v2", job.database);
@@ -374,7 +384,31 @@ async fn several_workers_rebuild_a_version_together() {
     );
     let (ok, out) = tally_command(&job, "reconcile", &[]);
     assert!(ok && out.contains("OK: every ratio is 1"), "{out}");
-    for w in workers.iter_mut().chain([&mut v1]) {
+    // Caught up, version 2 takes the job's view over from whichever worker holds its read
+    // side; version 1 stops by itself, and the view holds its windows before restate_from
+    // (every request) and version 2's from it on.
+    let retired = |j: &Job| j.log().contains("version 1 is retired");
+    wait_until(Duration::from_secs(120), || {
+        retired(&job) || retired(&other)
+    })
+    .await;
+    assert!(
+        retired(&job) || retired(&other),
+        "taken over; logs:\n{}\n{}",
+        job.log(),
+        other.log()
+    );
+    assert!(
+        wait_exit(&mut v1, Duration::from_secs(60)).is_some_and(|s| s.success()),
+        "version 1 stops by itself"
+    );
+    wait_for_requests(
+        &job,
+        &format!("{}.api_latency", job.database),
+        first as u64 + expected,
+    )
+    .await;
+    for w in workers.iter_mut() {
         sigterm(w);
         assert!(wait_exit(w, Duration::from_secs(60)).is_some_and(|s| s.success()));
     }
@@ -477,36 +511,75 @@ async fn an_avro_job_restates_from_the_middle_of_its_stream() {
     }
 }
 
-/// What a reader of `view` sees, as (the sum of its rows' hashes over `columns`, rows): one
-/// entry per change, polled every 50 ms until `stop`. A read that fails is recorded too.
+/// What a reader of `view` saw, polling it every 50 ms until `stop`.
+struct Seen {
+    /// The windows before `live` (seconds): one entry per change, as (the sum of the rows'
+    /// hashes over the columns, rows). A read that failed is an entry too.
+    settled: Vec<(String, u64)>,
+    /// Each poll at which a key was there twice, or the requests of the windows from `live`
+    /// on went down (a window gone or half shown).
+    violations: Vec<String>,
+    polls: u64,
+}
+
+/// A reader of `view` all along: its windows before `live` change only as a whole, and
+/// those from `live` on (the stream still arriving) never lose a request.
 fn watch_view(
     view: String,
     columns: Vec<String>,
+    live: i64,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> tokio::task::JoinHandle<Vec<(String, u64)>> {
+) -> tokio::task::JoinHandle<Seen> {
     tokio::spawn(async move {
-        let hashed: Vec<String> = columns.iter().map(|c| format!("toString({c})")).collect();
-        let sql = format!(
-            "SELECT toString(sum(cityHash64({}))), count() FROM {view}",
-            hashed.join(", ")
-        );
-        let mut seen: Vec<(String, u64)> = Vec::new();
+        let mut seen = Seen {
+            settled: Vec::new(),
+            violations: Vec::new(),
+            polls: 0,
+        };
+        let mut live_requests = 0u64;
         while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-            let state = match clickhouse().query(&sql).fetch_one::<(String, u64)>().await {
-                Ok(state) => state,
-                Err(e) => (format!("error: {e}"), 0),
-            };
-            if seen.last() != Some(&state) {
-                seen.push(state);
+            let settled = view_state(&view, &columns, &format!("toUInt32(window_start) < {live}"))
+                .await
+                .unwrap_or_else(|e| (format!("error: {e}"), 0));
+            if seen.settled.last() != Some(&settled) {
+                seen.settled.push(settled);
             }
+            let sql = format!(
+                "SELECT count(), uniqExact(window_start, service, route), toUInt64(sumIf(requests, toUInt32(window_start) >= {live})) FROM {view}"
+            );
+            match clickhouse()
+                .query(&sql)
+                .fetch_one::<(u64, u64, u64)>()
+                .await
+            {
+                Ok((rows, keys, requests)) => {
+                    if rows != keys {
+                        seen.violations
+                            .push(format!("poll {}: {rows} rows, {keys} keys", seen.polls));
+                    }
+                    if requests < live_requests {
+                        seen.violations.push(format!(
+                            "poll {}: live requests went from {live_requests} to {requests}",
+                            seen.polls
+                        ));
+                    }
+                    live_requests = requests;
+                }
+                Err(e) => seen.violations.push(format!("poll {}: {e}", seen.polls)),
+            }
+            seen.polls += 1;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         seen
     })
 }
 
-/// The view's state as [`watch_view`] records it, read once.
-async fn view_state(view: &str, columns: &[String], filter: &str) -> (String, u64) {
+/// The rows of `view` that pass `filter`, as (the sum of their hashes over `columns`, rows).
+async fn view_state(
+    view: &str,
+    columns: &[String],
+    filter: &str,
+) -> Result<(String, u64), clickhouse::error::Error> {
     let hashed: Vec<String> = columns.iter().map(|c| format!("toString({c})")).collect();
     clickhouse()
         .query(&format!(
@@ -515,20 +588,39 @@ async fn view_state(view: &str, columns: &[String], filter: &str) -> (String, u6
         ))
         .fetch_one()
         .await
-        .unwrap()
+}
+
+/// Produces a request of the live stream (from [`Requests::LIVE`] on) every 100 ms until
+/// `stop`: how many.
+fn live_stream(
+    topic: String,
+    base: i64,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<usize> {
+    tokio::spawn(async move {
+        let mut n = 0;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            Requests::produce(&topic, Requests::LIVE + n, 1, base).await;
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        n
+    })
 }
 
 /// api_latency runs with a filter too wide; version 2 (the filter fixed, a column added, the
-/// last hour restated) rebuilds beside it and, once caught up, takes the job's view over: the
-/// running version's workers stop by themselves (exit 0, naming version 2), a kill -9 of
-/// version 2 after it claimed the running version's read side and another after it installed
-/// the view are finished by its next start, and a reader polling the job's view all along sees
-/// version 1's answer, then the new one, and nothing else: before `restate_from` the windows
-/// version 1 published, from it on version 2's own. Version 1's tables, topics and group are
-/// gone, its file no longer runs, and new records reach the view through version 2.
+/// last hour restated) rebuilds beside it and, once caught up, takes the job's view over while
+/// requests keep arriving: the running version's workers stop by themselves (exit 0, naming
+/// version 2), a kill -9 of version 2 after it claimed the running version's read side and
+/// another after it installed the view are finished by its next start, and a reader polling
+/// the job's view all along sees no key twice, never fewer requests in the windows still
+/// arriving, and the windows before them as version 1 published them, then as the new answer,
+/// and nothing else: before `restate_from` the windows version 1 published, from it on
+/// version 2's own. Version 1's tables, topics and group are gone, its file no longer runs,
+/// and every request reaches the view through version 2.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_version_takes_the_view_over_atomically_across_kills() {
-    let total = 720;
+    let total = Requests::LIVE;
     let (job, mut v1, base) = version_1_counting(total).await;
     let topic = job.topic.clone();
     let view = format!("{}.api_latency", job.database);
@@ -536,6 +628,9 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
 
     let restate_from = base + 60 * MINUTE;
     let r = restate_from / 1000;
+    // The windows from here on are the live stream's, produced all along from now.
+    let live = (base + i64::try_from(total).unwrap() * Requests::EVERY_MS) / 1000;
+    let settled = format!("toUInt32(window_start) < {live}");
     let columns: Vec<String> = clickhouse()
         .query(&format!(
             "SELECT name FROM system.columns WHERE database = '{}' AND table = 'api_latency'",
@@ -544,14 +639,16 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
         .fetch_all()
         .await
         .unwrap();
-    let old_answer = view_state(&view, &columns, "1").await;
-    let old_before = view_state(&view, &columns, &format!("toUInt32(window_start) < {r}")).await;
+    let old_answer = view_state(&view, &columns, &settled).await.unwrap();
+    let before_r = format!("toUInt32(window_start) < {r}");
+    let old_before = view_state(&view, &columns, &before_r).await.unwrap();
     let v1_file = job.dir.path().join("v1.toml");
     std::fs::copy(&job.config, &v1_file).unwrap();
     write_version_2(&job, restate_from);
     job.set("job", "takeover", "auto");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reader = watch_view(view.clone(), columns.clone(), stop.clone());
+    let reader = watch_view(view.clone(), columns.clone(), live, stop.clone());
+    let stream = live_stream(topic.clone(), base, stop.clone());
 
     // Killed once it fenced version 1 and claimed its read side.
     let before = job.log().len();
@@ -593,12 +690,14 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
     job.wait_for_log(before, "version 1 is retired", Duration::from_secs(240))
         .await;
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let produced = stream.await.unwrap();
     let seen = reader.await.unwrap();
 
-    // The new answer: version 1's windows before restate_from, version 2's from it on.
+    // Every request reaches the view: version 1's windows before restate_from (every
+    // request), version 2's from it on (the answered ones, and the whole live stream).
     let from_hour = (360..total).filter(|&i| Requests::status(i) == 200).count() as u64;
-    assert_eq!(requests_in(&view).await, 360 + from_hour);
-    let new_before = view_state(&view, &columns, &format!("toUInt32(window_start) < {r}")).await;
+    wait_for_requests(&job, &view, 360 + from_hour + produced as u64).await;
+    let new_before = view_state(&view, &columns, &before_r).await.unwrap();
     assert_eq!(
         new_before, old_before,
         "the windows before restate_from are kept"
@@ -610,20 +709,24 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
         .collect();
     let from_r = format!("toUInt32(window_start) >= {r}");
     assert_eq!(
-        view_state(&view, &with_column, &from_r).await,
-        view_state(&view_v2, &with_column, &from_r).await,
+        view_state(&view, &with_column, &from_r).await.unwrap(),
+        view_state(&view_v2, &with_column, &from_r).await.unwrap(),
         "from restate_from on, version 2's own answer"
     );
-    let new_answer = view_state(&view, &columns, "1").await;
+    let new_answer = view_state(&view, &columns, &settled).await.unwrap();
     assert_ne!(new_answer, old_answer);
     // The reader saw the old answer, then the new one: no gap, no key twice, no half.
+    assert!(
+        seen.polls > 100 && produced > 20,
+        "{} polls, {produced} live requests",
+        seen.polls
+    );
     assert_eq!(
-        seen,
-        vec![old_answer, new_answer],
+        (seen.settled, seen.violations),
+        (vec![old_answer, new_answer], vec![]),
         "what the reader saw; log:\n{}",
         job.log()
     );
-
     // Version 1 is retired: its tables are gone, the registry names version 2, and its file
     // stops at once.
     assert_eq!(
@@ -664,12 +767,6 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
         status.is_some_and(|s| s.success()) && err.contains("version 2 took over the job"),
         "{err}"
     );
-    // New records reach the job's view through version 2.
-    Requests::produce(&topic, total, 60, base).await;
-    let more = (total..total + 60)
-        .filter(|&i| Requests::status(i) == 200)
-        .count() as u64;
-    wait_for_requests(&job, &view, 360 + from_hour + more).await;
     sigterm(&v2);
     assert!(wait_exit(&mut v2, Duration::from_secs(60)).is_some_and(|s| s.success()));
     eprintln!("{}", job.log());

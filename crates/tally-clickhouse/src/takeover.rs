@@ -151,7 +151,9 @@ impl TableNames {
             self.partitions.clone(),
         ];
         if self.view != job_view {
+            // Its own view, and the windows it kept from the version before it.
             tables.push(self.view_q());
+            tables.push(format!("{}_kept", self.view_q()));
         }
         tables.push(self.identity());
         tables
@@ -351,9 +353,9 @@ mod tests {
             "tally.api__v2"
         ));
         let v2 = TableNames::new("tally", "api__v2").unwrap_or_else(|e| unreachable!("{e}"));
-        assert!(
-            v2.version_tables("api")
-                .contains(&"tally.api__v2".to_owned())
-        );
+        let v2_tables = v2.version_tables("api");
+        assert!(v2_tables.contains(&"tally.api__v2".to_owned()));
+        assert!(v2_tables.contains(&"tally.api__v2_kept".to_owned()));
+        assert_eq!(v2_tables.last(), Some(&"tally.api__v2_job".to_owned()));
     }
 }
