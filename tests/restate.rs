@@ -611,12 +611,11 @@ fn live_stream(
 /// api_latency runs with a filter too wide; version 2 (the filter fixed, a column added, the
 /// last hour restated) rebuilds beside it and, once caught up, takes the job's view over while
 /// requests keep arriving: the running version's workers stop by themselves (exit 0, naming
-/// version 2), a kill -9 of version 2 after it claimed the running version's read side and
-/// another after it installed the view are finished by its next start, and a reader polling
-/// the job's view all along sees no key twice, never fewer requests in the windows still
-/// arriving, and the windows before them as version 1 published them, then as the new answer,
-/// and nothing else: before `restate_from` the windows version 1 published, from it on
-/// version 2's own. Version 1's tables, topics and group are gone, its file no longer runs,
+/// version 2), a kill -9 of version 2 at each step of the takeover is finished by its next
+/// start, and a reader polling the job's view all along sees no key twice, never fewer
+/// requests in the windows still arriving, and the windows before them as version 1 published
+/// them, then as the new answer, and nothing else: before `restate_from` the windows version 1
+/// published, from it on version 2's own. Version 1's tables, topics and group are gone, its file no longer runs,
 /// and every request reaches the view through version 2.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_version_takes_the_view_over_atomically_across_kills() {
@@ -650,21 +649,32 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
     let reader = watch_view(view.clone(), columns.clone(), live, stop.clone());
     let stream = live_stream(topic.clone(), base, stop.clone());
 
-    // Killed once it fenced version 1 and claimed its read side.
+    // Killed at each step of the takeover in turn: each start goes on from where the one
+    // before stood (the registry's record, the read side's log, the kept table, the view).
     let before = job.log().len();
-    let mut v2 = job.spawn(&[("TALLY_FAULT", "takeover_after_claim")]);
-    let status = wait_exit(&mut v2, Duration::from_secs(240));
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "killed at takeover_after_claim; log:\n{}",
-        job.log()
-    );
+    for point in [
+        "takeover_after_record",
+        "takeover_after_fence",
+        "takeover_after_claim",
+        "takeover_after_copy",
+        "takeover_after_install",
+        "takeover_during_retire",
+    ] {
+        let mut v2 = job.spawn(&[("TALLY_FAULT", point)]);
+        let status = wait_exit(&mut v2, Duration::from_secs(240));
+        assert!(
+            status.is_some_and(|s| !s.success())
+                && job.log().contains(&format!("point=\"{point}\"")),
+            "killed at {point}; log:\n{}",
+            job.log()
+        );
+    }
     assert!(
         job.log()[before..].contains("caught up: taking the job's view over"),
         "log:\n{}",
         job.log()
     );
-    // Version 1's workers stop by themselves.
+    // Version 1's workers stopped by themselves.
     let status = wait_exit(&mut v1, Duration::from_secs(60));
     assert!(
         status.is_some_and(|s| s.success()),
@@ -675,14 +685,6 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
         job.log()
             .contains("version 2 took over the job from version 1: this worker stops"),
         "log:\n{}",
-        job.log()
-    );
-    // Killed again once the view is installed; its next start retires version 1.
-    let mut v2 = job.spawn(&[("TALLY_FAULT", "takeover_after_install")]);
-    let status = wait_exit(&mut v2, Duration::from_secs(120));
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "killed at takeover_after_install; log:\n{}",
         job.log()
     );
     let before = job.log().len();
