@@ -41,6 +41,12 @@
 #       5000 records/s, the time from a SIGKILL of the replica written through, and of a broker, to
 #       the commit of the first epoch begun after it (checkpoints every second);
 #       --cluster-faults: those fault times alone
+#   scripts/bench.sh --restate [--events N] [--rate R] [--live-seconds S]
+#       a new version restating a day: N records (default 2M) over 24 h of event time caught up by
+#       version 1, which then serves a live load of R records/s (default 2000): its commit latency
+#       and throughput for S seconds (default 60) alone, then while version 2 (the same rules,
+#       job.takeover = "hold") rebuilds the whole day beside it under the same load; version 2's
+#       time and CPU for the day, and version 1's figures in both phases
 #   scripts/bench.sh --formats [--events N] [--repeat R]
 #       one declared job (config/payments.toml) on the same records in JSON, Avro and Protobuf
 #       (Confluent wire format, schemas in the local registry, changing twice mid-stream):
@@ -50,6 +56,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 events="" partitions=4 mode=throughput days=7 live_seconds=180 repeat=3 rows=1000000 updates=1000000
 customers=10000 skew=1.1 step_ms=10 verify=1 compare="" with_standby=0 shared=0 together=0 cluster=0
+rate=2000 live_given=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -73,7 +80,9 @@ while (($#)); do
     --rows) rows=$2; shift 2 ;;
     --updates) updates=$2; shift 2 ;;
     --days) days=$2; shift 2 ;;
-    --live-seconds) live_seconds=$2; shift 2 ;;
+    --live-seconds) live_seconds=$2 live_given=1; shift 2 ;;
+    --restate) mode=restate; shift ;;
+    --rate) rate=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -299,6 +308,11 @@ if [ "$mode" = read ]; then read_bench; exit 0; fi
 [ "$mode" = changes ] && events=$(( rows + updates ))
 if [ "$mode" = failover ]; then failover_bench; exit 0; fi
 if [ "$mode" = join ]; then join_bench; exit 0; fi
+if [ "$mode" = restate ]; then
+  # A day of event time over the topic's partitions.
+  events=${events:-2000000} step_ms=$(( 86400000 * partitions / ${events:-2000000} ))
+  ((live_given)) || live_seconds=60
+fi
 events=${events:-1000000}
 
 scripts/bootstrap.sh
@@ -649,6 +663,72 @@ if ((cluster)); then
   cat "$top/faults/times"
   exit 0
 fi
+
+# --restate: see the usage above. One run: version 1 caught up, alone under the live load, then
+# beside version 2 rebuilding the day under the same load.
+restate_bench() {
+  local rdir="$dir/restate" v1 v2 load t0 t1 k0 c0 cpu2 alone with
+  mkdir -p "$rdir"
+  run_env 1 restate
+  # The live load: event time advances with the wall clock, records of its own seed.
+  live() {
+    "$bin" loadgen --config "$config" --rate "$rate" --duration "$1s" --partitions "$partitions" \
+      --customers "$customers" --skew "$skew" --step-ms "$(( 1000 * partitions / rate ))" \
+      --start-ms "$(date +%s%3N)" --seed "$2" --manifest "$rdir/live-$2.json" >"$rdir/live-$2.log" 2>&1
+  }
+  now() { date -u +%Y-%m-%dT%H:%M:%S.%6NZ; }
+  "$bin" run --config "$config" >"$rdir/v1.log" 2>&1 &
+  v1=$!
+  trap "kill -9 $v1 \${v2:-} \${load:-} 2>/dev/null || true" EXIT
+  until [ "$(sum_field consumed "$rdir/v1.log")" -ge "$events" ]; do
+    kill -0 "$v1" 2>/dev/null || { echo "version 1 exited" >&2; tail -20 "$rdir/v1.log" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "restate: version 1 caught up the day ($events records)" >&2
+  alone="$(now)"
+  live "$live_seconds" 2
+  alone="$alone $(now)"
+  echo "restate: version 1 alone under $rate records/s for ${live_seconds}s" >&2
+  live 3600 3 &
+  load=$!
+  with="$(now)"
+  k0=$(cpu_ticks "$kafka_pid") c0=$(cpu_ticks "$clickhouse_pid")
+  t0=$(date +%s%N)
+  TALLY_JOB__VERSION=2 TALLY_JOB__TAKEOVER=hold "$bin" run --config "$config" >"$rdir/v2.log" 2>&1 &
+  v2=$!
+  # Rebuilt: it has read every record the topic held when it started.
+  until grep -qE 'rebuild progress: ([0-9]+) of \1 records read' "$rdir/v2.log"; do
+    kill -0 "$v2" 2>/dev/null || { echo "version 2 exited" >&2; tail -20 "$rdir/v2.log" >&2; exit 1; }
+    sleep 0.2
+  done
+  t1=$(date +%s%N)
+  cpu2=$(cpu_ticks "$v2")
+  echo "broker=$(ticks_s $(( $(cpu_ticks "$kafka_pid") - k0 ))) clickhouse=$(ticks_s $(( $(cpu_ticks "$clickhouse_pid") - c0 )))" >"$rdir/services_cpu"
+  with="$with $(now)"
+  kill "$load" 2>/dev/null || true; wait "$load" 2>/dev/null || true
+  kill -TERM "$v2" "$v1" 2>/dev/null || true; wait "$v2" "$v1" 2>/dev/null || true
+  trap - EXIT
+  local read_line
+  read_line=$(grep -oE 'rebuild progress: ([0-9]+) of \1 records read' "$rdir/v2.log" | head -1)
+  echo "== restate a day: $events records over 24 h of event time, $partitions partitions; version 1 under $rate records/s"
+  echo "version 2: $read_line in $(awk -v n="$(( t1 - t0 ))" 'BEGIN { printf "%.1f", n / 1e9 }') s (from its start), CPU $(ticks_s "$cpu2") s; services meanwhile: $(cat "$rdir/services_cpu")"
+  python3 - "$rdir/v1.log" "$alone" "$with" <<'PY'
+import re, statistics, sys
+from datetime import datetime
+log, phases = sys.argv[1], {"alone": sys.argv[2].split(), "beside version 2": sys.argv[3].split()}
+ts = lambda s: datetime.fromisoformat(s[:26])
+lines = [l for l in open(log) if "checkpoint committed" in l]
+for name, (a, b) in phases.items():
+    a, b = ts(a), ts(b)
+    inside = [l for l in lines if a <= ts(l[:26]) <= b]
+    millis = sorted(int(re.search(r" millis=(\d+)", l).group(1)) for l in inside)
+    consumed = sum(int(re.search(r" consumed=(\d+)", l).group(1)) for l in inside)
+    seconds = (b - a).total_seconds()
+    p = lambda q: millis[min(len(millis) - 1, round((len(millis) - 1) * q))] if millis else float("nan")
+    print(f"version 1 {name}: {consumed / seconds:.0f} records/s over {seconds:.0f} s, commit latency p50 {p(0.5)} ms p99 {p(0.99)} ms ({len(millis)} commits)")
+PY
+}
+if [ "$mode" = restate ]; then restate_bench; exit 0; fi
 
 if [ -z "$compare" ] && [ "$with_standby" = 0 ] && [ "$shared" = 0 ]; then
   for r in $(seq 1 "$repeat"); do
