@@ -350,17 +350,11 @@ fn read_registry_if_any(settings: &IdentitySettings) -> Result<Option<Registry>>
     read_registry(settings).map(Some)
 }
 
-/// The job's record in Kafka's registry (its running version's identity), without recording
-/// anything; `None`: the registry holds no record of it.
-pub async fn recorded(settings: &IdentitySettings) -> Result<Option<JobIdentity>> {
-    Ok(read_registry_if_any(settings)?.and_then(|r| r.job(&settings.identity.job).cloned()))
-}
-
 /// The versions of a job the registry holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Versions {
-    /// The version that holds the job (and its view).
-    pub holds: u64,
+    /// The job's record: the identity of the version that holds the job (and its view).
+    pub holder: JobIdentity,
     /// A new version rebuilding beside it.
     pub rebuilding: Option<u64>,
     /// Versions aborted (`tally retire` before they took over): their numbers are not reused.
@@ -369,14 +363,22 @@ pub struct Versions {
     pub taking_over: bool,
 }
 
+impl Versions {
+    /// The version that holds the job.
+    pub fn holds(&self) -> u64 {
+        self.holder.version()
+    }
+}
+
 /// The job's versions as the registry holds them, without recording anything; `None`: the
 /// registry holds no record of the job.
 pub async fn versions(settings: &IdentitySettings) -> Result<Option<Versions>> {
     let job = &settings.identity.job;
     Ok(read_registry_if_any(settings)?.and_then(|r| {
-        let holds = r.job(job)?.version();
+        let holder = r.job(job)?.clone();
+        let holds = holder.version();
         Some(Versions {
-            holds,
+            holder,
             rebuilding: r.rebuilding(job, holds).map(JobIdentity::version),
             aborted: r
                 .versions
@@ -454,13 +456,6 @@ pub async fn record_took_over(settings: &IdentitySettings) -> Result<()> {
     )
     .await?;
     Ok(())
-}
-
-/// The identity of the version that holds the job, as the registry records it.
-pub fn holder(settings: &IdentitySettings) -> Result<Option<JobIdentity>> {
-    Ok(read_registry(settings)?
-        .job(&settings.identity.job)
-        .cloned())
 }
 
 /// Checks the job against Kafka's registry, recording it there if it is new, or as the version

@@ -135,20 +135,21 @@ impl Takeover {
             Stage::Retiring { from, .. } => return self.finish_replica(own, from).await,
             _ => {}
         }
-        let holder = identity::holder(&self.settings.identity)?.with_context(|| {
-            format!(
-                "job {}: the registry holds no record of the job to take over",
-                self.job()
-            )
-        })?;
-        let from = holder.version();
+        let versions = identity::versions(&self.settings.identity)
+            .await?
+            .with_context(|| {
+                format!(
+                    "job {}: the registry holds no record of the job to take over",
+                    self.job()
+                )
+            })?;
+        let from = versions.holds();
         if from == self.version() {
             // The registry says done: this replica may still have its steps to finish
             // (another replica's agent recorded it).
             return self.retire(own, from).await;
         }
-        let versions = identity::versions(&self.settings.identity).await?;
-        if !versions.is_some_and(|v| v.taking_over && v.rebuilding == Some(self.version())) {
+        if !(versions.taking_over && versions.rebuilding == Some(self.version())) {
             if !self.ready(own, from).await? {
                 return Ok(Progress::Waiting);
             }
@@ -157,7 +158,8 @@ impl Takeover {
             fault(FaultPoint::TakeoverAfterRecord);
         }
         let resources = self.resources(from)?;
-        let tasks = holder
+        let tasks = versions
+            .holder
             .rules
             .get("job.tasks")
             .and_then(|t| t.parse().ok())

@@ -171,12 +171,10 @@ pub fn compare(
 /// Reads the running version from the services the job's `settings` name: its record in the
 /// registry of jobs, its view's columns, and the source topic's earliest records.
 pub async fn read(settings: &JobSettings) -> Result<Running> {
-    let identity = tally_runtime::identity::recorded(&settings.identity)
-        .await
-        .context("reading the registry of jobs")?;
     let versions = tally_runtime::identity::versions(&settings.identity)
         .await
         .context("reading the registry of jobs")?;
+    let identity = versions.as_ref().map(|v| v.holder.clone());
     // The job's view, which the running version holds (not this version's own).
     let replicas: Vec<_> = settings
         .replicas

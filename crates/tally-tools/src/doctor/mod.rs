@@ -74,13 +74,14 @@ async fn versions_said(settings: &tally_runtime::settings::JobSettings) -> Optio
     match versions.rebuilding {
         Some(n) if n == mine && versions.taking_over => Some(format!(
             "version {mine} is taking the job's view {db}.{view} over from version {}: this is its own view {db}.{own}",
-            versions.holds
+            versions.holds()
         )),
         Some(n) if n == mine => Some(format!(
             "version {mine} rebuilds beside version {}: this is its own view {db}.{own}; the job's view {db}.{view} is version {}'s",
-            versions.holds, versions.holds
+            versions.holds(),
+            versions.holds()
         )),
-        Some(n) if versions.holds == mine => Some(format!(
+        Some(n) if versions.holds() == mine => Some(format!(
             "the job's view {db}.{view} is this version's ({mine}); version {n} rebuilds beside it in tables of its own"
         )),
         _ => None,
