@@ -31,6 +31,12 @@
 #          ClickHouse restart a SIGKILL of one replica at a time, each started again after 5 s,
 #          and each restart adds a ZooKeeper restart; a reader polls each replica's view and
 #          verify checks each replica)
+#          --restate (a new version of the job takes it over under the chaos: version 2, the
+#          same rules with a column added and restate_from 40 % into the stream's event time,
+#          starts on as many workers of its own a third of the way through; three steps of the
+#          takeover, drawn at random, each SIGKILL the worker that first runs it; kills, zombies and
+#          leaves then hit version 2; version 1's workers must stop by themselves; verify checks
+#          the job's view against version 1's answer before restate_from and version 2's from it)
 #
 # A job of change events (config/orders.toml) runs on the whole chain: loadgen changes a
 # PostgreSQL table of the run's own (inserts, updates, deletes, key changes, --snapshots new
@@ -44,7 +50,7 @@ source scripts/env.sh
 
 events=200000 rate=5000 kills=10 restarts=1 partitions=4 seed=42 catch_up=600 profile=debug
 workers=1 zombies=0 leaves=0 tasks=1 fold_kills=0 customers=1000 zombie_seconds=9 upgrade_from=""
-config=config/revenue_agg.toml snapshots=2 cluster=0
+config=config/revenue_agg.toml snapshots=2 cluster=0 restate=0
 while (($#)); do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -66,6 +72,7 @@ while (($#)); do
     --config) config=$2; shift 2 ;;
     --snapshots) snapshots=$2; shift 2 ;;
     --cluster) cluster=1; shift ;;
+    --restate) restate=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -131,18 +138,50 @@ keys=$(sed -n 's/^group_by *= *\[\(.*\)\].*/\1/p' "$config" | tr -d '" ')
 keys=${keys:-customer_id,currency}
 # The verify and probe tools read the first worker's settings; they touch no state directory.
 export TALLY_JOB__STATE_DIR="$dir/state-0"
+# Workers 0..workers-1 run the job's file; with --restate, workers..2*workers-1 run version 2.
+cfg_of=() pending_faults=()
+cur_lo=0
+loadgen_config=$config loadgen_start=()
+if ((restate)); then
+  if ((changes)); then echo "chaos: --restate runs jobs of events" >&2; exit 2; fi
+  case "$TALLY_WINDOW__SIZE" in *[0-9]s) size_ms=$(( ${TALLY_WINDOW__SIZE%s} * 1000 )) ;;
+    *) echo "chaos: --restate needs window sizes in seconds" >&2; exit 2 ;; esac
+  # loadgen's event time: from its start, 10 ms a record per partition (its --step-ms).
+  span_ms=$(( events / partitions * 10 ))
+  start_ms=$(( $(date +%s%3N) - span_ms ))
+  restate_ms=$(( (start_ms + span_ms * 2 / 5) / size_ms * size_ms ))
+  restate_from=$(date -u -d "@$((restate_ms / 1000))" +%Y-%m-%dT%H:%M:%SZ)
+  cp "$config" "$dir/v1.toml"
+  sed "/^\[job\]/a version = 2\nrestate_from = \"$restate_from\"" "$config" >"$dir/v2.toml"
+  printf '\n[[aggregation.aggregate]]\ncolumn = "records_v2"\nfunction = "count"\n' >>"$dir/v2.toml"
+  config="$dir/v1.toml"
+  # The manifest holds version 2's columns; version 1's answer is the same less one.
+  loadgen_config="$dir/v2.toml" loadgen_start=(--start-ms "$start_ms")
+  # Three of the takeover's six steps: each start of a version 2 worker arms those not yet
+  # reached, so that each SIGKILLs whichever worker runs it first (a step a killed worker
+  # left done is not run again; one it left undone may kill a second worker).
+  points=(takeover_after_record takeover_after_fence takeover_after_claim takeover_after_copy takeover_after_install takeover_during_retire)
+  pending_faults=()
+  for ((i = 0; i < ${#points[@]}; i++)); do
+    if (( RANDOM % (${#points[@]} - i) < 3 - ${#pending_faults[@]} )); then pending_faults+=("${points[i]}"); fi
+  done
+  for ((w = 0; w < workers; w++)); do cfg_of[workers + w]="$dir/v2.toml"; done
+fi
 
 # ClickHouse over HTTP, for what the run counts and where it aims its fold kills.
 # The servers readers read: one, or each replica of the cluster.
 IFS=, read -r -a ch_urls <<<"${TALLY_CLICKHOUSE__URL:-http://127.0.0.1:8123}"
 chq() { curl -sS "${2:-${ch_urls[0]}}/" --data-binary "$1"; }
 table=${TALLY_CLICKHOUSE__TABLE:-${job_table:-revenue_agg}}
+# The tables of the version that runs the job (version 2's once it started, with --restate).
+vt=$table
 
 # Worker i: its own state directory and log; pids[i], and where its log was when it started.
 pids=() log_at=() first_started=() upgraded=0
 worker_log() { echo "$dir/worker-$1.log"; }
 start_worker() {
-  local log bin=$TALLY_BIN; log=$(worker_log "$1")
+  local log bin=$TALLY_BIN fault=""; log=$(worker_log "$1")
+  if ((restate && $1 >= workers)); then fault=$(IFS=,; echo "${pending_faults[*]}"); fi
   touch "$log"; log_at[$1]=$(stat -c %s "$log")
   if [ -n "$upgrade_from" ]; then
     if [ -z "${first_started[$1]:-}" ]; then bin=$upgrade_from; else upgraded=$((upgraded + 1)); fi
@@ -150,22 +189,57 @@ start_worker() {
   fi
   # The events at debug (tally::events in releases before the runtime crate): a line per
   # publish, counted below.
-  RUST_LOG="${RUST_LOG:-info,rdkafka=warn,tally::events=debug,tally_runtime::events=debug}" \
-    TALLY_JOB__STATE_DIR="$dir/state-$1" "$bin" run --config "$config" >>"$log" 2>&1 &
+  env ${fault:+TALLY_FAULT=$fault} \
+    RUST_LOG="${RUST_LOG:-info,rdkafka=warn,tally::events=debug,tally_runtime::events=debug}" \
+    TALLY_JOB__STATE_DIR="$dir/state-$1" "$bin" run --config "${cfg_of[$1]:-$config}" >>"$log" 2>&1 &
   pids[$1]=$!
+}
+# Version 2 beside version 1 (--restate): its workers start, and the chaos moves to them.
+v2_started_at="" v1_stopped=0 fault_kills=""
+start_version_2() {
+  local w
+  for ((w = workers; w < 2 * workers; w++)); do start_worker "$w"; done
+  cur_lo=$workers vt="${table}__v2" v2_started_at=$(( $(date +%s) - started ))
+}
+# A worker that exited by itself: started again if it lost its lease (a woken zombie: its
+# supervisor would) or was SIGKILLed at a takeover step; left alone if a new version took the
+# job over (it exits 0). Anything else fails the run (after catching up: is only reported).
+tend_workers() {
+  local w log since point i
+  for ((w = 0; w < ${#pids[@]}; w++)); do
+    [ -n "${pids[w]}" ] || continue
+    kill -0 "${pids[w]}" 2>/dev/null && continue
+    log=$(worker_log "$w"); since=$(tail -c +$((log_at[w] + 1)) "$log")
+    if grep -c "lost the lease" >/dev/null <<<"$since"; then
+      zombie_exits=$((zombie_exits + 1)); start_worker "$w"
+    elif ((restate)) && grep -c "took over the job from version 1: this worker stops" >/dev/null <<<"$since" \
+        && wait "${pids[w]}"; then
+      v1_stopped=$((v1_stopped + 1)); pids[w]=""
+    elif ((restate)) && grep -c "fault injection: SIGKILL" >/dev/null <<<"$since"; then
+      point=$(grep -o 'takeover_[a-z_]*' <<<"$since" | tail -1)
+      fault_kills="$fault_kills $point"
+      for ((i = 0; i < ${#pending_faults[@]}; i++)); do
+        if [ "${pending_faults[i]}" = "$point" ]; then pending_faults=("${pending_faults[@]:0:i}" "${pending_faults[@]:i+1}"); break; fi
+      done
+      start_worker "$w"
+    else
+      echo "worker $w exited on its own; log tail:" >&2; tail -20 "$log" >&2
+      [ "$1" = report ] || exit 1
+    fi
+  done
 }
 # The worker running the job: it took the lease since its last start. With tasks, a random
 # worker among those that started a task since their last start.
 active_worker() {
   local w running=()
-  for ((w = 0; w < workers; w++)); do
+  for ((w = cur_lo; w < cur_lo + workers; w++)); do
     if ((tasks > 1)); then
       tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -c "starting task" >/dev/null && running+=("$w")
     elif tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -c "holding the job's lease" >/dev/null; then
       echo "$w"; return
     fi
   done
-  if ((${#running[@]})); then echo "${running[RANDOM % ${#running[@]}]}"; else echo 0; fi
+  if ((${#running[@]})); then echo "${running[RANDOM % ${#running[@]}]}"; else echo "$cur_lo"; fi
 }
 # kill_one_node KIND N -- SIGKILLs one of the cluster's nodes KIND-1..KIND-N at random, starts it
 # again 5 s later, and prints its name.
@@ -238,7 +312,7 @@ if ((changes)); then
   loadgen_pid=$!
 else
   # Produce in the background at the target rate, with duplicates, poison of every reason and late events.
-  "$TALLY_BIN" loadgen --config "$config" --events "$events" --rate "$rate" --partitions "$partitions" --seed "$seed" \
+  "$TALLY_BIN" loadgen --config "$loadgen_config" "${loadgen_start[@]}" --events "$events" --rate "$rate" --partitions "$partitions" --seed "$seed" \
     --customers "$customers" --duplicates 0.03 --poison 0.005 --late 0.005 --manifest "$dir/manifest.json" >"$dir/loadgen.log" 2>&1 &
   loadgen_pid=$!
 fi
@@ -267,9 +341,16 @@ for ((i = ${#actions[@]} - 1; i > 0; i--)); do j=$((RANDOM % (i + 1))); t=${acti
 gap_ms=$(( duration * 1000 / (total_events + 1) ))
 done_kills=0 done_ch=0 done_kafka=0 done_zombies=0 done_leaves=0 zombie_exits=0 done_fold_kills=0 read_side_back=""
 done_connect=0 done_pg=0 done_zk=0
+load_started=$(date +%s%3N)
 for action in "${actions[@]}"; do
   # A random moment: on average one gap apart, anywhere from half a gap to one and a half.
   sleep_ms=$(( gap_ms / 2 + RANDOM % (gap_ms > 1 ? gap_ms : 1) ))
+  # Version 2 starts a third of the way through the load, its chaos after it.
+  if ((restate)) && [ -z "$v2_started_at" ] && (( $(date +%s%3N) + sleep_ms - load_started >= duration * 1000 / 3 )); then
+    sleep "$(printf '%d.%03d' $(( (sleep_ms / 2) / 1000)) $(( (sleep_ms / 2) % 1000)))"
+    start_version_2
+    sleep_ms=$(( sleep_ms / 2 ))
+  fi
   sleep "$(printf '%d.%03d' $((sleep_ms / 1000)) $((sleep_ms % 1000)))"
   case "$action" in
     kill)
@@ -290,7 +371,7 @@ for action in "${actions[@]}"; do
       kill -CONT "${pids[w]}" 2>/dev/null || true
       done_zombies=$((done_zombies + 1)) ;;
     leave)
-      w=$((RANDOM % workers))
+      w=$((cur_lo + RANDOM % workers))
       kill -TERM "${pids[w]}" 2>/dev/null || true
       wait "${pids[w]}" 2>/dev/null || true
       done_leaves=$((done_leaves + 1))
@@ -301,9 +382,9 @@ for action in "${actions[@]}"; do
       until_s=$(( $(date +%s) + 120 ))
       until [ "$(chq "SELECT count() FROM system.processes WHERE query LIKE 'INSERT INTO ${run}__${table}__read%.fold%'" 2>/dev/null || echo 0)" -gt 0 ] \
             || [ "$(date +%s)" -ge "$until_s" ]; do sleep 0.05; done
-      gen=$(chq "SELECT max(generation) FROM ${run}.${table}_read_side" 2>/dev/null || echo 0)
-      holder_pid=$(chq "SELECT holder FROM ${run}__${table}__read${gen}.lease" 2>/dev/null | sed -n 's/^tally run@[^:]*:\([0-9]*\):.*/\1/p')
-      for ((w = 0; w < workers; w++)); do
+      gen=$(chq "SELECT max(generation) FROM ${run}.${vt}_read_side" 2>/dev/null || echo 0)
+      holder_pid=$(chq "SELECT holder FROM ${run}__${vt}__read${gen}.lease" 2>/dev/null | sed -n 's/^tally run@[^:]*:\([0-9]*\):.*/\1/p')
+      for ((w = cur_lo; w < cur_lo + workers; w++)); do
         [ "${pids[w]}" = "$holder_pid" ] || continue
         killed_at=$(date +%s%N)
         kill -9 "${pids[w]}" 2>/dev/null || true
@@ -311,7 +392,7 @@ for action in "${actions[@]}"; do
         start_worker "$w"
         done_fold_kills=$((done_fold_kills + 1))
         # Until a later generation holds the read side: publishing resumed.
-        until [ "$(chq "SELECT max(generation) FROM ${run}.${table}_read_side" 2>/dev/null || echo 0)" -gt "$gen" ]; do sleep 0.1; done
+        until [ "$(chq "SELECT max(generation) FROM ${run}.${vt}_read_side" 2>/dev/null || echo 0)" -gt "$gen" ]; do sleep 0.1; done
         read_side_back="$read_side_back $(( ($(date +%s%N) - killed_at) / 1000000 ))"
       done ;;
     clickhouse)
@@ -342,42 +423,34 @@ for action in "${actions[@]}"; do
     postgres) scripts/services.sh restart postgres >&2; done_pg=$((done_pg + 1)) ;;
   esac
   if ((changes)); then revive_connector; fi
-  # A worker that exits by itself is a failure of its own, unless it lost its lease (a woken
-  # zombie): then it starts again, as its supervisor would, and stands by.
-  for ((w = 0; w < workers; w++)); do
-    kill -0 "${pids[w]}" 2>/dev/null && continue
-    log=$(worker_log "$w")
-    if tail -c +$((log_at[w] + 1)) "$log" | grep -c "lost the lease" >/dev/null; then
-      zombie_exits=$((zombie_exits + 1)); start_worker "$w"; continue
-    fi
-    echo "worker $w exited on its own; log tail:" >&2; tail -20 "$log" >&2; exit 1
-  done
+  tend_workers
 done
+if ((restate)) && [ -z "$v2_started_at" ]; then start_version_2; fi
 wait "$loadgen_pid"; loadgen_pid=""
 
 # verify on every replica readers read (one server, or each replica of the cluster).
+# With --restate: version 2's, once it holds the job's view, against both versions' answers,
+# and only once every worker of version 1 stopped by itself.
+verify_args=(--config "$config")
+if ((restate)); then verify_args=(--config "$dir/v2.toml" --earlier "$dir/v1.toml"); fi
 verify_all() {
   local r
   for ((r = 0; r < ${#ch_urls[@]}; r++)); do
-    TALLY_CLICKHOUSE__URL="${ch_urls[r]}" "$TALLY_BIN" verify --config "$config" --manifest "$dir/manifest.json" \
+    TALLY_CLICKHOUSE__URL="${ch_urls[r]}" "$TALLY_BIN" verify "${verify_args[@]}" --manifest "$dir/manifest.json" \
       >"$dir/verify-$r.txt" 2>&1 || { cp "$dir/verify-$r.txt" "$dir/verify.txt"; return 1; }
+    if ((restate)) && ! grep -c "holds the job's view" "$dir/verify-$r.txt" >/dev/null; then
+      cp "$dir/verify-$r.txt" "$dir/verify.txt"; echo "verify: version 2 does not hold the job's view yet" >>"$dir/verify.txt"; return 1
+    fi
   done
   cp "$dir/verify-0.txt" "$dir/verify.txt"
+  if ((restate && v1_stopped < workers)); then echo "verify: $v1_stopped of $workers workers of version 1 stopped" >>"$dir/verify.txt"; return 1; fi
 }
 # Catch up: poll verify until it matches or the deadline passes.
 deadline=$(( $(date +%s) + catch_up ))
 until verify_all; do
   if [ "$(date +%s)" -ge "$deadline" ]; then break; fi
   if ((changes)); then revive_connector; fi
-  # A woken zombie stops by itself once (see above); start it again.
-  for ((w = 0; w < workers; w++)); do
-    kill -0 "${pids[w]}" 2>/dev/null && continue
-    if tail -c +$((log_at[w] + 1)) "$(worker_log "$w")" | grep -c "lost the lease" >/dev/null; then
-      zombie_exits=$((zombie_exits + 1)); start_worker "$w"
-    else
-      echo "worker $w died while catching up" >&2; tail -20 "$(worker_log "$w")" >&2
-    fi
-  done
+  tend_workers report
   sleep 5
 done
 for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
@@ -465,13 +538,21 @@ folds=$(cat "$dir"/worker-*.log | grep -c 'fold step frontier=' || true)
 printf '%-40s %s\n' "fold steps (frontier advanced)" "$folds ($(cat "$dir"/worker-*.log | grep 'fold step frontier=' | grep -vc 'folded_rows=0' || true))"
 printf '%-40s %s\n' "fold kills (holder SIGKILLed mid-insert)" "$done_fold_kills${read_side_back:+ (read side back after ms:$read_side_back)}"
 printf '%-40s %s\n' "publishes (snapshots swapped in)" "$(cat "$dir"/worker-*.log | grep -c ' published ' || true)"
-printf '%-40s %s\n' "read side generations (claims)" "$(chq "SELECT countIf(event = 'claimed') FROM ${run}.${table}_read_side" 2>/dev/null || echo '?')"
+printf '%-40s %s\n' "read side generations (claims)" "$(chq "SELECT countIf(event = 'claimed') FROM ${run}.${vt}_read_side" 2>/dev/null || echo '?')"
+if ((restate)); then
+  printf '%-40s %s\n' "version 2 (a column added) restating from" "$restate_from, started ${v2_started_at}s into the run"
+  printf '%-40s %s\n' "version 2 SIGKILLed at takeover steps" "${fault_kills# }"
+  printf '%-40s %s\n' "version 1 workers stopped by the takeover" "$v1_stopped of $workers (exit 0)"
+  printf '%-40s %s\n' "windows kept from version 1 (_kept rows)" "$(chq "SELECT count() FROM ${run}.${vt}_kept" 2>/dev/null || echo '?')"
+  printf '%-40s %s\n' "version 1's tables left (must be 0)" "$(chq "SELECT count() FROM system.tables WHERE database = '${run}' AND name IN ('${table}_data', '${table}_commits', '${table}_final', '${table}_live', '${table}_job')" 2>/dev/null || echo '?')"
+fi
 twice=0
+kept=""; if ((restate)); then kept=" + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${vt}_kept)"; fi
 for url in "${ch_urls[@]}"; do
-  n=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_final) + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${table}_live)" "$url" 2>/dev/null || echo '?')
+  n=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${vt}_final) + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${vt}_live)$kept" "$url" 2>/dev/null || echo '?')
   if [ "$n" = '?' ] || [ "$twice" = '?' ]; then twice='?'; else twice=$((twice + n)); fi
 done
-printf '%-40s %s\n' "keys twice in the folded or live table (must be 0)" "$twice"
+printf '%-40s %s\n' "keys twice in the folded, live or kept table (must be 0)" "$twice"
 for ((r = 0; r < ${#ch_urls[@]}; r++)); do
   probe=$(grep '^probe-summary' "$dir/probe-$r.txt" || true)
   on=""; if ((${#ch_urls[@]} > 1)); then on=" on ${ch_urls[r]#http://}"; fi
@@ -485,6 +566,10 @@ for ((r = 0; r < ${#ch_urls[@]}; r++)); do
   fi
 done
 printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
+if ((restate)); then
+  left=$(chq "SELECT count() FROM system.tables WHERE database = '${run}' AND name IN ('${table}_data', '${table}_commits', '${table}_final', '${table}_live', '${table}_job')" 2>/dev/null || echo '?')
+  if [ "$left" != 0 ]; then echo "chaos: FAILED (version 1's tables are still there: $left)"; exit 1; fi
+fi
 if [ "$twice" != 0 ]; then
   echo "chaos: FAILED (a key is twice in a table readers read)"; exit 1
 fi

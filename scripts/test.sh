@@ -60,6 +60,8 @@ if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   scripts/chaos.sh --config config/page_views.toml --workers 3 --events 100000 --rate 4000 --kills 3 --zombies 1 --leaves 1 --restarts 1
   echo "== chaos of a job of change events (config/orders.toml: PostgreSQL -> Debezium -> tally, 3 workers, Kafka Connect killed, PostgreSQL restarted, new snapshots)"
   scripts/chaos.sh --config config/orders.toml --workers 3 --events 6000 --rate 150 --kills 3 --zombies 1 --leaves 1 --restarts 1
+  echo "== a new version takes the job over under chaos (--restate: a column added, the last 60 % of the stream's windows restated, 3 workers a version, kill -9 at three takeover steps)"
+  scripts/chaos.sh --restate --workers 3 --events 100000 --rate 4000 --kills 3 --zombies 1 --leaves 1 --restarts 1
   echo "== upgrade in place under chaos (from the release before the state and changelog formats changed)"
   # No service restarts: that release stops if it starts while Kafka restarts (fixed since).
   scripts/upgrade.sh --events 60000 --rate 4000 --kills 3 --restarts 0

@@ -137,6 +137,7 @@ fn order(
         value: value.into_bytes(),
         kind,
         contributes,
+        late_ms: (kind == tally_tools::loadgen::Kind::Late).then_some(t_ms),
     }
 }
 

@@ -108,6 +108,8 @@ impl Manifest {
                 .iter()
                 .map(|((p, o), r)| (*p, *o, *r))
                 .collect(),
+            // Read only by verify of a later version (the tests' manifests are version 1's).
+            late_times: Vec::new(),
         }
         .save(path)
     }

@@ -193,6 +193,13 @@ impl ClickHouseSink {
         self.collect_cells(&sql, "reading the view").await
     }
 
+    /// [`read_view_cells`](Self::read_view_cells) of the view `view` of the database, read
+    /// with this job's columns: the job's view once a new version holds it.
+    pub async fn read_view_cells_of(&self, view: &str) -> Result<Cells> {
+        let sql = self.names.cells_sql(&self.names.read_view_named_sql(view));
+        self.collect_cells(&sql, "reading the job's view").await
+    }
+
     /// [`read_committed_answer`](Self::read_committed_answer) for a job of any shape.
     pub async fn read_committed_cells(&self) -> Result<Cells> {
         let frontier = self.frontier().await?;

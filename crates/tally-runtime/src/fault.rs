@@ -1,7 +1,7 @@
 //! Fault injection for crash tests, off unless `TALLY_FAULT` is set.
 //!
 //! `TALLY_FAULT=<point>` SIGKILLs the process when it reaches that step of the checkpoint
-//! protocol; `TALLY_FAULT_EPOCH=<n>` (default: any) limits it to one epoch. A SIGKILL, not an exit:
+//! protocol (`<point>,<point>…`: at the first of them it reaches); `TALLY_FAULT_EPOCH=<n>` (default: any) limits it to one epoch. A SIGKILL, not an exit:
 //! nothing is flushed or cleaned up, exactly like `kill -9`. Unit tests of the commit protocol
 //! use [`FaultPlan::crash_at`] instead: the step returns [`Crashed`], and the test drops what a
 //! dead process would lose and starts again from the store.
@@ -49,6 +49,29 @@ pub enum FaultPoint {
 }
 
 impl FaultPoint {
+    /// `TALLY_FAULT`'s points, comma-separated, as a [`FaultPlan`]'s bits.
+    fn parse_all(names: &str) -> Result<u32, String> {
+        let mut points = 0;
+        for name in names.split(',') {
+            let point = FaultPoint::ALL
+                .into_iter()
+                .find(|p| p.name() == name)
+                .ok_or_else(|| {
+                    format!(
+                        "TALLY_FAULT={names:?}: {name:?} is not one of {:?}",
+                        FaultPoint::ALL.map(FaultPoint::name)
+                    )
+                })?;
+            points |= point.bit();
+        }
+        Ok(points)
+    }
+
+    /// The point's bit in a [`FaultPlan`] (fewer than 32 points).
+    fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+
     pub const ALL: [FaultPoint; 21] = [
         FaultPoint::AfterPreCommit,
         FaultPoint::TwoInFlight,
@@ -102,7 +125,8 @@ impl FaultPoint {
 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FaultPlan {
-    point: Option<FaultPoint>,
+    /// The points armed, a bit each (by declaration order).
+    points: u32,
     epoch: Option<Epoch>,
     /// Return [`Crashed`] instead of killing the process.
     unwind: bool,
@@ -115,18 +139,10 @@ pub struct Crashed(pub &'static str);
 
 impl FaultPlan {
     pub fn from_env() -> Result<FaultPlan, String> {
-        let Ok(name) = std::env::var("TALLY_FAULT") else {
+        let Ok(names) = std::env::var("TALLY_FAULT") else {
             return Ok(FaultPlan::default());
         };
-        let point = FaultPoint::ALL
-            .into_iter()
-            .find(|p| p.name() == name)
-            .ok_or_else(|| {
-                format!(
-                    "TALLY_FAULT={name:?} is not one of {:?}",
-                    FaultPoint::ALL.map(FaultPoint::name)
-                )
-            })?;
+        let points = FaultPoint::parse_all(&names)?;
         let epoch = match std::env::var("TALLY_FAULT_EPOCH") {
             Ok(e) => {
                 Some(Epoch(e.parse().map_err(|_| {
@@ -136,7 +152,7 @@ impl FaultPlan {
             Err(_) => None,
         };
         Ok(FaultPlan {
-            point: Some(point),
+            points,
             epoch,
             unwind: false,
         })
@@ -146,24 +162,24 @@ impl FaultPlan {
     /// [`check`](Self::check) instead of killing the process.
     pub fn crash_at(point: FaultPoint, epoch: Option<Epoch>) -> FaultPlan {
         FaultPlan {
-            point: Some(point),
+            points: point.bit(),
             epoch,
             unwind: true,
         }
     }
 
     pub fn is_armed(&self) -> bool {
-        self.point.is_some()
+        self.points != 0
     }
 
     /// Whether the plan targets this point (and epoch).
     pub fn targets(&self, point: FaultPoint, epoch: Epoch) -> bool {
-        self.point == Some(point) && self.epoch.is_none_or(|e| e == epoch)
+        self.names(point) && self.epoch.is_none_or(|e| e == epoch)
     }
 
     /// Whether the plan names this point, at any epoch.
     pub fn names(&self, point: FaultPoint) -> bool {
-        self.point == Some(point)
+        self.points & point.bit() != 0
     }
 
     /// Kills the process if the plan targets this point (and epoch).
@@ -189,5 +205,26 @@ fn kill_self() {
     // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
     unsafe {
         libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn several_points_are_armed_at_once_and_a_wrong_name_refused() {
+        let plan = FaultPlan {
+            points: FaultPoint::parse_all("takeover_after_fence,takeover_during_retire").unwrap(),
+            ..FaultPlan::default()
+        };
+        assert!(plan.targets(FaultPoint::TakeoverAfterFence, Epoch(3)));
+        assert!(plan.targets(FaultPoint::TakeoverDuringRetire, Epoch(3)));
+        assert!(!plan.names(FaultPoint::TakeoverAfterClaim));
+        assert!(!FaultPlan::default().is_armed());
+        let all = FaultPoint::ALL.map(FaultPoint::name).join(",");
+        assert_eq!(FaultPoint::parse_all(&all).unwrap().count_ones(), 21);
+        let err = FaultPoint::parse_all("takeover_after_fence,nope").unwrap_err();
+        assert!(err.contains("\"nope\" is not one of"), "{err}");
     }
 }

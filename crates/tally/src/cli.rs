@@ -57,6 +57,10 @@ pub(crate) enum Command {
         config: PathBuf,
         #[arg(long, short)]
         manifest: PathBuf,
+        /// A new version that took the job's view over: the earlier version's file, whose
+        /// answer the view keeps before `restate_from` (the manifest's, by its columns).
+        #[arg(long)]
+        earlier: Option<PathBuf>,
         /// Verify again every second until the job has caught up and the view is exact, for at
         /// most this long (e.g. 60s); only the last attempt's report is printed.
         #[arg(long)]

@@ -80,20 +80,28 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Verify {
             config,
             manifest,
+            earlier,
             wait: Some(wait),
-        } => verify_until(&config, &manifest, parse_duration(&wait, "--wait")?),
+        } => verify_until(
+            &config,
+            &manifest,
+            earlier.as_deref(),
+            parse_duration(&wait, "--wait")?,
+        ),
         Command::Verify {
             config,
             manifest,
+            earlier,
             wait: None,
         } => {
             let cfg = load_config(&config)?;
+            let earlier = earlier.as_deref().map(load_config).transpose()?;
             let ok = if cfg.declared.changes.is_some() {
                 runtime()?.block_on(tally_tools::database::verify::verify_changes(
                     &cfg, &manifest,
                 ))?
             } else {
-                runtime()?.block_on(prove::verify(&cfg, &manifest))?
+                runtime()?.block_on(prove::verify(&cfg, &manifest, earlier.as_ref()))?
             };
             exit_unless(ok)
         }
@@ -131,12 +139,12 @@ fn real_main(cli: Cli) -> Result<()> {
     }
 }
 
-/// Exit status 1 when a check failed (its report is printed already).
 /// `tally verify --wait`: verification in a process of its own, again each second until it
 /// passes or `wait` is up; the last attempt's report is printed and its status is the exit's.
 fn verify_until(
     config: &std::path::Path,
     manifest: &std::path::Path,
+    earlier: Option<&std::path::Path>,
     wait: std::time::Duration,
 ) -> Result<()> {
     let me = std::env::current_exe().context("finding the tally binary")?;
@@ -148,6 +156,11 @@ fn verify_until(
             .arg(config)
             .arg("--manifest")
             .arg(manifest)
+            .args(
+                earlier
+                    .iter()
+                    .flat_map(|e| [std::ffi::OsStr::new("--earlier"), e.as_os_str()]),
+            )
             .output()
             .context("running verify")?;
         if attempt.status.success() || std::time::Instant::now() >= until {
@@ -160,6 +173,7 @@ fn verify_until(
     }
 }
 
+/// Exit status 1 when a check failed (its report is printed already).
 fn exit_unless(ok: bool) -> Result<()> {
     if !ok {
         std::process::exit(1);

@@ -315,11 +315,17 @@ impl TableNames {
 
     /// Every row of the reader view, as a plain SELECT sees it.
     pub fn read_view_sql(&self) -> String {
+        self.read_view_named_sql(&self.view)
+    }
+
+    /// [`read_view_sql`](Self::read_view_sql) of another view of the database with this job's
+    /// columns: the job's view once a new version holds it.
+    pub fn read_view_named_sql(&self, view: &str) -> String {
         format!(
-            "SELECT toUInt32(window_start) AS ws, {}, {} FROM {}",
+            "SELECT toUInt32(window_start) AS ws, {}, {} FROM {}.{view}",
             self.shape.key_list(),
             self.shape.value_list(),
-            self.view_q()
+            self.database
         )
     }
 

@@ -149,6 +149,12 @@ impl Generator {
             }
         };
         let value = self.encode(&values);
+        if kind == Kind::Late {
+            return GeneratedRecord {
+                late_ms: Some(t),
+                ..record(partition, key, value, kind)
+            };
+        }
         if kind != Kind::Valid {
             return record(partition, key, value, kind);
         }
@@ -417,6 +423,7 @@ fn record(partition: i32, key: Vec<u8>, value: Vec<u8>, kind: Kind) -> Generated
         value,
         kind,
         contributes: None,
+        late_ms: None,
     }
 }
 
@@ -666,6 +673,10 @@ pub struct Manifest {
     pub windows: Vec<(i64, Vec<String>, Vec<Running>)>,
     /// (partition, offset, reason)
     pub dead_letters: Vec<(i32, i64, PoisonReason)>,
+    /// (partition, offset, event time ms) of each late event, for a version restating from a
+    /// later time (it filters them rather than dead-letter them).
+    #[serde(default)]
+    pub late_times: Vec<(i32, i64, i64)>,
 }
 
 /// The manifest while records are added.
@@ -719,6 +730,9 @@ impl ManifestBuilder {
                 m.late += 1;
                 m.dead_letters
                     .push((record.partition, offset, PoisonReason::Late));
+                if let Some(t) = record.late_ms {
+                    m.late_times.push((record.partition, offset, t));
+                }
             }
             Kind::Poison(reason) => {
                 m.poison += 1;

@@ -74,6 +74,8 @@ pub struct GeneratedRecord {
     pub kind: Kind,
     /// What a valid event adds to its windows.
     pub contributes: Option<Contribution>,
+    /// A late event's time: a new version restating from later counts it as filtered.
+    pub late_ms: Option<i64>,
 }
 
 struct PartitionClock {

@@ -7,6 +7,7 @@ mod probe;
 mod reconcile;
 mod reconcile_every;
 mod replay;
+mod restated;
 mod verify;
 
 pub use dead_letters::read_dead_letters;

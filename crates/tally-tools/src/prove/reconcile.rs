@@ -223,6 +223,13 @@ pub async fn reconcile(
         sink_revenue,
     };
     if print {
+        let holds = config.job.version > 1
+            && sink
+                .job_view_reads(&config.clickhouse.table, &config.version_table())
+                .await?;
+        if let Some(line) = super::restated::whose_windows(config, holds) {
+            println!("{line}; reconcile compares its windows");
+        }
         println!(
             "reconcile at committed epoch {epoch}: {} keys, {} differ",
             result.keys,

@@ -11,6 +11,7 @@ use tally_core::declare::{FieldKind, Function, Job, parse_decimal};
 use tally_core::{WindowAgg, Word};
 
 use super::dead_letters::{DeadLetterDiff, read_dead_letters};
+use super::restated;
 use crate::loadgen::{Manifest, Shown};
 use tally_runtime::config::Config;
 
@@ -77,7 +78,7 @@ pub(crate) fn shown_of(job: &Job, value: &WindowAgg) -> Vec<Shown> {
 #[derive(Debug, Clone)]
 pub(crate) struct ViewTypes {
     keys: Vec<ColumnType>,
-    values: Vec<ColumnType>,
+    pub(crate) values: Vec<ColumnType>,
 }
 
 impl ViewTypes {
@@ -346,40 +347,97 @@ fn miscounted(job: &Job, expected: &Windows, found: &Windows) -> (u64, u64) {
 
 /// Compares the view, the committed versions (what the next publish shows) and the dead-letter
 /// topic with a manifest. Returns whether they all match.
-pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
+///
+/// A new version's own view holds the windows from its `restate_from` on. Once it holds the
+/// job's view, that view is checked too: those windows, and the earlier ones as the takeover
+/// kept the earlier version's answer, computed from the manifest by `earlier`'s columns (the
+/// earlier version's file; without it they are counted, not checked).
+pub async fn verify(
+    config: &Config,
+    manifest_path: &Path,
+    earlier: Option<&Config>,
+) -> Result<bool> {
     let job = &config.declared;
     let manifest = Manifest::load(manifest_path)
         .with_context(|| format!("reading {}", manifest_path.display()))?;
     let types = ViewTypes::of(config, job)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
-    let expected = manifest.shown(job);
+    let version = config.job.version.max(1);
+    let restate_from = (version > 1).then(|| config.restate_from_ms()).flatten();
+    let (expected, before) = restated::split_at(manifest.shown(job), restate_from);
     let found = types.read(sink.read_view_cells().await?)?;
     // What the next publish will show: a writer that broke the protocol shows here first.
     let committed = types.read(sink.read_committed_cells().await?)?;
     let diff = WindowDiff::compare(&expected, &found);
     let committed_diff = WindowDiff::compare(&expected, &committed);
-    let expected_dead = manifest
-        .dead_letters
-        .iter()
-        .map(|(p, o, r)| ((*p, *o), *r))
-        .collect();
+    // What readers of the job read, once this version holds its view.
+    let job_view = &config.clickhouse.table;
+    let holds = version > 1
+        && sink
+            .job_view_reads(job_view, &config.version_table())
+            .await?;
+    let readers = if holds {
+        let mut shown = types.read(sink.read_view_cells_of(job_view).await?)?;
+        let mut expected = expected.clone();
+        match earlier {
+            Some(e) => {
+                expected.extend(restated::earlier_answer(e, config, &before, &types.values)?)
+            }
+            None => {
+                let (mine, kept) = restated::split_at(shown, restate_from);
+                println!(
+                    "the job's view {job_view}: {} rows before restate_from not checked (give --earlier with the earlier version's file)",
+                    kept.len()
+                );
+                shown = mine;
+            }
+        }
+        Some((expected, shown))
+    } else {
+        None
+    };
+    let (read_expected, read_found) = readers
+        .as_ref()
+        .map_or((&expected, &found), |(e, f)| (e, f));
+    let starts = match version {
+        1 => None,
+        _ => Some(tally_kafka::topic_starts(
+            &config.kafka_settings(),
+            &config.kafka.source_topic,
+            config.start_from(),
+        )?),
+    };
+    let expected_dead = restated::dead_letters_from(
+        &manifest,
+        starts.as_ref(),
+        restate_from,
+        config.operator().window,
+    );
     let dead = DeadLetterDiff::compare(&expected_dead, &read_dead_letters(config)?);
-    let counted_expected = counted(job, &expected).map_or(0, |c| c.0);
-    let counted_found = counted(job, &found).map_or(0, |c| c.0);
+    let counted_expected = counted(job, read_expected).map_or(0, |c| c.0);
+    let counted_found = counted(job, read_found).map_or(0, |c| c.0);
+    if let Some(line) = restated::whose_windows(config, holds) {
+        println!("{line}; the rows below are the job's view's when it holds it");
+    }
     println!("{:<28} {:>16} {:>16}", "", "expected", "found");
-    println!("{:<28} {:>16} {:>16}", "rows", expected.len(), found.len());
+    println!(
+        "{:<28} {:>16} {:>16}",
+        "rows",
+        read_expected.len(),
+        read_found.len()
+    );
     println!(
         "{:<28} {:>16} {:>16}",
         "records counted (windows)", counted_expected, counted_found
     );
     let sums = |w: &Windows| ColumnTotal::of(job, w).into_iter().filter(|c| !c.count);
-    for (e, f) in sums(&expected).zip(sums(&found)) {
+    for (e, f) in sums(read_expected).zip(sums(read_found)) {
         println!("{:<28} {:>16} {:>16}", e.column, e.shown(), f.shown());
     }
     println!(
         "{:<28} {:>16} {:>16}",
         "dead letters",
-        manifest.dead_letters.len(),
+        expected_dead.len(),
         dead.found()
     );
     println!(
@@ -391,23 +449,33 @@ pub async fn verify(config: &Config, manifest_path: &Path) -> Result<bool> {
         manifest.late,
         manifest.poison
     );
-    diff.print("rows", 10);
+    let readers_diff = readers.as_ref().map(|(e, f)| WindowDiff::compare(e, f));
+    match &readers_diff {
+        Some(d) => {
+            d.print("rows of the job's view", 10);
+            diff.print(&format!("rows of version {version}'s own view"), 10);
+        }
+        None => diff.print("rows", 10),
+    }
     if !committed_diff.is_empty() {
         committed_diff.print("committed versions (what the next publish shows)", 10);
     }
     dead.print_summary();
     dead.print_first(10);
-    let (seen_over, seen_lost) = miscounted(job, &expected, &found);
+    let (seen_over, seen_lost) = miscounted(job, read_expected, read_found);
     let (next_over, next_lost) = miscounted(job, &expected, &committed);
     println!(
         "verify-summary rows_expected={} rows_found={} orders_expected={counted_expected} orders_found={counted_found} over_counted={} lost={} {}",
-        expected.len(),
-        found.len(),
+        read_expected.len(),
+        read_found.len(),
         seen_over.max(next_over),
         seen_lost.max(next_lost),
-        dead.summary_fields(manifest.dead_letters.len())
+        dead.summary_fields(expected_dead.len())
     );
-    let ok = diff.is_empty() && committed_diff.is_empty() && dead.is_empty();
+    let ok = diff.is_empty()
+        && committed_diff.is_empty()
+        && readers_diff.is_none_or(|d| d.is_empty())
+        && dead.is_empty();
     println!("verify: {}", if ok { "OK: exact match" } else { "FAILED" });
     Ok(ok)
 }
