@@ -143,20 +143,26 @@ cfg_of=() pending_faults=()
 cur_lo=0
 loadgen_config=$config loadgen_start=()
 if ((restate)); then
-  if ((changes)); then echo "chaos: --restate runs jobs of events" >&2; exit 2; fi
   case "$TALLY_WINDOW__SIZE" in *[0-9]s) size_ms=$(( ${TALLY_WINDOW__SIZE%s} * 1000 )) ;;
     *) echo "chaos: --restate needs window sizes in seconds" >&2; exit 2 ;; esac
-  # loadgen's event time: from its start, 10 ms a record per partition (its --step-ms).
-  span_ms=$(( events / partitions * 10 ))
-  start_ms=$(( $(date +%s%3N) - span_ms ))
-  restate_ms=$(( (start_ms + span_ms * 2 / 5) / size_ms * size_ms ))
-  restate_from=$(date -u -d "@$((restate_ms / 1000))" +%Y-%m-%dT%H:%M:%SZ)
+  # version 2's file: the job's, with a column added, restating from $1 (ms).
+  write_version_2() {
+    restate_from=$(date -u -d "@$(($1 / 1000))" +%Y-%m-%dT%H:%M:%SZ)
+    sed "/^\[job\]/a version = 2\nrestate_from = \"$restate_from\"" "$dir/v1.toml" >"$dir/v2.toml"
+    printf '\n[[aggregation.aggregate]]\ncolumn = "records_v2"\nfunction = "count"\n' >>"$dir/v2.toml"
+  }
   cp "$config" "$dir/v1.toml"
-  sed "/^\[job\]/a version = 2\nrestate_from = \"$restate_from\"" "$config" >"$dir/v2.toml"
-  printf '\n[[aggregation.aggregate]]\ncolumn = "records_v2"\nfunction = "count"\n' >>"$dir/v2.toml"
   config="$dir/v1.toml"
-  # The manifest holds version 2's columns; version 1's answer is the same less one.
-  loadgen_config="$dir/v2.toml" loadgen_start=(--start-ms "$start_ms")
+  if ((!changes)); then
+    # loadgen's event time: from its start, 10 ms a record per partition (its --step-ms).
+    span_ms=$(( events / partitions * 10 ))
+    start_ms=$(( $(date +%s%3N) - span_ms ))
+    write_version_2 $(( (start_ms + span_ms * 2 / 5) / size_ms * size_ms ))
+    # The manifest holds version 2's columns; version 1's answer is the same less one.
+    loadgen_config="$dir/v2.toml" loadgen_start=(--start-ms "$start_ms")
+  fi
+  # (A job of changes: its rows' times are the table's; restate_from is set when version 2
+  # starts, halfway through the windows version 1 shows then. verify compares with the table.)
   # Three of the takeover's six steps: each start of a version 2 worker arms those not yet
   # reached, so that each SIGKILLs whichever worker runs it first (a step a killed worker
   # left done is not run again; one it left undone may kill a second worker).
@@ -197,7 +203,13 @@ start_worker() {
 # Version 2 beside version 1 (--restate): its workers start, and the chaos moves to them.
 v2_started_at="" v1_stopped=0 fault_kills=""
 start_version_2() {
-  local w
+  local w bounds lo hi
+  if ((changes)); then
+    bounds=$(chq "SELECT toUInt32(min(window_start)), toUInt32(max(window_start)) FROM ${run}.${table}" 2>/dev/null || true)
+    read -r lo hi <<<"${bounds:-0 0}"
+    if ((hi <= lo)); then lo=$(date +%s) hi=$lo; fi
+    write_version_2 $(( ((lo + hi) / 2 * 1000) / size_ms * size_ms ))
+  fi
   for ((w = workers; w < 2 * workers; w++)); do start_worker "$w"; done
   cur_lo=$workers vt="${table}__v2" v2_started_at=$(( $(date +%s) - started ))
 }
@@ -433,6 +445,8 @@ wait "$loadgen_pid"; loadgen_pid=""
 # and only once every worker of version 1 stopped by itself.
 verify_args=(--config "$config")
 if ((restate)); then verify_args=(--config "$dir/v2.toml" --earlier "$dir/v1.toml"); fi
+# (A job of changes: verify compares version 2's windows with the table; --earlier is of manifests.)
+if ((restate && changes)); then verify_args=(--config "$dir/v2.toml"); fi
 verify_all() {
   local r
   for ((r = 0; r < ${#ch_urls[@]}; r++)); do
@@ -544,13 +558,19 @@ if ((restate)); then
   printf '%-40s %s\n' "version 2 SIGKILLed at takeover steps" "${fault_kills# }"
   printf '%-40s %s\n' "version 1 workers stopped by the takeover" "$v1_stopped of $workers (exit 0)"
   printf '%-40s %s\n' "windows kept from version 1 (_kept rows)" "$(chq "SELECT count() FROM ${run}.${vt}_kept" 2>/dev/null || echo '?')"
-  printf '%-40s %s\n' "version 1's tables left (must be 0)" "$(chq "SELECT count() FROM system.tables WHERE database = '${run}' AND name IN ('${table}_data', '${table}_commits', '${table}_final', '${table}_live', '${table}_job')" 2>/dev/null || echo '?')"
+  # On every replica readers read.
+  v1_left=0
+  for url in "${ch_urls[@]}"; do
+    n=$(chq "SELECT count() FROM system.tables WHERE database = '${run}' AND name IN ('${table}_data', '${table}_commits', '${table}_final', '${table}_live', '${table}_job')" "$url" 2>/dev/null || echo '?')
+    if ! [[ $n =~ ^[0-9]+$ ]] || [ "$v1_left" = '?' ]; then v1_left='?'; else v1_left=$((v1_left + n)); fi
+  done
+  printf '%-40s %s\n' "version 1's tables left (must be 0)" "$v1_left"
 fi
 twice=0
 kept=""; if ((restate)); then kept=" + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${vt}_kept)"; fi
 for url in "${ch_urls[@]}"; do
   n=$(chq "SELECT (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${vt}_final) + (SELECT count() - uniqExact(window_start, $keys) FROM ${run}.${vt}_live)$kept" "$url" 2>/dev/null || echo '?')
-  if [ "$n" = '?' ] || [ "$twice" = '?' ]; then twice='?'; else twice=$((twice + n)); fi
+  if ! [[ $n =~ ^[0-9]+$ ]] || [ "$twice" = '?' ]; then twice='?'; else twice=$((twice + n)); fi
 done
 printf '%-40s %s\n' "keys twice in the folded, live or kept table (must be 0)" "$twice"
 for ((r = 0; r < ${#ch_urls[@]}; r++)); do
@@ -567,8 +587,7 @@ for ((r = 0; r < ${#ch_urls[@]}; r++)); do
 done
 printf '%-40s %ss\n' "wall time" "$(( $(date +%s) - started ))"
 if ((restate)); then
-  left=$(chq "SELECT count() FROM system.tables WHERE database = '${run}' AND name IN ('${table}_data', '${table}_commits', '${table}_final', '${table}_live', '${table}_job')" 2>/dev/null || echo '?')
-  if [ "$left" != 0 ]; then echo "chaos: FAILED (version 1's tables are still there: $left)"; exit 1; fi
+  if [ "$v1_left" != 0 ]; then echo "chaos: FAILED (version 1's tables are still there: $v1_left)"; exit 1; fi
 fi
 if [ "$twice" != 0 ]; then
   echo "chaos: FAILED (a key is twice in a table readers read)"; exit 1

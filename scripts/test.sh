@@ -62,6 +62,8 @@ if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   scripts/chaos.sh --config config/orders.toml --workers 3 --events 6000 --rate 150 --kills 3 --zombies 1 --leaves 1 --restarts 1
   echo "== a new version takes the job over under chaos (--restate: a column added, the last 60 % of the stream's windows restated, 3 workers a version, kill -9 at three takeover steps)"
   scripts/chaos.sh --restate --workers 3 --events 100000 --rate 4000 --kills 3 --zombies 1 --leaves 1 --restarts 1
+  echo "== a new version of a job of changes takes it over under chaos (--restate --config config/orders.toml: rebuilt from the whole topic, compared with the table)"
+  scripts/chaos.sh --restate --config config/orders.toml --workers 3 --events 6000 --rate 150 --kills 3 --zombies 1 --leaves 1 --restarts 1
   echo "== upgrade in place under chaos (from the release before the state and changelog formats changed)"
   # No service restarts: that release stops if it starts while Kafka restarts (fixed since).
   scripts/upgrade.sh --events 60000 --rate 4000 --kills 3 --restarts 0
@@ -93,6 +95,8 @@ if [ -z "${TALLY_SKIP_CHAOS:-}" ]; then
   scripts/chaos.sh --cluster --workers 3 --events 60000 --rate 3000 --kills 3 --zombies 1 --leaves 1 --restarts 2
   echo "== chaos of a job of change events on the cluster set (config/orders.toml, 3 workers)"
   scripts/chaos.sh --cluster --config config/orders.toml --workers 3 --events 3000 --rate 150 --kills 2 --zombies 1 --leaves 1 --restarts 1
+  echo "== a new version takes the job over on the cluster set (--restate --cluster: the takeover on each replica, verify on each)"
+  scripts/chaos.sh --cluster --restate --workers 3 --events 60000 --rate 3000 --kills 3 --zombies 1 --leaves 1 --restarts 2
 fi
 echo "wall time: $(( $(date +%s) - started ))s"
 echo "tests: $passed passed, $failed failed"

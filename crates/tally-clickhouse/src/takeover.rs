@@ -139,6 +139,21 @@ impl TableNames {
         )
     }
 
+    /// How many of [`version_tables`](Self::version_tables) the server still has.
+    pub(crate) fn version_tables_left_sql(&self, job_view: &str) -> String {
+        let db = format!("{}.", self.database);
+        let names: Vec<String> = self
+            .version_tables(job_view)
+            .iter()
+            .map(|t| format!("'{}'", t.strip_prefix(&db).unwrap_or(t)))
+            .collect();
+        format!(
+            "SELECT count() FROM system.tables WHERE database = '{}' AND name IN ({})",
+            self.database,
+            names.join(", ")
+        )
+    }
+
     /// Every table of this version but its read side's log (which tells a late holder of its
     /// read side that the version was taken over), and its own view unless it is `job_view`.
     pub(crate) fn version_tables(&self, job_view: &str) -> Vec<String> {
@@ -288,7 +303,7 @@ impl ClickHouseSink {
     }
 
     /// Drops this version's tables (see [`TableNames::version_tables`]) once another holds the
-    /// job's view `job_view`; the identity's last: its absence says done.
+    /// job's view `job_view`; the identity's last.
     pub async fn drop_version_tables(&self, job_view: &str) -> Result<()> {
         for table in self.names.version_tables(job_view) {
             self.exec(&format!("DROP TABLE IF EXISTS {table}")).await?;
@@ -296,10 +311,14 @@ impl ClickHouseSink {
         Ok(())
     }
 
-    /// Whether this version's tables are dropped (its identity table is the last to go).
-    pub async fn version_dropped(&self) -> Result<bool> {
-        let name = format!("{}_job", self.names.view);
-        Ok(!self.table_exists(&name).await?)
+    /// Whether this version's tables are gone from the replica once another holds the job's
+    /// view `job_view`: none of them is left. Its identity table goes last, but is no marker
+    /// alone: a replica may never have had it (the worker's check creates it on the first
+    /// replica that answers), while the version's other tables are there.
+    pub async fn version_dropped(&self, job_view: &str) -> Result<bool> {
+        let sql = self.names.version_tables_left_sql(job_view);
+        let left: u64 = self.fetch(&sql, "listing the version's tables").await?;
+        Ok(left == 0)
     }
 }
 
@@ -357,5 +376,12 @@ mod tests {
         assert!(v2_tables.contains(&"tally.api__v2".to_owned()));
         assert!(v2_tables.contains(&"tally.api__v2_kept".to_owned()));
         assert_eq!(v2_tables.last(), Some(&"tally.api__v2_job".to_owned()));
+        // Retired on a replica once none of them is left, its identity table or not.
+        let left = v1.version_tables_left_sql("api");
+        assert!(left.starts_with("SELECT count() FROM system.tables WHERE database = 'tally' AND name IN ('api_data', 'api_commits'"), "{left}");
+        assert!(
+            left.ends_with("'api_job')") && !left.contains("'api'"),
+            "{left}"
+        );
     }
 }

@@ -167,12 +167,17 @@ async fn run_job(
     // A worker whose rules or resources clash with its job's, or another job's, stops here,
     // before it joins anything.
     if cfg.job.version > 1 && cfg.declared.format.is_changes() {
-        bail!(
-            "job {}: job.version = {}: a new version of a job of changes does not run in this release (docs/design/restatement.md, slice 4); \
-             `tally check-config` shows what it changes against the running one",
-            cfg.job.name,
-            cfg.job.version
-        );
+        let (kafka, topic) = (cfg.kafka_settings(), cfg.kafka.source_topic.clone());
+        let extent = tokio::task::spawn_blocking(move || tally_kafka::topic_extent(&kafka, &topic))
+            .await
+            .context("reading the source topic's extent")??;
+        if let Some(why) = crate::config::history_lost(&extent) {
+            bail!(
+                "job {}: job.version = {}: {why}",
+                cfg.job.name,
+                cfg.job.version
+            );
+        }
     }
     let settings = Arc::new(cfg.resolve()?);
     match crate::identity::check(&settings.identity, shutdown).await {

@@ -167,7 +167,7 @@ impl Takeover {
         self.fence_kafka(resources, tasks)?;
         fault(FaultPoint::TakeoverAfterFence);
         let holder_sink = self.holder_sink(resources).await?;
-        if holder_sink.version_dropped().await? {
+        if holder_sink.version_dropped(&self.settings.view).await? {
             // Retired on this replica already: only the registry's record is left.
             return self.retire(own, from).await;
         }
@@ -369,7 +369,7 @@ impl Takeover {
                     ..peer.clone()
                 };
                 let dropped = match ClickHouseSink::connect(&settings).await {
-                    Ok(sink) => sink.version_dropped().await.unwrap_or(false),
+                    Ok(sink) => sink.version_dropped(&s.view).await.unwrap_or(false),
                     Err(_) => false,
                 };
                 if !dropped {

@@ -22,6 +22,8 @@ pub struct Running {
     pub view_columns: Option<Vec<(String, String)>>,
     /// Each source partition's earliest record time still held (`None`: the partition is empty).
     pub earliest: BTreeMap<i32, Option<i64>>,
+    /// Each source partition's first and next offsets.
+    pub extent: BTreeMap<i32, (i64, i64)>,
     /// A new version rebuilding beside the running one.
     pub rebuilding: Option<u64>,
     /// Versions aborted before they took over.
@@ -46,6 +48,8 @@ pub struct VersionChange {
     pub restate_from: Option<i64>,
     /// The earliest record the source holds, over its partitions.
     pub earliest: Option<i64>,
+    /// A job of changes: it reads its whole topic whatever `restate_from`.
+    pub changes: bool,
 }
 
 /// A new version that cannot be restated, naming the key.
@@ -63,12 +67,14 @@ impl fmt::Display for Refusal {
 
 impl std::error::Error for Refusal {}
 
-/// Compares the new version's identity and view with the running version's.
+/// Compares the new version's identity and view with the running version's; `changes`: a job
+/// of changes.
 pub fn compare(
     mine: &JobIdentity,
     view_columns: &[(String, String)],
     restate_from: Option<i64>,
     lead_ms: i64,
+    changes: bool,
     running: &Running,
 ) -> Result<VersionChange, Refusal> {
     let Some(recorded) = &running.identity else {
@@ -108,7 +114,15 @@ pub fn compare(
         });
     }
     let earliest = running.earliest.values().flatten().copied().min();
-    let reads_from = restate_from.map(|at| at.saturating_sub(lead_ms));
+    if changes && let Some(why) = tally_runtime::config::history_lost(&running.extent) {
+        return Err(Refusal {
+            key: "kafka.source_topic",
+            message: why,
+        });
+    }
+    let reads_from = restate_from
+        .filter(|_| !changes)
+        .map(|at| at.saturating_sub(lead_ms));
     if let Some(from) = reads_from {
         let short: Vec<String> = running
             .earliest
@@ -165,6 +179,7 @@ pub fn compare(
         reads_from,
         restate_from,
         earliest,
+        changes,
     })
 }
 
@@ -188,24 +203,27 @@ pub async fn read(settings: &JobSettings) -> Result<Running> {
     let view_columns = sink.found_view_columns().await?;
     let kafka = settings.source.kafka.clone();
     let topic = settings.source.source_topic.clone();
-    let earliest = tokio::task::spawn_blocking(move || earliest_times(&kafka, &topic))
+    let (earliest, extent) = tokio::task::spawn_blocking(move || earliest_times(&kafka, &topic))
         .await
         .context("reading the source's earliest records")??;
     Ok(Running {
         identity,
         view_columns,
         earliest,
+        extent,
         rebuilding: versions.as_ref().and_then(|v| v.rebuilding),
         aborted: versions.map(|v| v.aborted).unwrap_or_default(),
     })
 }
 
-/// Each partition's earliest record time: the first readable record at or after its low
-/// watermark (a transaction's marker holds no time; a few records on are enough).
+/// Each partition's earliest record time (the first readable record at or after its low
+/// watermark: a transaction's marker holds no time; a few records on are enough), and its
+/// first and next offsets.
+type Extent = BTreeMap<i32, (i64, i64)>;
 fn earliest_times(
     kafka: &tally_kafka::KafkaSettings,
     topic: &str,
-) -> Result<BTreeMap<i32, Option<i64>>> {
+) -> Result<(BTreeMap<i32, Option<i64>>, Extent)> {
     let extent = tally_kafka::topic_extent(kafka, topic)?;
     let ranges: BTreeMap<i32, (i64, Option<i64>)> = extent
         .iter()
@@ -222,7 +240,7 @@ fn earliest_times(
         }
     })
     .with_context(|| format!("reading the first records of {topic}"))?;
-    Ok(earliest)
+    Ok((earliest, extent))
 }
 
 impl fmt::Display for VersionChange {
@@ -251,6 +269,16 @@ impl fmt::Display for VersionChange {
             format!("records from {} on", tally_core::time::format_ms(t))
         });
         match (self.restate_from, self.reads_from) {
+            (Some(at), _) if self.changes => writeln!(
+                f,
+                "  restates windows from {} on, reading the whole topic (it holds {held}, every change since the connector's first snapshot: a job of changes needs each row's every change); earlier windows stay as version {} published them",
+                tally_core::time::format_ms(at),
+                self.running
+            ),
+            (None, _) if self.changes => writeln!(
+                f,
+                "  rebuilds every window from the whole topic (it holds {held}, every change since the connector's first snapshot)"
+            ),
             (Some(at), Some(from)) => writeln!(
                 f,
                 "  restates windows from {} on, reading the source from {} (the topic holds {held}); earlier windows stay as version {} published them",

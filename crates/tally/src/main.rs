@@ -438,6 +438,7 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
             &cfg.sink_shape().view_columns(),
             cfg.restate_from_ms(),
             cfg.restatement_lead_ms(),
+            job.changes.is_some(),
             &running,
         )
         .map_err(|refused| anyhow::anyhow!("{}: {refused}", path.display()))?;

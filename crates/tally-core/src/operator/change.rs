@@ -131,6 +131,18 @@ impl WindowOperator {
                 Outcome::Aggregated
             });
         }
+        // A new version restating from a time computes only the windows from then on; a change
+        // of none of them is filtered, its row held as it now is (its later changes retract it).
+        let computed = |c: &Contribution| {
+            cfg.window
+                .starts_of(c.event_time_ms)
+                .any(|start| cfg.computes(start))
+        };
+        if !old.as_ref().is_some_and(computed) && !new.as_ref().is_some_and(computed) {
+            self.hold_row(record.partition, &change, new);
+            self.count(record.partition, |a| a.filtered += 1);
+            return Ok(Outcome::Filtered);
+        }
         let closed = |c: &Contribution| {
             cfg.window
                 .starts_of(c.event_time_ms)
@@ -162,7 +174,11 @@ impl WindowOperator {
         let windows = self.dirty_windows.entry(record.partition).or_default();
         let mut changed: SmallVec<[(WindowKey, WindowAgg, bool); 4]> = SmallVec::new();
         let mut shift = |c: &Contribution, retract: bool| -> Result<Option<String>, S::Error> {
-            for start in cfg.window.starts_of(c.event_time_ms) {
+            for start in cfg
+                .window
+                .starts_of(c.event_time_ms)
+                .filter(|&start| cfg.computes(start))
+            {
                 let key = WindowKey {
                     window_start_ms: start,
                     key: c.key.clone(),

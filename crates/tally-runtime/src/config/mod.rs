@@ -795,6 +795,7 @@ fn set_path(table: &mut toml::Table, path: &[String], value: &str) -> Result<(),
 
 mod validate;
 mod versions;
+pub use versions::history_lost;
 
 #[cfg(test)]
 mod tests;

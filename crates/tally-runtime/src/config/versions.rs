@@ -102,17 +102,38 @@ impl Config {
 
     /// Where a new version starts in its topic: the records from `restate_from` less
     /// [`Config::restatement_lead_ms`] (by record time), or every record the topic holds; version
-    /// 1 from `job.start_from`.
+    /// 1 from `job.start_from`. A job of changes reads every record: a row's change retracts its
+    /// earlier image, whenever that was written, and a row's time is not its change's.
     pub fn start_from(&self) -> tally_kafka::StartFrom {
         match (self.job.version, self.restate_from_ms()) {
             (0 | 1, _) => match self.job.start_from {
                 StartFrom::Earliest => tally_kafka::StartFrom::Earliest,
                 StartFrom::Latest => tally_kafka::StartFrom::Latest,
             },
+            _ if self.declared.changes.is_some() => tally_kafka::StartFrom::Earliest,
             (_, Some(at)) => {
                 tally_kafka::StartFrom::Time(at.saturating_sub(self.restatement_lead_ms()))
             }
             (_, None) => tally_kafka::StartFrom::Earliest,
         }
     }
+}
+
+/// Why a new version of a job of changes cannot be rebuilt from its topic, given each
+/// partition's `(first, next)` offsets: it reads the topic from its start, and retention has
+/// deleted changes from it (a rebuild from a new snapshot, by a connector of the version's own,
+/// is docs/design/restatement.md's, not built). `None`: the topic holds every change since the
+/// connector's first snapshot.
+pub fn history_lost(extent: &std::collections::BTreeMap<i32, (i64, i64)>) -> Option<String> {
+    let trimmed: Vec<String> = extent
+        .iter()
+        .filter(|(_, (first, _))| *first > 0)
+        .map(|(p, (first, _))| format!("partition {p} starts at offset {first}"))
+        .collect();
+    (!trimmed.is_empty()).then(|| {
+        format!(
+            "a new version of a job of changes reads its topic from its start, for every change of each row (a change retracts the row's earlier image), and retention deleted changes from it ({}): a rebuild from a new snapshot, by a connector of the version's own, is not built in this release (docs/design/restatement.md)",
+            trimmed.join(", ")
+        )
+    })
 }

@@ -195,6 +195,16 @@ pub async fn reconcile_source(
     let job = config.declared.clone();
     let source = SourceDatabase::of(config, url)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
+    // A new version's own view: its windows from restate_from on.
+    let filter = &filter.of_version(config);
+    if print && config.job.version > 1 {
+        let holds = sink
+            .job_view_reads(&config.clickhouse.table, &config.version_table())
+            .await?;
+        if let Some(line) = crate::prove::whose_windows(config, holds) {
+            println!("{line}; reconcile --source compares its windows with the table");
+        }
+    }
     let types = ViewTypes::of(config, &job)?;
     // The job's cut first, then the source: every change the cut holds, the snapshot holds.
     let start_batches = sink.batch_accounting().await?;

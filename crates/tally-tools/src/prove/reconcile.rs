@@ -29,6 +29,7 @@ fn declared_row(row: &OutputRow) -> (RowKey, WindowAgg) {
 
 /// Which windows a reconciliation compares: by window start, and by the first group-by value
 /// (`--customer`).
+#[derive(Debug, Clone, Default)]
 pub struct ReconcileFilter {
     pub from_ms: Option<i64>,
     pub to_ms: Option<i64>,
@@ -80,6 +81,18 @@ fn ratio(sink: f64, source: f64) -> f64 {
 }
 
 impl ReconcileFilter {
+    /// The filter, for a new version restating from a time: only its windows from then on
+    /// (its own view holds no other).
+    pub(crate) fn of_version(&self, config: &Config) -> ReconcileFilter {
+        let from = (config.job.version > 1)
+            .then(|| config.restate_from_ms())
+            .flatten();
+        ReconcileFilter {
+            from_ms: self.from_ms.max(from),
+            ..self.clone()
+        }
+    }
+
     /// `--customer` is the job's first group-by value.
     pub(crate) fn keeps(&self, (start, keys): &RowKey) -> bool {
         self.from_ms.is_none_or(|f| *start >= f)

@@ -40,6 +40,7 @@ fn running() -> Running {
             ("revenue", "Decimal(18, 4)"),
         ])),
         earliest: BTreeMap::from([(0, Some(10 * HOUR)), (1, Some(11 * HOUR)), (2, None)]),
+        extent: BTreeMap::from([(0, (0, 40)), (1, (0, 12)), (2, (0, 0))]),
         rebuilding: None,
         aborted: Vec::new(),
     }
@@ -60,7 +61,15 @@ fn a_new_version_lists_each_rule_and_column_it_changes_but_not_its_version() {
         2,
         "filter status in (paid, shipped)\nsum amount\ncount refunds",
     );
-    let change = compare(&mine, &new_columns(), Some(12 * HOUR), HOUR, &running()).unwrap();
+    let change = compare(
+        &mine,
+        &new_columns(),
+        Some(12 * HOUR),
+        HOUR,
+        false,
+        &running(),
+    )
+    .unwrap();
     assert_eq!((change.running, change.new), (1, 2));
     let keys: Vec<&str> = change.rules.iter().map(|(k, _, _)| k.as_str()).collect();
     assert_eq!(
@@ -90,8 +99,15 @@ fn a_version_not_above_the_running_one_is_refused() {
     let mut run = running();
     run.identity = Some(identity(3, "filter status = paid\nsum amount"));
     for version in [2, 3] {
-        let refused = compare(&identity(version, "x"), &new_columns(), None, HOUR, &run)
-            .expect_err("not above 3");
+        let refused = compare(
+            &identity(version, "x"),
+            &new_columns(),
+            None,
+            HOUR,
+            false,
+            &run,
+        )
+        .expect_err("not above 3");
         assert_eq!(refused.key, "job.version");
         assert!(refused.message.contains("running version 3"), "{refused}");
         assert!(refused.message.contains("is 4 or more"), "{refused}");
@@ -100,8 +116,15 @@ fn a_version_not_above_the_running_one_is_refused() {
         identity: None,
         ..running()
     };
-    let refused = compare(&identity(2, "x"), &new_columns(), None, HOUR, &not_running)
-        .expect_err("nothing runs");
+    let refused = compare(
+        &identity(2, "x"),
+        &new_columns(),
+        None,
+        HOUR,
+        false,
+        &not_running,
+    )
+    .expect_err("nothing runs");
     assert_eq!(refused.key, "job.version");
     // One version rebuilds at a time, and an aborted number is not used again.
     let rebuilding = Running {
@@ -109,20 +132,44 @@ fn a_version_not_above_the_running_one_is_refused() {
         aborted: vec![3],
         ..running()
     };
-    let refused = compare(&identity(4, "x"), &new_columns(), None, HOUR, &rebuilding)
-        .expect_err("2 rebuilds");
+    let refused = compare(
+        &identity(4, "x"),
+        &new_columns(),
+        None,
+        HOUR,
+        false,
+        &rebuilding,
+    )
+    .expect_err("2 rebuilds");
     assert_eq!(refused.key, "job.version");
     assert!(
         refused.message.contains("version 2 is rebuilding already"),
         "{refused}"
     );
-    assert!(compare(&identity(2, "x"), &new_columns(), None, HOUR, &rebuilding).is_ok());
+    assert!(
+        compare(
+            &identity(2, "x"),
+            &new_columns(),
+            None,
+            HOUR,
+            false,
+            &rebuilding
+        )
+        .is_ok()
+    );
     let aborted = Running {
         aborted: vec![2, 3],
         ..running()
     };
-    let refused = compare(&identity(3, "x"), &new_columns(), None, HOUR, &aborted)
-        .expect_err("3 was aborted");
+    let refused = compare(
+        &identity(3, "x"),
+        &new_columns(),
+        None,
+        HOUR,
+        false,
+        &aborted,
+    )
+    .expect_err("3 was aborted");
     assert!(
         refused.message.contains("version 3 was aborted"),
         "{refused}"
@@ -131,7 +178,17 @@ fn a_version_not_above_the_running_one_is_refused() {
         refused.message.contains("make the change version 4"),
         "{refused}"
     );
-    assert!(compare(&identity(4, "x"), &new_columns(), None, HOUR, &aborted).is_ok());
+    assert!(
+        compare(
+            &identity(4, "x"),
+            &new_columns(),
+            None,
+            HOUR,
+            false,
+            &aborted
+        )
+        .is_ok()
+    );
 }
 
 #[test]
@@ -143,6 +200,7 @@ fn a_restatement_the_source_no_longer_reaches_is_refused_naming_what_it_holds() 
         &new_columns(),
         Some(11 * HOUR + HOUR / 2),
         HOUR,
+        false,
         &running(),
     )
     .expect_err("partition 1 starts too late");
@@ -155,13 +213,50 @@ fn a_restatement_the_source_no_longer_reaches_is_refused_naming_what_it_holds() 
     );
     assert!(!refused.message.contains("partition 0"), "{refused}");
     // From hour 12 on, both reach; without restate_from the whole topic is rebuilt.
-    assert!(compare(&mine, &new_columns(), Some(12 * HOUR), HOUR, &running()).is_ok());
-    let whole = compare(&mine, &new_columns(), None, HOUR, &running()).unwrap();
+    assert!(
+        compare(
+            &mine,
+            &new_columns(),
+            Some(12 * HOUR),
+            HOUR,
+            false,
+            &running()
+        )
+        .is_ok()
+    );
+    let whole = compare(&mine, &new_columns(), None, HOUR, false, &running()).unwrap();
     assert_eq!(whole.reads_from, None);
     assert!(
         whole.to_string().contains("rebuilds every window"),
         "{whole}"
     );
+}
+
+/// A job of changes reads its whole topic whatever `restate_from` (a row's change retracts
+/// its earlier image, whenever written), and is refused once retention deleted from it.
+#[test]
+fn a_job_of_changes_restates_from_its_whole_topic_while_the_topic_holds_it() {
+    let mine = identity(2, "x");
+    // restate_from before what the topic's record times reach: a job of events is refused.
+    let change = compare(&mine, &new_columns(), Some(HOUR), HOUR, true, &running()).unwrap();
+    assert_eq!(change.reads_from, None);
+    assert!(
+        change.to_string().contains("reading the whole topic"),
+        "{change}"
+    );
+    let trimmed = Running {
+        extent: BTreeMap::from([(0, (0, 40)), (1, (7, 12))]),
+        ..running()
+    };
+    let refused = compare(&mine, &new_columns(), None, HOUR, true, &trimmed)
+        .expect_err("retention deleted changes");
+    assert_eq!(refused.key, "kafka.source_topic");
+    assert!(
+        refused.message.contains("partition 1 starts at offset 7")
+            && !refused.message.contains("partition 0"),
+        "{refused}"
+    );
+    assert!(compare(&mine, &new_columns(), None, HOUR, false, &trimmed).is_ok());
 }
 
 /// The rebuild reads a window's size, the out-of-orderness and the lateness before
