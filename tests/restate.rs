@@ -44,10 +44,22 @@ impl Requests {
         count: usize,
         base_ms: i64,
     ) {
+        Self::produce_every(topic, partitions, first, count, base_ms, Self::EVERY_MS).await;
+    }
+
+    /// Requests `first..first + count`, one every `every_ms` from `base_ms`.
+    async fn produce_every(
+        topic: &str,
+        partitions: usize,
+        first: usize,
+        count: usize,
+        base_ms: i64,
+        every_ms: i64,
+    ) {
         let producer = producer();
         let mut deliveries = Vec::new();
         for i in first..first + count {
-            let at = base_ms + i64::try_from(i).unwrap() * Self::EVERY_MS;
+            let at = base_ms + i64::try_from(i).unwrap() * every_ms;
             let value = format!(
                 r#"{{"request_id":"r-{i}","timing":{{"started":{},"latency_ms":"{}.250"}},"service":{{"name":"svc-{}","env":"prod"}},"request":{{"route":"/r{}"}},"response":{{"status":{}}}}}"#,
                 at / 1000,
@@ -772,4 +784,71 @@ async fn a_new_version_takes_the_view_over_atomically_across_kills() {
     sigterm(&v2);
     assert!(wait_exit(&mut v2, Duration::from_secs(60)).is_some_and(|s| s.success()));
     eprintln!("{}", job.log());
+}
+
+/// `clickhouse.retention` drops the kept windows' old days as it drops the folded table's: a
+/// version that took over three days of history keeps, after the retention, only the days its
+/// fold steps keep, in `_kept` and in the job's view.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_drops_the_kept_windows_old_days_too() {
+    let topic = unique("api_latency");
+    create_topic(&topic, 2).await;
+    let job = Job::shipped("api_latency.toml", &topic);
+    const DAY: i64 = 24 * 60 * MINUTE;
+    let every = 10 * MINUTE;
+    let total = 3 * 144;
+    let base = two_hours_ago() - 3 * DAY + 2 * 60 * MINUTE + 10 * MINUTE;
+    Requests::produce_every(&topic, 2, 0, total, base, every).await;
+    let fold = [("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s")];
+    let before = job.log().len();
+    let mut v1 = job.spawn(&fold);
+    job.wait_until_consuming(before).await;
+    let (db, kept) = (
+        &job.database,
+        format!("{}.api_latency__v2_kept", job.database),
+    );
+    let view = format!("{db}.api_latency");
+    wait_for_requests(&job, &view, total as u64).await;
+    // Version 2 restates the last 12 hours and keeps the rest, then holds a day of it.
+    let restate_from = (base + i64::try_from(total).unwrap() * every - 12 * 60 * MINUTE)
+        / (60 * MINUTE)
+        * (60 * MINUTE);
+    write_version_2(&job, restate_from);
+    job.set("job", "takeover", "auto");
+    let before = job.log().len();
+    let mut v2 = job.spawn(&[
+        ("TALLY_CLICKHOUSE__FOLD_INTERVAL", "1s"),
+        ("TALLY_CLICKHOUSE__RETENTION", "1d"),
+    ]);
+    job.wait_for_log(before, "version 1 is retired", Duration::from_secs(240))
+        .await;
+    assert!(wait_exit(&mut v1, Duration::from_secs(60)).is_some_and(|s| s.success()));
+    let oldest = |table: String| async move {
+        ch_count(&format!(
+            "SELECT toUInt64(min(toUInt32(window_start))) FROM {table}"
+        ))
+        .await
+    };
+    let frontier = ch_count(&format!(
+        "SELECT toUInt64(max(frontier)) FROM {db}.api_latency__v2_folds"
+    ))
+    .await;
+    // The retained days: those ending after the frontier less a day.
+    let first_day = (frontier - 86_400) / 86_400 * 86_400;
+    let until = Instant::now() + Duration::from_secs(60);
+    while oldest(kept.clone()).await < first_day && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (kept_from, view_from) = (oldest(kept.clone()).await, oldest(view.clone()).await);
+    assert!(
+        kept_from >= first_day && view_from >= first_day,
+        "kept from {kept_from}, view from {view_from}: nothing before {first_day}; log:\n{}",
+        job.log()
+    );
+    let base_s = u64::try_from(base / 1000).unwrap();
+    assert!(kept_from > base_s + 86_400, "the oldest days went");
+    let kept_rows = ch_count(&format!("SELECT count() FROM {kept}")).await;
+    assert!(kept_rows > 0, "the kept day within the retention stays");
+    sigterm(&v2);
+    assert!(wait_exit(&mut v2, Duration::from_secs(60)).is_some_and(|s| s.success()));
 }

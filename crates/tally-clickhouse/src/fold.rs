@@ -421,14 +421,19 @@ impl ClickHouseSink {
         Ok(dropped)
     }
 
-    /// Drops folded day partitions that end at or before `below_seconds`.
+    /// Drops folded (and kept) day partitions that end at or before `below_seconds`.
     async fn drop_retained(&self, below_seconds: i64) -> Result<u64> {
         let mut dropped = 0;
-        for (day, _) in self.partitions_of(&self.names.final_rows).await? {
-            if day_end_seconds(&day).is_some_and(|end| end <= below_seconds) {
-                self.exec(&self.names.drop_partition_sql(&self.names.final_rows, &day))
-                    .await?;
-                dropped += 1;
+        // The folded table's days, and the days of the windows this version kept from the one
+        // it took over (none: no such table, no partition listed).
+        let kept = format!("{}_kept", self.names.view_q());
+        for table in [&self.names.final_rows, &kept] {
+            for (day, _) in self.partitions_of(table).await? {
+                if day_end_seconds(&day).is_some_and(|end| end <= below_seconds) {
+                    self.exec(&self.names.drop_partition_sql(table, &day))
+                        .await?;
+                    dropped += 1;
+                }
             }
         }
         Ok(dropped)
