@@ -77,6 +77,18 @@ impl Capture {
         }
     }
 
+    /// A second capture of this one's table (and signal table): a connector, slot,
+    /// publication and topic of its own, whose first snapshot reads the table as it is now.
+    pub fn beside(&self) -> Capture {
+        let name = unique("cdc");
+        Capture {
+            topic: format!("{name}.{}", self.table),
+            table: self.table.clone(),
+            signal_table: self.signal_table.clone(),
+            name,
+        }
+    }
+
     /// The shipped orders job, reading this capture's topic and table.
     pub fn job(&self) -> Job {
         let job = Job::shipped("orders.toml", &self.topic);

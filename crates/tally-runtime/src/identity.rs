@@ -128,6 +128,11 @@ impl JobIdentity {
             .unwrap_or(1)
     }
 
+    /// The topic the version reads (`kafka.source_topic`).
+    pub fn source_topic(&self) -> Option<&str> {
+        self.rules.get("kafka.source_topic").map(String::as_str)
+    }
+
     /// `(key, recorded, mine)` for every rule that differs. A rule of several lines (the
     /// declaration) shows only the lines the other lacks.
     pub fn differences(&self, mine: &JobIdentity) -> Vec<(String, String, String)> {

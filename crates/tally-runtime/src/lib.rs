@@ -7,6 +7,7 @@
 //! from the read side (`takeover`). A job's [`settings`] are resolved once from its [`config`].
 
 mod background;
+pub mod capture;
 pub mod commit;
 pub mod config;
 pub mod consume;

@@ -180,6 +180,19 @@ async fn run_job(
         }
     }
     let settings = Arc::new(cfg.resolve()?);
+    if cfg.job.version > 1
+        && let Some(versions) = crate::identity::versions(&settings.identity).await?
+        && versions.holds() < cfg.job.version
+        && let Some(theirs) = versions.holder.source_topic()
+        && let Some((key, why)) = crate::config::topic_refused(
+            theirs,
+            &cfg.kafka.source_topic,
+            cfg.declared.format.is_changes(),
+            cfg.capture_settings().is_some(),
+        )
+    {
+        bail!("job {}: {key}: {why}", cfg.job.name);
+    }
     match crate::identity::check(&settings.identity, shutdown).await {
         Ok(true) => {}
         Ok(false) => {

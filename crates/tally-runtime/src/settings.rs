@@ -109,6 +109,8 @@ pub struct TakeoverSettings {
     pub earlier: std::collections::BTreeMap<u64, VersionResources>,
     /// The registry's records of the takeover.
     pub identity: IdentitySettings,
+    /// A job of changes: its connector's slot, for a version reading its own snapshot's topic.
+    pub capture: Option<crate::capture::CaptureSettings>,
 }
 
 /// What one version of a job owns (docs/design/restatement.md, "each version has its own").
@@ -304,6 +306,7 @@ impl Config {
                             .map(|v| (v, self.resources_of(v)))
                             .collect(),
                         identity: identity.clone(),
+                        capture: self.capture_settings(),
                     }),
             },
             identity,

@@ -44,6 +44,9 @@ enum Stage {
         holder: Box<ClickHouseSink>,
         lease: ReadLease,
         from: u64,
+        /// The holder's topic when it is not this version's (which reads a new snapshot's):
+        /// the two meet in the source database's log, not in offsets.
+        across: Option<String>,
     },
     /// The job's view is this version's on the replica and the holder's tables are dropped:
     /// its topics, group and the registry's record are left, once every replica is done.
@@ -67,6 +70,16 @@ pub(crate) struct Takeover {
     next_check: Instant,
     /// Where this version began reading each partition (for one it has committed nothing on).
     starts: Option<BTreeMap<PartitionId, i64>>,
+    /// Across topics: where this version meets the fenced holder in the database's log.
+    barrier: Option<Barrier>,
+}
+
+/// The database's position once the holder was fenced, this version's topic's ends once its
+/// connector had confirmed that position, and when the wait was last logged.
+struct Barrier {
+    lsn: u64,
+    ends: Option<BTreeMap<PartitionId, i64>>,
+    logged: Option<Instant>,
 }
 
 /// What the agent learns from a step.
@@ -92,6 +105,7 @@ impl Takeover {
             stage: Stage::Rebuilding { ends: None },
             next_check: Instant::now(),
             starts: None,
+            barrier: None,
         }
     }
 
@@ -125,6 +139,7 @@ impl Takeover {
         if result.is_err() && !matches!(self.stage, Stage::Retiring { .. }) {
             // A fenced or failed claim starts again from the registry.
             self.stage = Stage::Rebuilding { ends: None };
+            self.barrier = None;
         }
         result
     }
@@ -197,6 +212,11 @@ impl Takeover {
             holder: Box::new(holder_sink),
             lease,
             from,
+            across: versions
+                .holder
+                .source_topic()
+                .filter(|t| *t != self.source.source_topic)
+                .map(str::to_owned),
         };
         self.replace_view(own, fault).await
     }
@@ -218,11 +238,7 @@ impl Takeover {
         let Stage::Rebuilding { ends } = &mut self.stage else {
             return Ok(false);
         };
-        let now: BTreeMap<PartitionId, i64> =
-            tally_kafka::topic_extent(&self.source.kafka, &self.source.source_topic)?
-                .into_iter()
-                .map(|(p, (_, high))| (p, high))
-                .collect();
+        let now = topic_ends(&self.source)?;
         let before = ends.replace(now);
         let Some(before) = before else {
             return Ok(false);
@@ -298,25 +314,24 @@ impl Takeover {
         own: &ClickHouseSink,
         fault: &dyn Fn(FaultPoint),
     ) -> Result<Progress> {
+        let installed = own
+            .job_view_reads(&self.settings.view, &self.settings.own_view)
+            .await?;
+        if !installed && !self.caught_up_with_holder(own).await? {
+            return Ok(Progress::Waiting);
+        }
         let Stage::Claimed {
             holder,
             lease,
             from,
+            across,
         } = &self.stage
         else {
             return Ok(Progress::Waiting);
         };
         let from = *from;
         let s = &self.settings;
-        if !own.job_view_reads(&s.view, &s.own_view).await? {
-            if let Some(theirs) = holder.published().await?
-                && !own
-                    .published()
-                    .await?
-                    .is_some_and(|mine| mine.cut.reaches(&theirs.cut))
-            {
-                return Ok(Progress::Waiting);
-            }
+        if !installed {
             let kept_table = format!("{}_kept", s.own_view);
             let kept = match s.restate_from_ms {
                 Some(ms) => {
@@ -336,6 +351,9 @@ impl Takeover {
                 .install_job_view(lease, &s.view, &s.own_view, kept)
                 .await?;
             tracing::info!(job = %self.job(), version = self.version(), from, view = %s.view, "took the job's view over");
+            if let Some(topic) = across {
+                tracing::warn!(job = %self.job(), from, topic = %topic, "version {from} read topic {topic}, which this version does not: delete its connector and replication slot once nothing else reads it (a slot nobody reads holds the database's WAL)");
+            }
             fault(FaultPoint::TakeoverAfterInstall);
         }
         holder.drop_version_tables(&s.view).await?;
@@ -344,6 +362,93 @@ impl Takeover {
         }
         fault(FaultPoint::TakeoverDuringRetire);
         self.retire(own, from).await
+    }
+
+    /// Whether this version has published at least as far as the fenced holder had. In one
+    /// topic: its cut reaches the holder's. Across topics (a new snapshot's): its connector's
+    /// slot has confirmed the database's position taken after the fence (every change the
+    /// holder read is below it), and this version has published its topic up to the ends it
+    /// had then.
+    async fn caught_up_with_holder(&mut self, own: &ClickHouseSink) -> Result<bool> {
+        let Stage::Claimed { holder, across, .. } = &self.stage else {
+            return Ok(false);
+        };
+        if across.is_none() {
+            let Some(theirs) = holder.published().await? else {
+                return Ok(true);
+            };
+            return Ok(own
+                .published()
+                .await?
+                .is_some_and(|mine| mine.cut.reaches(&theirs.cut)));
+        }
+        let capture = self.settings.capture.as_ref().with_context(|| {
+            format!(
+                "job {}: source.slot: the version reads its own topic {}, not the one of the version it takes over; name its connector's slot and database (source.slot, source.postgres)",
+                self.job(),
+                self.source.source_topic
+            )
+        })?;
+        let client = crate::capture::connect(&capture.postgres, &capture.password).await?;
+        let lsn = match &self.barrier {
+            Some(b) => b.lsn,
+            None => {
+                let lsn = crate::capture::current_lsn(&client).await?;
+                if let Some(signal_table) = &capture.signal_table {
+                    crate::capture::mark(
+                        &client,
+                        signal_table,
+                        "tally: a new version takes the job over after this point",
+                    )
+                    .await?;
+                }
+                self.barrier = Some(Barrier {
+                    lsn,
+                    ends: None,
+                    logged: None,
+                });
+                lsn
+            }
+        };
+        let ends = match self.barrier.as_ref().and_then(|b| b.ends.clone()) {
+            Some(ends) => ends,
+            None => {
+                let confirmed = crate::capture::confirmed_lsn(&client, &capture.slot)
+                    .await?
+                    .with_context(|| {
+                        format!(
+                            "source.slot: replication slot {} does not exist: nothing captures the version's topic {}",
+                            capture.slot, self.source.source_topic
+                        )
+                    })?;
+                if confirmed < lsn {
+                    let Some(barrier) = self.barrier.as_mut() else {
+                        return Ok(false);
+                    };
+                    if barrier.logged.is_some_and(|at| at.elapsed() < CHECK_EVERY) {
+                        return Ok(false);
+                    }
+                    barrier.logged = Some(Instant::now());
+                    tracing::info!(
+                        job = %self.job(),
+                        slot = %capture.slot,
+                        "waiting for the connector of this version's topic to confirm {} (it has {}): where the version taken over stopped",
+                        tally_core::declare::lsn_text(lsn),
+                        tally_core::declare::lsn_text(confirmed)
+                    );
+                    return Ok(false);
+                }
+                let ends = topic_ends(&self.source)?;
+                if let Some(barrier) = self.barrier.as_mut() {
+                    barrier.ends = Some(ends.clone());
+                }
+                ends
+            }
+        };
+        let mine = own.published().await?.map(|p| p.cut).unwrap_or_default();
+        Ok(ends
+            .iter()
+            .all(|(p, high)| *high == 0 || mine.0.get(p).is_some_and(|at| at >= high)))
     }
 
     /// The registry's end of the takeover, once the holder's tables are gone from every
@@ -406,4 +511,14 @@ impl Takeover {
         self.stage = Stage::Done;
         Ok(Progress::Done)
     }
+}
+
+/// Where each partition of the version's source topic ends now.
+fn topic_ends(source: &SourceGroup) -> Result<BTreeMap<PartitionId, i64>> {
+    Ok(
+        tally_kafka::topic_extent(&source.kafka, &source.source_topic)?
+            .into_iter()
+            .map(|(p, (_, high))| (p, high))
+            .collect(),
+    )
 }

@@ -268,16 +268,24 @@ impl fmt::Display for VersionChange {
         let held = self.earliest.map_or("nothing yet".to_owned(), |t| {
             format!("records from {} on", tally_core::time::format_ms(t))
         });
+        // A job of changes whose version names a topic of its own reads a new snapshot.
+        let topic = self
+            .rules
+            .iter()
+            .find(|(k, _, _)| k == "kafka.source_topic")
+            .map_or("the whole topic".to_owned(), |(_, old, new)| {
+                format!("its own topic {new} from its start, a new snapshot by a connector of its own (version {} reads {old})", self.running)
+            });
         match (self.restate_from, self.reads_from) {
             (Some(at), _) if self.changes => writeln!(
                 f,
-                "  restates windows from {} on, reading the whole topic (it holds {held}, every change since the connector's first snapshot: a job of changes needs each row's every change); earlier windows stay as version {} published them",
+                "  restates windows from {} on, reading {topic} (it holds {held}, every change since the connector's first snapshot: a job of changes needs each row's every change); earlier windows stay as version {} published them",
                 tally_core::time::format_ms(at),
                 self.running
             ),
             (None, _) if self.changes => writeln!(
                 f,
-                "  rebuilds every window from the whole topic (it holds {held}, every change since the connector's first snapshot)"
+                "  rebuilds every window from {topic} (it holds {held}, every change since the connector's first snapshot)"
             ),
             (Some(at), Some(from)) => writeln!(
                 f,

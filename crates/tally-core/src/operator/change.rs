@@ -138,7 +138,10 @@ impl WindowOperator {
                 .starts_of(c.event_time_ms)
                 .any(|start| cfg.computes(start))
         };
-        if !old.as_ref().is_some_and(computed) && !new.as_ref().is_some_and(computed) {
+        if cfg.windows_from_ms.is_some()
+            && !old.as_ref().is_some_and(computed)
+            && !new.as_ref().is_some_and(computed)
+        {
             self.hold_row(record.partition, &change, new);
             self.count(record.partition, |a| a.filtered += 1);
             return Ok(Outcome::Filtered);

@@ -795,7 +795,7 @@ fn set_path(table: &mut toml::Table, path: &[String], value: &str) -> Result<(),
 
 mod validate;
 mod versions;
-pub use versions::history_lost;
+pub use versions::{history_lost, topic_refused};
 
 #[cfg(test)]
 mod tests;

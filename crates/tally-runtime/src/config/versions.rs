@@ -89,6 +89,29 @@ impl Config {
             .and_then(tally_core::time::parse_rfc3339_ms)
     }
 
+    /// A change job's capture (`source.postgres`, `source.slot`): `None` for a job of events or
+    /// when either is not set.
+    pub fn capture_settings(&self) -> Option<crate::capture::CaptureSettings> {
+        let source = &self.source;
+        match (&self.declared.changes, &source.postgres, &source.slot) {
+            (Some(_), Some(postgres), Some(slot)) => Some(crate::capture::CaptureSettings {
+                postgres: postgres.clone(),
+                password: source.password.expose().to_owned(),
+                slot: slot.clone(),
+                signal_table: source.signal_table.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Where the windows this version computes start: `restate_from` for a version above 1,
+    /// `None` (every window) otherwise.
+    pub fn computes_from_ms(&self) -> Option<i64> {
+        (self.job.version > 1)
+            .then(|| self.restate_from_ms())
+            .flatten()
+    }
+
     /// How far before `restate_from` a restatement reads: a record of a window that starts at
     /// `restate_from` may come this much earlier in the source (its window's size, the
     /// out-of-orderness and the lateness the rules allow).
@@ -121,9 +144,8 @@ impl Config {
 
 /// Why a new version of a job of changes cannot be rebuilt from its topic, given each
 /// partition's `(first, next)` offsets: it reads the topic from its start, and retention has
-/// deleted changes from it (a rebuild from a new snapshot, by a connector of the version's own,
-/// is docs/design/restatement.md's, not built). `None`: the topic holds every change since the
-/// connector's first snapshot.
+/// deleted changes from it. `None`: the topic holds every change since its connector's first
+/// snapshot.
 pub fn history_lost(extent: &std::collections::BTreeMap<i32, (i64, i64)>) -> Option<String> {
     let trimmed: Vec<String> = extent
         .iter()
@@ -132,8 +154,38 @@ pub fn history_lost(extent: &std::collections::BTreeMap<i32, (i64, i64)>) -> Opt
         .collect();
     (!trimmed.is_empty()).then(|| {
         format!(
-            "a new version of a job of changes reads its topic from its start, for every change of each row (a change retracts the row's earlier image), and retention deleted changes from it ({}): a rebuild from a new snapshot, by a connector of the version's own, is not built in this release (docs/design/restatement.md)",
+            "a new version of a job of changes reads its topic from its start, for every change of each row (a change retracts the row's earlier image), and retention deleted changes from it ({}). Give the version a new snapshot: register a connector of its own (the running one's settings with its own name, slot.name and topic.prefix; snapshot.mode = initial), and name its topic in kafka.source_topic, its slot in source.slot (docs/operations.md, \"Restating a change job whose topic retention has trimmed\")",
             trimmed.join(", ")
+        )
+    })
+}
+
+/// Why a new version cannot read `mine` when the version it takes over reads `running`:
+/// offsets of two topics do not compare, so only a job of changes may (its versions meet in
+/// the database's log), and only with its connector's slot named. `None`: it may.
+pub fn topic_refused(
+    running: &str,
+    mine: &str,
+    changes: bool,
+    captured: bool,
+) -> Option<(&'static str, String)> {
+    if running == mine {
+        return None;
+    }
+    if !changes {
+        return Some((
+            "kafka.source_topic",
+            format!(
+                "{mine:?} is not the running version's topic {running:?}: a version of a job of events reads the topic the job reads (the takeover compares the two versions' offsets in it); a job of another topic is a new job"
+            ),
+        ));
+    }
+    (!captured).then(|| {
+        (
+            "source.slot",
+            format!(
+                "the version reads its own topic {mine:?}, a new snapshot, not the running version's {running:?}: the two versions meet in the database's log, so source.postgres and source.slot must name the database and the slot of the connector writing {mine:?} (the takeover waits until that slot has confirmed where the running version stopped)"
+            ),
         )
     })
 }

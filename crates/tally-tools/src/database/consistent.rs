@@ -165,22 +165,12 @@ pub async fn reach(
 /// Writes a `log` signal into the connector's signal table (and takes the row out again, in
 /// the same transaction): a change the connector reads, and confirms, after the snapshot.
 async fn mark(source: &SourceDatabase, signal_table: &str) -> Result<()> {
-    let client = source.connect().await?;
-    let id = format!(
-        "tally-reconcile-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
-    let data = r#"{"message": "tally reconcile --source: the table was read before this point"}"#;
-    client
-        .batch_execute(&format!(
-            "BEGIN; INSERT INTO {signal_table} (id, type, data) VALUES ('{id}', 'log', '{data}'); \
-             DELETE FROM {signal_table} WHERE id = '{id}'; COMMIT"
-        ))
-        .await
-        .with_context(|| format!("source: writing a log signal into {signal_table}"))
+    tally_runtime::capture::mark(
+        &source.connect().await?,
+        signal_table,
+        "tally reconcile --source: the table was read before this point",
+    )
+    .await
 }
 
 /// The changes in the topic between two cuts that the snapshot does not hold.

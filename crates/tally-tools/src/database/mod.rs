@@ -10,7 +10,7 @@ pub mod verify;
 pub mod workload;
 
 use anyhow::{Context, Result, bail};
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use sql::Column;
 use tally_runtime::config::{Config, is_table_name};
@@ -46,25 +46,7 @@ impl SourceDatabase {
 
     /// Connects; the connection runs on the current runtime until the client is dropped.
     pub async fn connect(&self) -> Result<Client> {
-        let mut pg: tokio_postgres::Config = self
-            .url
-            .parse()
-            .with_context(|| format!("source: {} is not a PostgreSQL URL", self.url))?;
-        if !self.password.is_empty() {
-            pg.password(&self.password);
-        }
-        pg.application_name("tally");
-        pg.connect_timeout(std::time::Duration::from_secs(10));
-        let (client, connection) = pg
-            .connect(NoTls)
-            .await
-            .with_context(|| format!("source: {}: cannot connect", self.url))?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "source connection closed");
-            }
-        });
-        Ok(client)
+        tally_runtime::capture::connect(&self.url, &self.password).await
     }
 
     /// The table's columns and their types, in order.
@@ -120,5 +102,5 @@ pub fn table_of(config: &Config) -> Result<String> {
 
 /// An LSN as PostgreSQL prints it, from a `pg_lsn` read as text.
 pub fn lsn(text: &str) -> Result<u64> {
-    tally_core::declare::parse_lsn(text).with_context(|| format!("{text:?} is not an LSN"))
+    tally_runtime::capture::lsn(text)
 }

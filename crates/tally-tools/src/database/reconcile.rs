@@ -197,13 +197,8 @@ pub async fn reconcile_source(
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
     // A new version's own view: its windows from restate_from on.
     let filter = &filter.of_version(config);
-    if print && config.job.version > 1 {
-        let holds = sink
-            .job_view_reads(&config.clickhouse.table, &config.version_table())
-            .await?;
-        if let Some(line) = crate::prove::whose_windows(config, holds) {
-            println!("{line}; reconcile --source compares its windows with the table");
-        }
+    if print && let (_, Some(line)) = crate::prove::readers_read(config, &sink).await? {
+        println!("{line}; reconcile --source compares its windows with the table");
     }
     let types = ViewTypes::of(config, &job)?;
     // The job's cut first, then the source: every change the cut holds, the snapshot holds.

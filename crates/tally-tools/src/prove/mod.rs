@@ -15,6 +15,6 @@ pub use probe::{ProbeReport, probe};
 pub use reconcile::{ReconcileFilter, Reconciliation, reconcile};
 pub use reconcile_every::{Round, reconcile_every};
 pub use replay::commit_log_gaps;
-pub(crate) use restated::whose_windows;
+pub(crate) use restated::readers_read;
 pub use verify::{KeyedDiff, verify};
 pub(crate) use verify::{ViewTypes, WindowDiff, Windows, counted, first_sum, shown_of, totals};

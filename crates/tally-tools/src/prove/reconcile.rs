@@ -11,9 +11,8 @@ use tally_core::declare::Job;
 use tally_core::{Epoch, OutputRow, WindowAgg};
 
 use super::replay::{Replayed, SourceReplay, replay_committed};
-use super::verify::{
-    ColumnTotal, RowKey, ViewTypes, WindowDiff, Windows, first_sum, shown_of, totals,
-};
+use super::restated::RowKey;
+use super::verify::{ColumnTotal, ViewTypes, WindowDiff, Windows, first_sum, shown_of, totals};
 use crate::loadgen::Shown;
 use tally_runtime::config::Config;
 
@@ -84,11 +83,8 @@ impl ReconcileFilter {
     /// The filter, for a new version restating from a time: only its windows from then on
     /// (its own view holds no other).
     pub(crate) fn of_version(&self, config: &Config) -> ReconcileFilter {
-        let from = (config.job.version > 1)
-            .then(|| config.restate_from_ms())
-            .flatten();
         ReconcileFilter {
-            from_ms: self.from_ms.max(from),
+            from_ms: self.from_ms.max(config.computes_from_ms()),
             ..self.clone()
         }
     }
@@ -236,11 +232,7 @@ pub async fn reconcile(
         sink_revenue,
     };
     if print {
-        let holds = config.job.version > 1
-            && sink
-                .job_view_reads(&config.clickhouse.table, &config.version_table())
-                .await?;
-        if let Some(line) = super::restated::whose_windows(config, holds) {
+        if let (_, Some(line)) = super::restated::readers_read(config, &sink).await? {
             println!("{line}; reconcile compares its windows");
         }
         println!(

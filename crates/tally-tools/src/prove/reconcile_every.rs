@@ -11,7 +11,7 @@ use tally_core::{Epoch, Program, WindowAgg};
 
 use super::reconcile::{ReconcileFilter, Reconciliation, WindowRows};
 use super::replay::{SourceReplay, chain_gaps};
-use super::verify::RowKey;
+use super::restated::RowKey;
 use tally_runtime::config::Config;
 
 /// One round of [`IncrementalReconciler`].

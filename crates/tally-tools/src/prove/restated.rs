@@ -6,19 +6,35 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Result, bail};
-use tally_clickhouse::ColumnType;
+use tally_clickhouse::{ClickHouseSink, ColumnType};
 use tally_core::declare::{Aggregate, Job};
 use tally_core::{PoisonReason, WindowSpec};
 use tally_runtime::config::Config;
 
 use crate::loadgen::{Manifest, Shown};
 
-/// A view's windows as verify compares them (its `Windows`): (window start ms, keys) → values.
-type Windows = BTreeMap<(i64, Vec<String>), Vec<Shown>>;
+/// A view row's window start (ms) and group-by values.
+pub(crate) type RowKey = (i64, Vec<String>);
+/// A view's windows as the tools compare them: (window start ms, keys) → values.
+pub(crate) type Windows = BTreeMap<RowKey, Vec<Shown>>;
+
+/// Whether the job's view reads this version's own (the version holds the job), and the line
+/// the tools print first saying which windows they compare and where readers read them
+/// (`None` for version 1).
+pub(crate) async fn readers_read(
+    config: &Config,
+    sink: &ClickHouseSink,
+) -> Result<(bool, Option<String>)> {
+    let holds = config.job.version > 1
+        && sink
+            .job_view_reads(&config.clickhouse.table, &config.version_table())
+            .await?;
+    Ok((holds, whose_windows(config, holds)))
+}
 
 /// Which windows a new version's tools compare and where readers read them, for their report;
 /// `None` for version 1. `holds`: the job's view reads this version's.
-pub(crate) fn whose_windows(config: &Config, holds: bool) -> Option<String> {
+fn whose_windows(config: &Config, holds: bool) -> Option<String> {
     let version = config.job.version;
     if version <= 1 {
         return None;

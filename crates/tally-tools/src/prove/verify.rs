@@ -15,9 +15,7 @@ use super::restated;
 use crate::loadgen::{Manifest, Shown};
 use tally_runtime::config::Config;
 
-/// A view row's window start (ms) and group-by values.
-pub(crate) type RowKey = (i64, Vec<String>);
-pub(crate) type Windows = BTreeMap<RowKey, Vec<Shown>>;
+pub(crate) use super::restated::{RowKey, Windows};
 
 /// A key as loadgen writes it: decimals in units, floats as Rust prints them.
 fn canonical_key(text: &str, kind: ColumnType) -> Result<String> {
@@ -362,8 +360,7 @@ pub async fn verify(
         .with_context(|| format!("reading {}", manifest_path.display()))?;
     let types = ViewTypes::of(config, job)?;
     let sink = ClickHouseSink::connect(&config.sink_settings()).await?;
-    let version = config.job.version.max(1);
-    let restate_from = (version > 1).then(|| config.restate_from_ms()).flatten();
+    let restate_from = config.computes_from_ms();
     let (expected, before) = restated::split_at(manifest.shown(job), restate_from);
     let found = types.read(sink.read_view_cells().await?)?;
     // What the next publish will show: a writer that broke the protocol shows here first.
@@ -372,10 +369,7 @@ pub async fn verify(
     let committed_diff = WindowDiff::compare(&expected, &committed);
     // What readers of the job read, once this version holds its view.
     let job_view = &config.clickhouse.table;
-    let holds = version > 1
-        && sink
-            .job_view_reads(job_view, &config.version_table())
-            .await?;
+    let (holds, whose) = restated::readers_read(config, &sink).await?;
     let readers = if holds {
         let mut shown = types.read(sink.read_view_cells_of(job_view).await?)?;
         let mut expected = expected.clone();
@@ -399,6 +393,7 @@ pub async fn verify(
     let (read_expected, read_found) = readers
         .as_ref()
         .map_or((&expected, &found), |(e, f)| (e, f));
+    let version = config.job.version.max(1);
     let starts = match version {
         1 => None,
         _ => Some(tally_kafka::topic_starts(
@@ -416,7 +411,7 @@ pub async fn verify(
     let dead = DeadLetterDiff::compare(&expected_dead, &read_dead_letters(config)?);
     let counted_expected = counted(job, read_expected).map_or(0, |c| c.0);
     let counted_found = counted(job, read_found).map_or(0, |c| c.0);
-    if let Some(line) = restated::whose_windows(config, holds) {
+    if let Some(line) = whose {
         println!("{line}; the rows below are the job's view's when it holds it");
     }
     println!("{:<28} {:>16} {:>16}", "", "expected", "found");

@@ -259,6 +259,33 @@ fn a_job_of_changes_restates_from_its_whole_topic_while_the_topic_holds_it() {
     assert!(compare(&mine, &new_columns(), None, HOUR, false, &trimmed).is_ok());
 }
 
+/// A version of a change job naming a topic of its own reads a new snapshot: check-config
+/// says so, naming both topics; offsets of two topics do not compare, so a job of events may
+/// not, and a job of changes only with its connector's slot named.
+#[test]
+fn a_job_of_changes_may_read_a_new_snapshot_in_a_topic_of_its_own() {
+    let mut mine = identity(2, "x");
+    mine.rules
+        .insert("kafka.source_topic".into(), "shop_v2.public.orders".into());
+    let change = compare(&mine, &new_columns(), Some(HOUR), HOUR, true, &running()).unwrap();
+    let text = change.to_string();
+    assert!(
+        text.contains(
+            "reading its own topic \"shop_v2.public.orders\" from its start, a new snapshot"
+        ) && text.contains("version 1 reads \"orders\""),
+        "{text}"
+    );
+    use tally_runtime::config::topic_refused;
+    assert_eq!(topic_refused("a", "a", false, false), None);
+    assert_eq!(topic_refused("a", "b", true, true), None);
+    let (key, why) = topic_refused("a", "b", false, true).expect("events: refused");
+    assert_eq!(key, "kafka.source_topic");
+    assert!(why.contains("a job of another topic is a new job"), "{why}");
+    let (key, why) = topic_refused("a", "b", true, false).expect("no slot: refused");
+    assert_eq!(key, "source.slot");
+    assert!(why.contains("\"b\"") && why.contains("\"a\""), "{why}");
+}
+
 /// The rebuild reads a window's size, the out-of-orderness and the lateness before
 /// `restate_from`: a record of the first restated window can be that far back in the source.
 #[test]
