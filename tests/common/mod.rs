@@ -720,3 +720,23 @@ pub fn started_tasks(job: &Job, from: usize) -> Vec<u32> {
         })
         .collect()
 }
+
+/// `tally probe` of the job file `config`: a reader polling its view every 50 ms.
+pub fn reader(config: &std::path::Path) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["probe", "--config", config.to_str().unwrap()])
+        .args(["--interval", "50ms"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Stops a [`reader`] and asserts it saw no key twice, no window vanish and no count go down.
+pub fn assert_reader_saw_no_violation(reader: std::process::Child, what: &str) {
+    sigterm(&reader);
+    let out = reader.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{what}: {text}");
+    eprintln!("{what}: {text}");
+}

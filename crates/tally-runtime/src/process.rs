@@ -184,12 +184,7 @@ async fn run_job(
         && let Some(versions) = crate::identity::versions(&settings.identity).await?
         && versions.holds() < cfg.job.version
         && let Some(theirs) = versions.holder.source_topic()
-        && let Some((key, why)) = crate::config::topic_refused(
-            theirs,
-            &cfg.kafka.source_topic,
-            cfg.declared.format.is_changes(),
-            cfg.capture_settings().is_some(),
-        )
+        && let Some((key, why)) = cfg.topic_refused_after(theirs)
     {
         bail!("job {}: {key}: {why}", cfg.job.name);
     }

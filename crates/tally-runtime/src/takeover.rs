@@ -382,6 +382,23 @@ impl Takeover {
                 .await?
                 .is_some_and(|mine| mine.cut.reaches(&theirs.cut)));
         }
+        let ends = match self.barrier.as_ref().and_then(|b| b.ends.clone()) {
+            Some(ends) => ends,
+            None => match self.passed_in_the_log().await? {
+                Some(ends) => ends,
+                None => return Ok(false),
+            },
+        };
+        let mine = own.published().await?.map(|p| p.cut).unwrap_or_default();
+        Ok(ends
+            .iter()
+            .all(|(p, high)| *high == 0 || mine.0.get(p).is_some_and(|at| at >= high)))
+    }
+
+    /// Across topics: takes the database's position once (after the fence), then whether this
+    /// version's connector has confirmed it; once it has, its topic's ends, which this version
+    /// must publish up to. `None` while the connector is behind.
+    async fn passed_in_the_log(&mut self) -> Result<Option<BTreeMap<PartitionId, i64>>> {
         let capture = self.settings.capture.as_ref().with_context(|| {
             format!(
                 "job {}: source.slot: the version reads its own topic {}, not the one of the version it takes over; name its connector's slot and database (source.slot, source.postgres)",
@@ -390,8 +407,8 @@ impl Takeover {
             )
         })?;
         let client = crate::capture::connect(&capture.postgres, &capture.password).await?;
-        let lsn = match &self.barrier {
-            Some(b) => b.lsn,
+        let barrier = match &mut self.barrier {
+            Some(b) => b,
             None => {
                 let lsn = crate::capture::current_lsn(&client).await?;
                 if let Some(signal_table) = &capture.signal_table {
@@ -402,53 +419,37 @@ impl Takeover {
                     )
                     .await?;
                 }
-                self.barrier = Some(Barrier {
+                self.barrier.insert(Barrier {
                     lsn,
                     ends: None,
                     logged: None,
-                });
-                lsn
+                })
             }
         };
-        let ends = match self.barrier.as_ref().and_then(|b| b.ends.clone()) {
-            Some(ends) => ends,
-            None => {
-                let confirmed = crate::capture::confirmed_lsn(&client, &capture.slot)
-                    .await?
-                    .with_context(|| {
-                        format!(
-                            "source.slot: replication slot {} does not exist: nothing captures the version's topic {}",
-                            capture.slot, self.source.source_topic
-                        )
-                    })?;
-                if confirmed < lsn {
-                    let Some(barrier) = self.barrier.as_mut() else {
-                        return Ok(false);
-                    };
-                    if barrier.logged.is_some_and(|at| at.elapsed() < CHECK_EVERY) {
-                        return Ok(false);
-                    }
-                    barrier.logged = Some(Instant::now());
-                    tracing::info!(
-                        job = %self.job(),
-                        slot = %capture.slot,
-                        "waiting for the connector of this version's topic to confirm {} (it has {}): where the version taken over stopped",
-                        tally_core::declare::lsn_text(lsn),
-                        tally_core::declare::lsn_text(confirmed)
-                    );
-                    return Ok(false);
-                }
-                let ends = topic_ends(&self.source)?;
-                if let Some(barrier) = self.barrier.as_mut() {
-                    barrier.ends = Some(ends.clone());
-                }
-                ends
+        let confirmed = crate::capture::confirmed_lsn(&client, &capture.slot)
+            .await?
+            .with_context(|| {
+                format!(
+                    "source.slot: replication slot {} does not exist: nothing captures the version's topic {}",
+                    capture.slot, self.source.source_topic
+                )
+            })?;
+        if confirmed < barrier.lsn {
+            if barrier.logged.is_none_or(|at| at.elapsed() >= CHECK_EVERY) {
+                barrier.logged = Some(Instant::now());
+                tracing::info!(
+                    job = %self.settings.identity.identity.job,
+                    slot = %capture.slot,
+                    "waiting for the connector of this version's topic to confirm {} (it has {}): where the version taken over stopped",
+                    tally_core::declare::lsn_text(barrier.lsn),
+                    tally_core::declare::lsn_text(confirmed)
+                );
             }
-        };
-        let mine = own.published().await?.map(|p| p.cut).unwrap_or_default();
-        Ok(ends
-            .iter()
-            .all(|(p, high)| *high == 0 || mine.0.get(p).is_some_and(|at| at >= high)))
+            return Ok(None);
+        }
+        let ends = topic_ends(&self.source)?;
+        barrier.ends = Some(ends.clone());
+        Ok(Some(ends))
     }
 
     /// The registry's end of the takeover, once the holder's tables are gone from every

@@ -434,12 +434,7 @@ fn check_job_file(path: &std::path::Path) -> Result<()> {
         // A new version: what it changes against the running one, read from the services.
         let running = runtime()?.block_on(tally_tools::version_change::read(&resolved))?;
         if let Some(theirs) = running.identity.as_ref().and_then(|i| i.source_topic())
-            && let Some((key, why)) = tally_runtime::config::topic_refused(
-                theirs,
-                &cfg.kafka.source_topic,
-                job.changes.is_some(),
-                cfg.capture_settings().is_some(),
-            )
+            && let Some((key, why)) = cfg.topic_refused_after(theirs)
         {
             bail!("{}: {key}: {why}", path.display());
         }

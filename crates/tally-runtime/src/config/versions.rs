@@ -112,6 +112,16 @@ impl Config {
             .flatten()
     }
 
+    /// [`topic_refused`] for this version, when the version it takes over reads `running`.
+    pub fn topic_refused_after(&self, running: &str) -> Option<(&'static str, String)> {
+        topic_refused(
+            running,
+            &self.kafka.source_topic,
+            self.declared.changes.is_some(),
+            self.capture_settings().is_some(),
+        )
+    }
+
     /// How far before `restate_from` a restatement reads: a record of a window that starts at
     /// `restate_from` may come this much earlier in the source (its window's size, the
     /// out-of-orderness and the lateness the rules allow).
